@@ -1,0 +1,50 @@
+"""structlog set-up shared by the gateway, the agents and the simulator.
+
+Events have stable dotted names and key-value fields. JSON when stderr is not a
+terminal, coloured key-value lines when it is. Standard-library loggers (uvicorn,
+httpx, aiohttp) are routed through the same renderer and kept at WARNING so that
+no per-request line is written by a library.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+_NOISY = ("httpx", "httpcore", "aiohttp.access", "uvicorn.access", "litestar", "asyncio")
+
+
+def configure_logging(level: str = "info", json: bool | None = None) -> None:
+    if json is None:
+        json = not sys.stderr.isatty()
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        numeric = logging.INFO
+    shared: list[structlog.types.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    renderer: structlog.types.Processor = (
+        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
+    )
+    structlog.configure(
+        processors=[*shared, structlog.processors.format_exc_info, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+            foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(numeric)
+    for name in _NOISY:
+        logging.getLogger(name).setLevel(max(numeric, logging.WARNING))

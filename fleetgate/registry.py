@@ -1,0 +1,195 @@
+"""The Redis registry: the one module that knows key names, TTLs and record encoding.
+
+Layout (``P`` is the key prefix, ``v1`` the schema version)::
+
+    {P}:v1:workers        SET   ids of registered workers (an index; stale ids are pruned by readers)
+    {P}:v1:w:<id>         HASH  info  -> WorkerInfo JSON (written by the agent)
+                                state -> starting|ready|draining (written by the agent)
+                                drain -> "1" when an operator drained it (written by the admin API)
+                                load  -> Load JSON (refreshed by the agent's heartbeat)
+                                hb    -> unix time of the last heartbeat
+                          PEXPIRE heartbeat_ttl: a worker whose agent dies vanishes by itself
+    {P}:v1:events         PUBSUB a worker id whenever something about it changed
+
+The prefix is wrapped in a hash tag so every key lands in one Redis Cluster slot:
+multi-key pipelines and the Lua scripts below work unchanged on a cluster.
+Every write is atomic (MULTI pipelines or single-key Lua scripts), and writes to
+an existing worker never recreate a key that has expired.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+
+from fleetgate.schema import SCHEMA_VERSION, Load, WorkerInfo, WorkerState, WorkerView
+
+DEFAULT_PREFIX = "fleetgate"
+DEFAULT_HEARTBEAT_TTL_S = 3.0
+
+_info_encoder = msgspec.json.Encoder()
+_info_decoder = msgspec.json.Decoder(WorkerInfo)
+_load_decoder = msgspec.json.Decoder(Load)
+
+# Updates fields of a worker hash only while it exists, refreshing its TTL when asked.
+# KEYS[1] = worker hash; ARGV[1] = ttl ms (0: keep), ARGV[2..] = field, value pairs.
+_UPDATE_IF_EXISTS = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if tonumber(ARGV[1]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+return 1
+"""
+
+
+def connect(url: str, **kwargs: Any) -> aioredis.Redis:
+    """Open an asyncio Redis client for ``url`` (``redis://``, ``rediss://`` or ``unix://``)."""
+    kwargs.setdefault("socket_connect_timeout", 2.0)
+    kwargs.setdefault("socket_timeout", 5.0)
+    kwargs.setdefault("health_check_interval", 10)
+    return aioredis.from_url(url, **kwargs)
+
+
+class Keys:
+    """Key names for one fleet (one prefix)."""
+
+    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
+        base = f"{{{prefix}}}:v{SCHEMA_VERSION}"
+        self.workers = f"{base}:workers"
+        self.events = f"{base}:events"
+        self._worker = f"{base}:w:"
+
+    def worker(self, worker_id: str) -> str:
+        return self._worker + worker_id
+
+
+def decode_worker(fields: dict[bytes, bytes]) -> WorkerView | None:
+    """A worker hash as read from Redis, or None if it is incomplete or of another schema."""
+    raw_info = fields.get(b"info")
+    if not raw_info:
+        return None
+    try:
+        info = _info_decoder.decode(raw_info)
+    except msgspec.DecodeError:
+        return None
+    if info.schema != SCHEMA_VERSION:
+        return None
+    state = fields.get(b"state", b"starting").decode()
+    if state not in ("starting", "ready", "draining"):
+        state = "starting"
+    raw_load = fields.get(b"load")
+    try:
+        load = _load_decoder.decode(raw_load) if raw_load else Load()
+    except msgspec.DecodeError:
+        load = Load()
+    return WorkerView(
+        info=info,
+        state=state,  # type: ignore[arg-type]
+        load=load,
+        last_heartbeat=float(fields.get(b"hb", b"0") or 0),
+        admin_drain=fields.get(b"drain") == b"1",
+    )
+
+
+class Registry:
+    """Reads and writes the fleet's records in Redis. Shared by gateway and agents."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        prefix: str = DEFAULT_PREFIX,
+        heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S,
+    ) -> None:
+        self.redis = redis
+        self.keys = Keys(prefix)
+        self.ttl_ms = int(heartbeat_ttl_s * 1000)
+        self._update = redis.register_script(_UPDATE_IF_EXISTS)
+
+    # -- agent side ---------------------------------------------------------
+
+    async def register(self, info: WorkerInfo, state: WorkerState, load: Load | None = None) -> None:
+        """Create (or replace) a worker's record and announce it."""
+        key = self.keys.worker(info.id)
+        fields: dict[str, bytes | str] = {
+            "info": _info_encoder.encode(info),
+            "state": state,
+            "hb": repr(time.time()),
+        }
+        if load is not None:
+            fields["load"] = _info_encoder.encode(load)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping=fields)  # type: ignore[arg-type]
+            pipe.pexpire(key, self.ttl_ms)
+            pipe.sadd(self.keys.workers, info.id)
+            pipe.publish(self.keys.events, info.id)
+            await pipe.execute()
+
+    async def heartbeat(self, worker_id: str, load: Load) -> bool:
+        """Refresh a worker's TTL and load. False means the record is gone: register again."""
+        ok = await self._update(
+            keys=[self.keys.worker(worker_id)],
+            args=[self.ttl_ms, "load", _info_encoder.encode(load), "hb", repr(time.time())],
+        )
+        return bool(ok)
+
+    async def set_state(self, worker_id: str, state: WorkerState) -> bool:
+        return await self._set_fields(worker_id, "state", state)
+
+    async def update_info(self, info: WorkerInfo) -> bool:
+        return await self._set_fields(info.id, "info", _info_encoder.encode(info))
+
+    # -- operator side ------------------------------------------------------
+
+    async def set_admin_drain(self, worker_id: str, drain: bool) -> bool:
+        """Mark a worker drained (or not) for every gateway. False if it is not registered."""
+        return await self._set_fields(worker_id, "drain", "1" if drain else "0")
+
+    async def deregister(self, worker_id: str) -> bool:
+        """Remove a worker's record. True if there was one."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self.keys.worker(worker_id))
+            pipe.srem(self.keys.workers, worker_id)
+            pipe.publish(self.keys.events, worker_id)
+            deleted, _, _ = await pipe.execute()
+        return bool(deleted)
+
+    # -- reader side --------------------------------------------------------
+
+    async def read_all(self) -> list[WorkerView]:
+        """Every live worker. Ids whose record expired are pruned from the index."""
+        members = await self.redis.smembers(self.keys.workers)  # type: ignore[misc]
+        ids = sorted(m.decode() if isinstance(m, bytes) else str(m) for m in members)
+        if not ids:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for worker_id in ids:
+                pipe.hgetall(self.keys.worker(worker_id))
+            rows: Sequence[dict[bytes, bytes]] = await pipe.execute()
+        views: list[WorkerView] = []
+        gone: list[str] = []
+        for worker_id, fields in zip(ids, rows, strict=True):
+            if not fields:
+                gone.append(worker_id)
+                continue
+            view = decode_worker(fields)
+            if view is not None:
+                views.append(view)
+        if gone:
+            await self.redis.srem(self.keys.workers, *gone)
+        return views
+
+    async def read(self, worker_id: str) -> WorkerView | None:
+        fields = await self.redis.hgetall(self.keys.worker(worker_id))  # type: ignore[misc]
+        return decode_worker(fields) if fields else None  # type: ignore[arg-type]
+
+    def pubsub(self) -> aioredis.client.PubSub:
+        return self.redis.pubsub(ignore_subscribe_messages=True)
+
+    async def _set_fields(self, worker_id: str, *pairs: str | bytes) -> bool:
+        ok = await self._update(keys=[self.keys.worker(worker_id)], args=[0, *pairs])
+        if ok:
+            await self.redis.publish(self.keys.events, worker_id)
+        return bool(ok)

@@ -1,0 +1,92 @@
+"""The fleet's records: what a worker is and how loaded it is.
+
+These Structs are the typed edge between workers, the Redis registry and the
+gateway. They are encoded as JSON with msgspec; `SCHEMA_VERSION` is bumped
+whenever a field changes meaning, and readers skip records of another version.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+WorkerState = Literal["starting", "ready", "draining"]
+
+
+class GpuInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """The card an engine runs on, as nvidia-smi names it (or a simulated profile)."""
+
+    name: str
+    memory_mib: int = 0
+    index: str = ""
+    profile: str = ""
+
+
+class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """What a worker serves. Written once at registration, rewritten when adapters change."""
+
+    id: str
+    url: str
+    engine: str
+    model: str
+    adapters: tuple[str, ...] = ()
+    max_model_len: int = 4096
+    gpu: GpuInfo | None = None
+    host: str = ""
+    # Sequences the engine runs at once; the gateway normalises load by it.
+    capacity: int = 256
+    # Whether adapters can be loaded at runtime (vLLM yes, LMDeploy/ms-swift no).
+    runtime_lora: bool = False
+    max_loras: int = 0
+    # Whether the engine reports a queue through /metrics; without it the gateway's
+    # own in-flight count is the only load signal.
+    reports_load: bool = True
+    agent_pid: int = 0
+    started_at: float = 0.0
+    schema: int = SCHEMA_VERSION
+
+
+class Load(msgspec.Struct, kw_only=True, frozen=True):
+    """One scrape of an engine's load, published by the agent about once a second."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: float = 0.0
+    prefix_cache_hits: float = 0.0
+    preemptions: float = 0.0
+    ts: float = 0.0
+
+
+class WorkerView(msgspec.Struct, kw_only=True, frozen=True):
+    """A worker as the gateway sees it: its record, state and latest load."""
+
+    info: WorkerInfo
+    state: WorkerState
+    load: Load = Load()
+    last_heartbeat: float = 0.0
+    # Set by an operator through the admin API; independent of the agent's state so
+    # that the agent's own writes never clear it.
+    admin_drain: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def draining(self) -> bool:
+        return self.admin_drain or self.state == "draining"
+
+    @property
+    def effective_state(self) -> str:
+        return "draining" if self.draining else self.state
+
+    @property
+    def routable(self) -> bool:
+        return self.state == "ready" and not self.admin_drain
+
+    def serves(self, model: str) -> bool:
+        return model == self.info.model or model in self.info.adapters

@@ -1,0 +1,267 @@
+"""`create_app(settings)`: the whole gateway, built without module-level state.
+
+The lifespan opens the Redis client, the fleet watcher and the engines' HTTP
+session, puts them on `app.state`, and closes them in reverse order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+import structlog
+from litestar import Litestar, Request, Response, delete, get, post
+from litestar.datastructures import State
+from litestar.exceptions import HTTPException
+from litestar.openapi import OpenAPIConfig
+
+from fleetgate.registry import Registry, connect
+from fleetgate.schema import WorkerView
+from gateway.errors import GatewayError, InvalidRequest, NotFound, Unauthorized
+from gateway.fleet import FleetWatcher
+from gateway.proxy import Proxy
+from gateway.routing import make_policy
+from gateway.settings import GatewaySettings
+from gateway.upstream import Upstream
+
+log = structlog.get_logger("gateway.app")
+
+
+@dataclass
+class Gateway:
+    """Everything the handlers need, owned by the lifespan."""
+
+    settings: GatewaySettings
+    registry: Registry
+    watcher: FleetWatcher
+    proxy: Proxy
+    api_key_digests: frozenset[bytes]
+
+
+def _gw(state: State) -> Gateway:
+    return state["gw"]  # type: ignore[no-any-return]
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def _bearer(request: Request) -> str:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def _check_client(gw: Gateway, request: Request) -> None:
+    if gw.api_key_digests and _digest(_bearer(request)) not in gw.api_key_digests:
+        raise Unauthorized("Missing or invalid API key: send `Authorization: Bearer <key>`.")
+
+
+def _check_admin(gw: Gateway, request: Request) -> None:
+    token = gw.settings.admin_token
+    if not token or not hmac.compare_digest(_bearer(request).encode(), token.encode()):
+        raise Unauthorized(
+            "Admin endpoints need `Authorization: Bearer <FLEETGATE_ADMIN_TOKEN>`"
+            + ("" if token else " (no admin token is configured on this gateway)."),
+        )
+
+
+# -- OpenAI API ---------------------------------------------------------------
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request, state: State) -> Response:
+    gw = _gw(state)
+    _check_client(gw, request)
+    return await gw.proxy.handle(request, "/v1/chat/completions", "chat")
+
+
+@post("/v1/completions", status_code=200)
+async def completions(request: Request, state: State) -> Response:
+    gw = _gw(state)
+    _check_client(gw, request)
+    return await gw.proxy.handle(request, "/v1/completions", "completion")
+
+
+@get("/v1/models")
+async def list_models(request: Request, state: State) -> Response:
+    gw = _gw(state)
+    _check_client(gw, request)
+    return Response(content=gw.watcher.snapshot.models_json, media_type="application/json")
+
+
+@get("/v1/models/{model_id:path}")
+async def get_model(request: Request, state: State, model_id: str) -> Response:
+    gw = _gw(state)
+    _check_client(gw, request)
+    name = model_id.lstrip("/")
+    models = gw.watcher.snapshot.models
+    if name not in models:
+        raise NotFound(f"The model `{name}` does not exist.", param="model", code="model_not_found")
+    body = {"id": name, "object": "model", "owned_by": "fleetgate", "parent": models[name] or None}
+    return Response(content=msgspec.json.encode(body), media_type="application/json")
+
+
+@get("/health")
+async def health(state: State) -> Response:
+    gw = _gw(state)
+    watcher = gw.watcher
+    ready = sum(1 for w in watcher.snapshot.workers if w.routable)
+    body = {
+        "status": "degraded" if watcher.degraded else "ok",
+        "workers": len(watcher.snapshot.workers),
+        "ready_workers": ready,
+        "snapshot_age_s": round(watcher.age_s, 3) if watcher.snapshot.read_at else None,
+        **({"registry_error": watcher.last_error} if watcher.degraded else {}),
+    }
+    return Response(content=msgspec.json.encode(body), media_type="application/json")
+
+
+# -- admin --------------------------------------------------------------------
+
+
+def _worker_json(w: WorkerView, inflight: int) -> dict[str, object]:
+    info = w.info
+    return {
+        "id": info.id,
+        "url": info.url,
+        "engine": info.engine,
+        "state": w.effective_state,
+        "agent_state": w.state,
+        "admin_drain": w.admin_drain,
+        "model": info.model,
+        "adapters": list(info.adapters),
+        "max_model_len": info.max_model_len,
+        "capacity": info.capacity,
+        "gpu": msgspec.to_builtins(info.gpu) if info.gpu else None,
+        "host": info.host,
+        "load": {
+            "running": w.load.running,
+            "waiting": w.load.waiting,
+            "kv_cache_usage": w.load.kv_cache_usage,
+            "inflight": inflight,
+        },
+        "last_heartbeat": w.last_heartbeat,
+        "heartbeat_age_s": round(time.time() - w.last_heartbeat, 3) if w.last_heartbeat else None,
+    }
+
+
+@get("/admin/workers")
+async def admin_workers(request: Request, state: State) -> Response:
+    gw = _gw(state)
+    _check_admin(gw, request)
+    # Read Redis directly: operators want the registry's truth, not a second-old snapshot.
+    workers = await gw.registry.read_all()
+    inflight = gw.proxy.inflight
+    data = [_worker_json(w, inflight.get(w.id, 0)) for w in workers]
+    return Response(content=msgspec.json.encode({"data": data}), media_type="application/json")
+
+
+async def _admin_write(gw: Gateway, worker_id: str, action: str) -> Response:
+    if action == "remove":
+        found = await gw.registry.deregister(worker_id)
+    else:
+        found = await gw.registry.set_admin_drain(worker_id, action == "drain")
+    if not found:
+        raise NotFound(f"No worker `{worker_id}` is registered.", param="id", code="worker_not_found")
+    gw.watcher.poke()
+    log.info("gateway.admin", action=action, worker=worker_id)
+    body = {"id": worker_id, "action": action, "ok": True}
+    return Response(content=msgspec.json.encode(body), media_type="application/json")
+
+
+@post("/admin/workers/{worker_id:str}/drain", status_code=200)
+async def admin_drain(request: Request, state: State, worker_id: str) -> Response:
+    gw = _gw(state)
+    _check_admin(gw, request)
+    return await _admin_write(gw, worker_id, "drain")
+
+
+@post("/admin/workers/{worker_id:str}/undrain", status_code=200)
+async def admin_undrain(request: Request, state: State, worker_id: str) -> Response:
+    gw = _gw(state)
+    _check_admin(gw, request)
+    return await _admin_write(gw, worker_id, "undrain")
+
+
+@delete("/admin/workers/{worker_id:str}", status_code=200)
+async def admin_remove(request: Request, state: State, worker_id: str) -> Response:
+    gw = _gw(state)
+    _check_admin(gw, request)
+    return await _admin_write(gw, worker_id, "remove")
+
+
+# -- errors -------------------------------------------------------------------
+
+
+def _gateway_error(request: Request, exc: GatewayError) -> Response:
+    return Response(
+        content=exc.body(), status_code=exc.status, media_type="application/json", headers=exc.headers()
+    )
+
+
+def _http_error(request: Request, exc: HTTPException) -> Response:
+    status = exc.status_code
+    if status == 404:
+        err: GatewayError = NotFound(f"No route for {request.method} {request.url.path}.")
+    elif status == 405:
+        err = InvalidRequest(f"Method {request.method} is not allowed on {request.url.path}.")
+        err.status = 405
+    elif status < 500:
+        err = InvalidRequest(str(exc.detail))
+        err.status = status
+    else:
+        err = GatewayError("Internal error in the gateway.")
+    return _gateway_error(request, err)
+
+
+def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("gateway.internal_error", path=request.url.path)
+    return _gateway_error(request, GatewayError("Internal error in the gateway."))
+
+
+def create_app(settings: GatewaySettings) -> Litestar:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        redis = connect(settings.redis_url)
+        registry = Registry(redis, settings.redis_prefix, settings.heartbeat_ttl_s)
+        watcher = FleetWatcher(registry, settings.refresh_interval_s)
+        upstream = Upstream(
+            settings.connect_timeout_s, settings.first_byte_timeout_s, settings.idle_timeout_s
+        )
+        await upstream.start()
+        proxy = Proxy(settings, watcher, upstream, make_policy(settings.policy))
+        app.state["gw"] = Gateway(
+            settings, registry, watcher, proxy, frozenset(_digest(k) for k in settings.api_keys)
+        )
+        await watcher.start()
+        log.info("gateway.started", **settings.public())
+        try:
+            yield
+        finally:
+            await watcher.stop()
+            await upstream.close()
+            await redis.aclose()
+            log.info("gateway.stopped")
+
+    make_policy(settings.policy)  # fail at start-up, not on the first request
+    return Litestar(
+        route_handlers=[
+            chat_completions, completions, list_models, get_model, health,
+            admin_workers, admin_drain, admin_undrain, admin_remove,
+        ],
+        lifespan=[lifespan],
+        exception_handlers={
+            GatewayError: _gateway_error,
+            HTTPException: _http_error,
+            Exception: _internal_error,
+        },
+        openapi_config=OpenAPIConfig(title="fleetgate", version="0.1.0", path="/docs"),
+        logging_config=None,
+        request_max_body_size=64 * 1024 * 1024,
+    )

@@ -1,0 +1,108 @@
+"""The gateway's error tree. Every failure a client can see is one of these.
+
+    GatewayError                     (status, OpenAI `type`, `code`)
+    ├── InvalidRequest               400 invalid_request_error
+    │   └── ContextLengthExceeded    400 invalid_request_error / context_length_exceeded
+    ├── Unauthorized                 401 authentication_error / invalid_api_key
+    ├── NotFound                     404 invalid_request_error / not_found
+    │   └── ModelNotFound            404 invalid_request_error / model_not_found
+    ├── Overloaded                   429 rate_limit_error / fleet_overloaded (+ Retry-After)
+    ├── NoWorkerAvailable            503 service_unavailable / no_worker_available (+ Retry-After)
+    ├── UpstreamError                502 upstream_error / engine_error
+    └── UpstreamTimeout              504 upstream_error / engine_timeout
+
+Foreign exceptions (aiohttp, Redis, msgspec) are translated into this tree once,
+where they are raised (`raise X(...) from exc`); one exception handler renders it as
+OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ErrorBody(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorEnvelope(msgspec.Struct):
+    error: ErrorBody
+
+
+class GatewayError(Exception):
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = "internal_error"
+
+    def __init__(
+        self, message: str, *, param: str | None = None, code: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.retry_after = retry_after
+
+    def body(self) -> bytes:
+        return msgspec.json.encode(
+            ErrorEnvelope(ErrorBody(self.message, self.type, self.param, self.code))
+        )
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {}
+        return {"retry-after": str(max(1, round(self.retry_after)))}
+
+
+class InvalidRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class Overloaded(GatewayError):
+    status = 429
+    type = "rate_limit_error"
+    code = "fleet_overloaded"
+
+
+class NoWorkerAvailable(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    code = "no_worker_available"
+
+
+class UpstreamError(GatewayError):
+    status = 502
+    type = "upstream_error"
+    code = "engine_error"
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    code = "engine_timeout"

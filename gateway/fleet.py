@@ -1,0 +1,158 @@
+"""The gateway's live view of the fleet: an immutable snapshot, refreshed in the background.
+
+The request path only reads `FleetWatcher.snapshot` (an attribute load); it never
+waits on Redis. The watcher re-reads the registry when a pub/sub event arrives and
+at least every `refresh_interval_s`. While Redis is unreachable it keeps serving
+the last snapshot, marks itself degraded and reconnects with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import msgspec
+import structlog
+
+from fleetgate.registry import Registry
+from fleetgate.schema import WorkerView
+
+log = structlog.get_logger("gateway.fleet")
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSnapshot:
+    workers: tuple[WorkerView, ...] = ()
+    by_id: Mapping[str, WorkerView] = field(default_factory=dict)
+    version: int = 0
+    read_at: float = 0.0
+    # Every model name the ready fleet serves -> its base model ("" for a base model).
+    models: Mapping[str, str] = field(default_factory=dict)
+    models_json: bytes = b'{"object":"list","data":[]}'
+
+    @classmethod
+    def build(cls, workers: list[WorkerView], version: int) -> FleetSnapshot:
+        models: dict[str, str] = {}
+        created: dict[str, int] = {}
+        for w in workers:
+            if w.state == "starting":
+                continue
+            models.setdefault(w.info.model, "")
+            created.setdefault(w.info.model, int(w.info.started_at))
+            for adapter in w.info.adapters:
+                models.setdefault(adapter, w.info.model)
+                created.setdefault(adapter, int(w.info.started_at))
+        data = [
+            {
+                "id": name, "object": "model", "created": created[name],
+                "owned_by": "fleetgate", **({"parent": parent} if parent else {"parent": None}),
+            }
+            for name, parent in sorted(models.items(), key=lambda kv: (kv[1], kv[0]))
+        ]
+        return cls(
+            workers=tuple(workers),
+            by_id={w.id: w for w in workers},
+            version=version,
+            read_at=time.time(),
+            models=models,
+            models_json=msgspec.json.encode({"object": "list", "data": data}),
+        )
+
+
+class FleetWatcher:
+    def __init__(self, registry: Registry, refresh_interval_s: float = 1.0) -> None:
+        self.registry = registry
+        self.refresh_interval_s = refresh_interval_s
+        self.snapshot = FleetSnapshot()
+        self.degraded = True
+        self.last_error = ""
+        self._version = 0
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._ready = asyncio.Event()
+
+    @property
+    def age_s(self) -> float:
+        return time.time() - self.snapshot.read_at if self.snapshot.read_at else float("inf")
+
+    async def start(self, wait_s: float = 2.0) -> None:
+        self._tasks = [
+            asyncio.create_task(self._refresh_loop(), name="fleet-refresh"),
+            asyncio.create_task(self._listen_loop(), name="fleet-listen"),
+        ]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ready.wait(), wait_s)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def poke(self) -> None:
+        """Ask for a re-read now (after an admin write, say)."""
+        self._wake.set()
+
+    async def refresh(self) -> None:
+        workers = await self.registry.read_all()
+        self._version += 1
+        old = self.snapshot
+        self.snapshot = FleetSnapshot.build(workers, self._version)
+        if self.degraded:
+            log.info("gateway.registry_connected", workers=len(workers))
+        self.degraded = False
+        self.last_error = ""
+        self._ready.set()
+        _log_changes(old, self.snapshot)
+
+    async def _refresh_loop(self) -> None:
+        backoff = 0.1
+        while True:
+            try:
+                await self.refresh()
+                backoff = 0.1
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.refresh_interval_s)
+                self._wake.clear()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not self.degraded:
+                    log.warning("gateway.registry_unreachable", error=repr(exc))
+                self.degraded = True
+                self.last_error = repr(exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    async def _listen_loop(self) -> None:
+        backoff = 0.1
+        while True:
+            pubsub = self.registry.pubsub()
+            try:
+                await pubsub.subscribe(self.registry.keys.events)
+                backoff = 0.1
+                async for _message in pubsub.listen():
+                    self._wake.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+
+
+def _log_changes(old: FleetSnapshot, new: FleetSnapshot) -> None:
+    for wid, w in new.by_id.items():
+        before = old.by_id.get(wid)
+        if before is None:
+            log.info("gateway.worker_seen", worker=wid, state=w.effective_state, url=w.info.url)
+        elif before.effective_state != w.effective_state:
+            log.info("gateway.worker_state", worker=wid, state=w.effective_state)
+    for wid in old.by_id.keys() - new.by_id.keys():
+        log.info("gateway.worker_gone", worker=wid)

@@ -1,0 +1,82 @@
+"""Gateway settings: defaults < config/gateway.yaml < environment < command-line flags."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+
+from fleetgate.registry import DEFAULT_HEARTBEAT_TTL_S, DEFAULT_PREFIX
+
+
+class GatewaySettings(msgspec.Struct, kw_only=True):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = DEFAULT_PREFIX
+    heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S
+    # Full re-read of the registry; pub/sub events trigger one at once in between.
+    refresh_interval_s: float = 1.0
+    admin_token: str = ""
+    # Client keys for /v1; empty means the data plane is open (say so in the docs).
+    api_keys: tuple[str, ...] = ()
+    policy: str = "least_outstanding"
+    connect_timeout_s: float = 2.0
+    # Time allowed for an engine's response headers (non-streaming: the whole answer).
+    first_byte_timeout_s: float = 300.0
+    # A stream that sends nothing for this long is abandoned.
+    idle_timeout_s: float = 120.0
+    retry_attempts: int = 3
+    retry_max_s: float = 10.0
+    retry_backoff_s: float = 0.05
+    log_level: str = "info"
+    log_json: bool | None = None
+
+    def public(self) -> dict[str, Any]:
+        """The settings with secrets masked, for logs and /admin."""
+        out = msgspec.structs.asdict(self)
+        out["admin_token"] = "***" if self.admin_token else ""
+        out["api_keys"] = [f"***{k[-4:]}" if len(k) > 8 else "***" for k in self.api_keys]
+        out["redis_url"] = _mask_url(self.redis_url)
+        return out
+
+
+def _mask_url(url: str) -> str:
+    if "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://***@{rest.rpartition('@')[2]}"
+
+
+_ENV = {
+    "FLEETGATE_REDIS_URL": "redis_url",
+    "FLEETGATE_REDIS_PREFIX": "redis_prefix",
+    "FLEETGATE_ADMIN_TOKEN": "admin_token",
+    "FLEETGATE_POLICY": "policy",
+    "FLEETGATE_LOG_LEVEL": "log_level",
+}
+
+
+def load_settings(
+    config_path: str | os.PathLike[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+) -> GatewaySettings:
+    """Build settings from a YAML file, the environment and explicit overrides (flags)."""
+    env = os.environ if environ is None else environ
+    data: dict[str, Any] = {}
+    if config_path is not None and Path(config_path).exists():
+        loaded = yaml.safe_load(Path(config_path).read_text()) or {}
+        section = loaded.get("gateway", loaded)
+        if isinstance(section, dict):
+            data.update(section)
+    for var, field in _ENV.items():
+        if env.get(var):
+            data[field] = env[var]
+    if env.get("FLEETGATE_API_KEYS"):
+        data["api_keys"] = [k.strip() for k in env["FLEETGATE_API_KEYS"].split(",") if k.strip()]
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return msgspec.convert(data, GatewaySettings, strict=False)

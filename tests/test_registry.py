@@ -1,0 +1,116 @@
+"""The Redis registry against a real Redis: records, TTL, drain flag, events, pruning."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+
+from fleetgate.registry import Keys, Registry, connect
+from fleetgate.schema import Load, WorkerInfo
+
+
+@pytest.fixture
+async def registry(redis_url: str, prefix: str) -> AsyncIterator[Registry]:
+    redis = connect(redis_url)
+    reg = Registry(redis, prefix, heartbeat_ttl_s=0.6)
+    yield reg
+    keys = [k async for k in redis.scan_iter(match=f"{{{prefix}}}:*")]
+    if keys:
+        await redis.delete(*keys)
+    await redis.aclose()
+
+
+def info(worker_id: str = "w1", **kw: object) -> WorkerInfo:
+    fields: dict[str, object] = {"id": worker_id, "url": "http://127.0.0.1:9", "engine": "sim", "model": "m"}
+    fields.update(kw)
+    return msgspec.convert(fields, WorkerInfo)
+
+
+async def test_register_then_read_round_trips_record_state_and_load(registry: Registry) -> None:
+    """What an agent registers is what a reader gets back, typed."""
+    await registry.register(info(adapters=("a", "b"), max_model_len=8192), "ready", Load(running=3, waiting=1))
+    [view] = await registry.read_all()
+    assert view.info.adapters == ("a", "b")
+    assert view.info.max_model_len == 8192
+    assert view.state == "ready"
+    assert (view.load.running, view.load.waiting) == (3, 1)
+    assert view.routable and not view.draining
+
+
+async def test_record_expires_without_heartbeats_and_index_is_pruned(registry: Registry) -> None:
+    """A worker whose agent stops heartbeating vanishes after the TTL; readers drop its id."""
+    await registry.register(info(), "ready")
+    assert await registry.heartbeat("w1", Load(running=1))
+    await asyncio.sleep(0.35)
+    assert await registry.heartbeat("w1", Load(running=2))  # refreshes the TTL
+    await asyncio.sleep(0.35)
+    assert [v.id for v in await registry.read_all()] == ["w1"]
+    await asyncio.sleep(0.8)
+    assert await registry.read_all() == []
+    assert await registry.redis.scard(registry.keys.workers) == 0
+
+
+async def test_heartbeat_after_expiry_reports_missing_and_does_not_recreate(registry: Registry) -> None:
+    """A heartbeat never resurrects a partial record: the agent is told to register again."""
+    await registry.register(info(), "ready")
+    await registry.redis.delete(registry.keys.worker("w1"))  # as after a Redis restart
+    assert not await registry.heartbeat("w1", Load())
+    assert not await registry.redis.exists(registry.keys.worker("w1"))
+
+
+async def test_admin_drain_survives_agent_rewrites(registry: Registry) -> None:
+    """An operator's drain is a separate field: the agent re-registering info keeps it."""
+    await registry.register(info(), "ready")
+    assert await registry.set_admin_drain("w1", True)
+    await registry.update_info(info(adapters=("x",)))
+    await registry.heartbeat("w1", Load())
+    [view] = await registry.read_all()
+    assert view.admin_drain and view.draining and not view.routable
+    assert view.effective_state == "draining"
+    assert await registry.set_admin_drain("w1", False)
+    [view] = await registry.read_all()
+    assert view.routable
+
+
+async def test_admin_writes_to_unknown_worker_report_not_found(registry: Registry) -> None:
+    """Draining or removing a worker that is not registered says so and writes nothing."""
+    assert not await registry.set_admin_drain("ghost", True)
+    assert not await registry.deregister("ghost")
+    assert not await registry.redis.exists(registry.keys.worker("ghost"))
+
+
+async def test_changes_are_published_on_the_events_channel(registry: Registry) -> None:
+    """Register, state change, drain and removal each publish the worker's id."""
+    pubsub = registry.pubsub()
+    await pubsub.subscribe(registry.keys.events)
+    await registry.register(info(), "starting")
+    await registry.set_state("w1", "ready")
+    await registry.set_admin_drain("w1", True)
+    await registry.deregister("w1")
+    seen = []
+    deadline = asyncio.get_running_loop().time() + 3
+    while len(seen) < 4 and asyncio.get_running_loop().time() < deadline:
+        message = await pubsub.get_message(timeout=0.5)
+        if message is not None:
+            seen.append(message["data"])
+    assert seen == [b"w1"] * 4
+    await pubsub.aclose()
+
+
+async def test_records_of_another_schema_version_are_skipped(registry: Registry) -> None:
+    """A reader ignores records written by a different schema version."""
+    await registry.register(info("new"), "ready")
+    key = registry.keys.worker("old")
+    await registry.redis.hset(key, mapping={"info": b'{"id":"old","url":"u","engine":"e","model":"m","schema":99}', "state": "ready"})
+    await registry.redis.sadd(registry.keys.workers, "old")
+    assert [v.id for v in await registry.read_all()] == ["new"]
+
+
+def test_keys_share_one_cluster_slot() -> None:
+    """Every key carries the same hash tag, so pipelines and scripts work on Redis Cluster."""
+    keys = Keys("fleet")
+    for key in (keys.workers, keys.events, keys.worker("a"), keys.worker("b")):
+        assert key.startswith("{fleet}:v1:")

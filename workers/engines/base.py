@@ -1,0 +1,121 @@
+"""The engine protocol: everything the agent needs to know about an inference engine.
+
+An engine is one file in this package with one class that satisfies `Engine`.
+The agent never branches on an engine's name; it builds the command line, polls
+the health path, scrapes and parses metrics, and loads adapters through this
+interface only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar, Protocol
+
+import httpx
+import msgspec
+from prometheus_client.parser import text_string_to_metric_families
+
+from fleetgate.schema import GpuInfo, Load
+
+
+class EngineSpec(msgspec.Struct, kw_only=True):
+    """What to run: the same for every engine; `options` carries engine-specific tuning."""
+
+    model: str
+    served_name: str
+    port: int
+    host: str = "127.0.0.1"
+    max_model_len: int = 4096
+    adapters: dict[str, str] = msgspec.field(default_factory=dict)
+    gpu: GpuInfo | None = None
+    gpu_ids: tuple[str, ...] = ()
+    # Engine tuning from config/workers.yaml or flags, e.g. {"max_num_seqs": 256}.
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+    extra_args: tuple[str, ...] = ()
+
+
+class AdapterError(Exception):
+    """An adapter could not be loaded or unloaded; `status` is the engine's HTTP status."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Engine(Protocol):
+    name: ClassVar[str]
+    # Whether adapters can be loaded and unloaded while the engine runs.
+    runtime_lora: ClassVar[bool]
+    # Whether /metrics reports running/waiting; if not, the gateway's in-flight count is the load.
+    reports_load: ClassVar[bool]
+    health_path: ClassVar[str]
+    metrics_path: ClassVar[str | None]
+
+    def command(self, spec: EngineSpec) -> list[str]:
+        """The argv that starts the engine (the agent runs it in its own process group)."""
+        ...
+
+    def environment(self, spec: EngineSpec) -> dict[str, str]:
+        """Variables to add to the engine's environment."""
+        ...
+
+    def capacity(self, spec: EngineSpec) -> int:
+        """How many sequences the engine runs at once (its batch size)."""
+        ...
+
+    def max_loras(self, spec: EngineSpec) -> int:
+        """Adapter slots (0 when LoRA is off)."""
+        ...
+
+    def parse_metrics(self, text: str) -> Load:
+        """One load record from the engine's Prometheus text."""
+        ...
+
+    async def load_adapter(
+        self, client: httpx.AsyncClient, base_url: str, name: str, path: str
+    ) -> None: ...
+
+    async def unload_adapter(self, client: httpx.AsyncClient, base_url: str, name: str) -> None: ...
+
+
+def metric_samples(text: str) -> dict[str, list[tuple[Mapping[str, str], float]]]:
+    """Prometheus text as {sample name: [(labels, value), ...]} via prometheus_client's parser."""
+    out: dict[str, list[tuple[Mapping[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return out
+
+
+def total(samples: Mapping[str, list[tuple[Mapping[str, str], float]]], *names: str) -> float:
+    """Sum of the first of `names` present (later names are deprecated aliases)."""
+    for name in names:
+        if name in samples:
+            return sum(value for _, value in samples[name])
+    return 0.0
+
+
+def peak(samples: Mapping[str, list[tuple[Mapping[str, str], float]]], *names: str) -> float:
+    """Largest value of the first of `names` present."""
+    for name in names:
+        if name in samples:
+            return max((value for _, value in samples[name]), default=0.0)
+    return 0.0
+
+
+def flag_args(options: Mapping[str, Any], known: Iterable[str]) -> list[str]:
+    """`--flag value` pairs for the options an engine knows, in a stable order.
+
+    True becomes a bare flag, False and None are left out; names use dashes.
+    """
+    argv: list[str] = []
+    for key in known:
+        value = options.get(key)
+        if value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        else:
+            argv.extend([flag, str(value)])
+    return argv
