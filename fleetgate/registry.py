@@ -9,6 +9,8 @@ Layout (``P`` is the key prefix, ``v1`` the schema version)::
                                 load  -> Load JSON (refreshed by the agent's heartbeat)
                                 hb    -> unix time of the last heartbeat
                           PEXPIRE heartbeat_ttl: a worker whose agent dies vanishes by itself
+    {P}:v1:removed:<id>   STRING set when an operator removes a worker (TTL 10 min), so its
+                          agent stops instead of registering again
     {P}:v1:events         PUBSUB a worker id whenever something about it changed
 
 The prefix is wrapped in a hash tag so every key lands in one Redis Cluster slot:
@@ -30,6 +32,7 @@ from fleetgate.schema import SCHEMA_VERSION, Load, WorkerInfo, WorkerState, Work
 
 DEFAULT_PREFIX = "fleetgate"
 DEFAULT_HEARTBEAT_TTL_S = 3.0
+REMOVED_TTL_S = 600
 
 _info_encoder = msgspec.json.Encoder()
 _info_decoder = msgspec.json.Decoder(WorkerInfo)
@@ -61,9 +64,13 @@ class Keys:
         self.workers = f"{base}:workers"
         self.events = f"{base}:events"
         self._worker = f"{base}:w:"
+        self._removed = f"{base}:removed:"
 
     def worker(self, worker_id: str) -> str:
         return self._worker + worker_id
+
+    def removed(self, worker_id: str) -> str:
+        return self._removed + worker_id
 
 
 def decode_worker(fields: dict[bytes, bytes]) -> WorkerView | None:
@@ -124,6 +131,7 @@ class Registry:
             pipe.hset(key, mapping=fields)  # type: ignore[arg-type]
             pipe.pexpire(key, self.ttl_ms)
             pipe.sadd(self.keys.workers, info.id)
+            pipe.delete(self.keys.removed(info.id))
             pipe.publish(self.keys.events, info.id)
             await pipe.execute()
 
@@ -147,14 +155,24 @@ class Registry:
         """Mark a worker drained (or not) for every gateway. False if it is not registered."""
         return await self._set_fields(worker_id, "drain", "1" if drain else "0")
 
-    async def deregister(self, worker_id: str) -> bool:
-        """Remove a worker's record. True if there was one."""
+    async def deregister(self, worker_id: str, *, by_operator: bool = False) -> bool:
+        """Remove a worker's record. True if there was one.
+
+        `by_operator` leaves a tombstone that tells a still-running agent to stop
+        rather than register again.
+        """
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(self.keys.worker(worker_id))
             pipe.srem(self.keys.workers, worker_id)
+            if by_operator:
+                pipe.set(self.keys.removed(worker_id), "1", ex=REMOVED_TTL_S)
             pipe.publish(self.keys.events, worker_id)
-            deleted, _, _ = await pipe.execute()
-        return bool(deleted)
+            results = await pipe.execute()
+        return bool(results[0])
+
+    async def was_removed(self, worker_id: str) -> bool:
+        """Whether an operator removed this worker recently."""
+        return bool(await self.redis.exists(self.keys.removed(worker_id)))
 
     # -- reader side --------------------------------------------------------
 

@@ -164,7 +164,7 @@ async def admin_workers(request: Request, state: State) -> Response:
 
 async def _admin_write(gw: Gateway, worker_id: str, action: str) -> Response:
     if action == "remove":
-        found = await gw.registry.deregister(worker_id)
+        found = await gw.registry.deregister(worker_id, by_operator=True)
     else:
         found = await gw.registry.set_admin_drain(worker_id, action == "drain")
     if not found:

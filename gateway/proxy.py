@@ -56,8 +56,9 @@ class _Probe(msgspec.Struct):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     user: str | None = None
-    messages: msgspec.Raw | None = None
-    prompt: msgspec.Raw | None = None
+    # Raw: located but not decoded; empty when the field is absent.
+    messages: msgspec.Raw = msgspec.Raw()
+    prompt: msgspec.Raw = msgspec.Raw()
 
 
 _probe_decoder = msgspec.json.Decoder(_Probe)
@@ -74,9 +75,9 @@ def parse_request(body: bytes, kind: str) -> _Probe:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
     if not probe.model:
         raise InvalidRequest("`model` must name a model or adapter", param="model")
-    if kind == "chat" and (probe.messages is None or probe.messages in (b"[]", b"null")):
+    if kind == "chat" and not _non_empty_array(bytes(probe.messages)):
         raise InvalidRequest("`messages` must be a non-empty array", param="messages")
-    if kind == "completion" and probe.prompt is None:
+    if kind == "completion" and not len(probe.prompt):
         raise InvalidRequest("`prompt` is required", param="prompt")
     for name in ("max_tokens", "max_completion_tokens"):
         value = getattr(probe, name)
@@ -85,11 +86,17 @@ def parse_request(body: bytes, kind: str) -> _Probe:
     return probe
 
 
+def _non_empty_array(raw: bytes) -> bool:
+    return raw.startswith(b"[") and raw[1:].lstrip()[:1] != b"]"
+
+
 def _field_of(exc: msgspec.ValidationError) -> str | None:
-    # msgspec says "... - at `$.field`"
+    # msgspec says "... - at `$.field`" or "Object missing required field `field`"
     text = str(exc)
     if "`$." in text:
         return text.split("`$.", 1)[1].split("`", 1)[0].split("[", 1)[0]
+    if "required field `" in text:
+        return text.split("required field `", 1)[1].split("`", 1)[0]
     return None
 
 

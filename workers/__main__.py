@@ -126,7 +126,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.engine == "external" and not args.url:
         raise SystemExit("--engine external needs --url of the running engine")
     opts, why = plan(args)
-    engine = get_engine(opts.engine)
+    try:
+        engine = get_engine(opts.engine)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     if args.dry_run:
         for line in why:
             print(f"# {line}")

@@ -59,6 +59,10 @@ class EngineDied(Exception):
     pass
 
 
+class RemovedByOperator(Exception):
+    pass
+
+
 class Agent:
     def __init__(self, options: AgentOptions, engine: Engine) -> None:
         self.opts = options
@@ -101,6 +105,8 @@ class Agent:
         except EngineDied as exc:
             self.log.error("agent.engine_died", reason=str(exc))
             code = 1
+        except RemovedByOperator:
+            self.log.info("agent.removed", reason="an operator removed this worker; stopping")
         finally:
             with contextlib.suppress(Exception):
                 await self.registry.deregister(self.opts.worker_id)
@@ -282,6 +288,8 @@ class Agent:
         if load is not None:
             self.load = load
         if not await self._beat(self.load):
+            if await self.registry.was_removed(self.opts.worker_id):
+                raise RemovedByOperator
             self.log.warning("agent.reregister", reason="record missing in Redis")
             await self._register_quietly(self.state)
 

