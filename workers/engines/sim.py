@@ -1,0 +1,124 @@
+"""The simulator (`python -m workers.simulator`): vLLM's API and metrics without a GPU.
+
+With `options["flavor"] = "lmdeploy"` it speaks LMDeploy's dialect instead; its metrics are
+then read under LMDeploy's names (the parser recognises them) and it has no runtime
+adapter API, like LMDeploy.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+import httpx
+
+from fleetgate.schema import Load
+from workers.engines.base import EngineSpec, flag_args, metric_samples, total
+from workers.engines.vllm import load_lora, parse_vllm_metrics, unload_lora
+from workers.simulator.profiles import PROFILES, profile_for_gpu
+
+# Options passed through as `--flag value`, in this order.
+_FLAGS = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "num_gpu_blocks",
+    "block_size",
+    "time_scale",
+    "seed",
+    "flavor",
+)
+
+
+def parse_lmdeploy_metrics(text: str) -> Load:
+    """LMDeploy's gauges; it has no query counter, so prompt tokens stand for queries."""
+    s = metric_samples(text)
+    return Load(
+        running=int(total(s, "lmdeploy:num_requests_running")),
+        waiting=int(total(s, "lmdeploy:num_requests_waiting")),
+        kv_cache_usage=total(s, "lmdeploy:gpu_cache_usage_perc"),
+        prefix_cache_queries=total(s, "lmdeploy:prompt_tokens_total"),
+        prefix_cache_hits=total(s, "lmdeploy:cached_tokens_total"),
+    )
+
+
+def sim_profile(spec: EngineSpec) -> str:
+    """The timing profile: the option, else the card's profile, else one named by the card."""
+    for candidate in (spec.options.get("profile"), spec.gpu.profile if spec.gpu else None):
+        if candidate:
+            name = str(candidate)
+            if name in PROFILES:
+                return name
+            if f"{name}-7b" in PROFILES:
+                return f"{name}-7b"
+            return profile_for_gpu(name)
+    return profile_for_gpu(spec.gpu.name) if spec.gpu else "l40s-7b"
+
+
+def _faults(value: Any) -> Iterable[str]:
+    """Faults as a list of "key=value" strings or a mapping."""
+    if isinstance(value, Mapping):
+        return [f"{k}={v}" for k, v in value.items()]
+    if isinstance(value, str):
+        return [value]
+    return [str(item) for item in value or ()]
+
+
+class SimEngine:
+    name: ClassVar[str] = "sim"
+    runtime_lora: ClassVar[bool] = True
+    reports_load: ClassVar[bool] = True
+    health_path: ClassVar[str] = "/health"
+    metrics_path: ClassVar[str | None] = "/metrics"
+
+    def _lora(self, spec: EngineSpec) -> bool:
+        return bool(spec.adapters) or bool(spec.options.get("enable_lora"))
+
+    def command(self, spec: EngineSpec) -> list[str]:
+        argv = [
+            sys.executable, "-m", "workers.simulator",
+            "--host", spec.host,
+            "--port", str(spec.port),
+            "--served-model-name", spec.served_name,
+            "--model", spec.model,
+            "--max-model-len", str(spec.max_model_len),
+            "--profile", sim_profile(spec),
+            *flag_args(spec.options, _FLAGS),
+        ]  # fmt: skip
+        if self._lora(spec):
+            argv += ["--enable-lora", "--max-loras", str(self.max_loras(spec))]
+            if spec.adapters:
+                argv.append("--lora-modules")
+                argv.extend(f"{name}={path}" for name, path in spec.adapters.items())
+        for fault in _faults(spec.options.get("faults")):
+            argv += ["--fault", fault]
+        argv.extend(spec.extra_args)
+        return argv
+
+    def environment(self, spec: EngineSpec) -> dict[str, str]:
+        return {}
+
+    def capacity(self, spec: EngineSpec) -> int:
+        value = spec.options.get("max_num_seqs")
+        return int(value) if value else PROFILES[sim_profile(spec)].max_num_seqs
+
+    def max_loras(self, spec: EngineSpec) -> int:
+        if not self._lora(spec):
+            return 0
+        return int(spec.options.get("max_loras") or max(4, len(spec.adapters)))
+
+    def parse_metrics(self, text: str) -> Load:
+        if "lmdeploy:" in text:
+            return parse_lmdeploy_metrics(text)
+        return parse_vllm_metrics(text)
+
+    async def load_adapter(
+        self, client: httpx.AsyncClient, base_url: str, name: str, path: str
+    ) -> None:
+        await load_lora(client, base_url, name, path)
+
+    async def unload_adapter(self, client: httpx.AsyncClient, base_url: str, name: str) -> None:
+        await unload_lora(client, base_url, name)
+
+
+ENGINE = SimEngine

@@ -1,0 +1,93 @@
+"""`python -m workers.simulator`: a simulated vLLM (or LMDeploy) OpenAI server."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+
+from aiohttp import web
+
+from workers.simulator.config import SimConfig, parse_fault_args
+from workers.simulator.profiles import PROFILES
+from workers.simulator.server import create_app
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """vLLM's `name=path`, or its JSON form {"name": ..., "path": ...}."""
+    if text.lstrip().startswith("{"):
+        obj = json.loads(text)
+        return str(obj["name"]), str(obj["path"])
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    return name, path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m workers.simulator", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", required=True)
+    p.add_argument("--model", default=None, help="a folder with tokenizer.json, or a name")
+    p.add_argument("--profile", default="l40s-7b", choices=sorted(PROFILES))
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--num-gpu-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--max-loras", type=int, default=4)
+    p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[])
+    p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--flavor", choices=("vllm", "lmdeploy"), default="vllm")
+    p.add_argument("--fault", action="append", default=[], metavar="KEY=VALUE")
+    return p
+
+
+def config_from_args(argv: list[str] | None = None) -> SimConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return SimConfig(
+            served_model_name=args.served_model_name,
+            model=args.model,
+            host=args.host,
+            port=args.port,
+            profile=args.profile,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            num_gpu_blocks=args.num_gpu_blocks,
+            block_size=args.block_size,
+            enable_lora=args.enable_lora,
+            max_loras=args.max_loras,
+            lora_modules=dict(args.lora_modules),
+            time_scale=args.time_scale,
+            seed=args.seed,
+            flavor=args.flavor,
+            faults=parse_fault_args(args.fault),
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = config_from_args(argv)
+    web.run_app(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        # Like vLLM: SIGTERM stops serving within a second or two, open streams are cut.
+        shutdown_timeout=1.0,
+        # A client that disconnects cancels its handler, which aborts its sequence.
+        handler_cancellation=True,
+        access_log=None,
+        print=functools.partial(print, file=sys.stderr, flush=True),
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""The simulator's settings (one per process) and its injectable faults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from workers.simulator.profiles import PROFILES, Profile
+
+FlavorName = Literal["vllm", "lmdeploy"]
+
+
+@dataclass(kw_only=True)
+class Faults:
+    """Misbehaviour on demand, for failover tests.
+
+    die_after: after N accepted requests the next one makes the process exit hard
+    (os._exit), cutting every open stream. error_rate: that fraction of requests gets a
+    500. stall_after_chunks: streams stop after N chunks and hold the connection open.
+    die_at: the process exits hard that many (real) seconds after the fault is set.
+    """
+
+    die_after: int | None = None
+    error_rate: float = 0.0
+    stall_after_chunks: int | None = None
+    die_at: float | None = None
+
+    def update(self, values: dict[str, Any]) -> None:
+        """Set faults from a JSON object or KEY=VALUE pairs; null clears one."""
+        types = {f.name: f for f in fields(self)}
+        for key, raw in values.items():
+            if key not in types:
+                raise ValueError(f"unknown fault {key!r}; known: {', '.join(types)}")
+            if raw is None or raw == "":
+                setattr(self, key, 0.0 if key == "error_rate" else None)
+            elif key == "error_rate":
+                rate = float(raw)
+                if not 0.0 <= rate <= 1.0:
+                    raise ValueError("error_rate must be within 0..1")
+                self.error_rate = rate
+            elif key == "die_at":
+                self.die_at = float(raw)
+            else:
+                setattr(self, key, int(raw))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def parse_fault_args(pairs: list[str]) -> Faults:
+    faults = Faults()
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"--fault wants KEY=VALUE, got {pair!r}")
+        faults.update({key.strip(): value.strip()})
+    return faults
+
+
+@dataclass(kw_only=True)
+class SimConfig:
+    served_model_name: str
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    profile: str = "l40s-7b"
+    max_model_len: int = 4096
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    num_gpu_blocks: int | None = None
+    block_size: int | None = None
+    enable_lora: bool = False
+    max_loras: int = 4
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    time_scale: float = 1.0
+    seed: int = 0
+    flavor: FlavorName = "vllm"
+    faults: Faults = field(default_factory=Faults)
+
+    def __post_init__(self) -> None:
+        if self.profile not in PROFILES:
+            raise ValueError(f"unknown profile {self.profile!r}; known: {', '.join(PROFILES)}")
+        if self.lora_modules:
+            self.enable_lora = True
+        if self.time_scale < 0:
+            raise ValueError("time_scale must be >= 0")
+
+    @property
+    def model_path(self) -> str:
+        return self.model or self.served_model_name
+
+    @property
+    def timing(self) -> Profile:
+        return PROFILES[self.profile]
+
+    @property
+    def lora_slots(self) -> int:
+        return self.max_loras if self.enable_lora else 0
+
+    def resolved(self, name: str) -> int:
+        """A capacity setting: the flag if given, else the profile's default."""
+        value = getattr(self, name)
+        return int(value if value is not None else getattr(self.timing, name))

@@ -1,0 +1,142 @@
+"""Where vLLM and LMDeploy differ as a client sees them, in one table.
+
+The scheduler and the handlers are shared; everything engine-specific that leaks into an
+HTTP response (error shapes and type names, metric names, stream chunk details, response
+ids, runtime adapter loading, continuing a trailing assistant message) is read from here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from workers.simulator.config import SimConfig
+from workers.simulator.metrics import LmdeployMetrics, VllmMetrics
+
+ErrorKind = Literal["not_found", "bad_request", "invalid_input", "internal"]
+
+
+class SimError(Exception):
+    """An error the engine answers with; the flavour decides its JSON shape."""
+
+    def __init__(
+        self, status: int, kind: ErrorKind, message: str, param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.message, self.param = status, kind, message, param
+
+
+Metrics = VllmMetrics | LmdeployMetrics
+
+
+@dataclass(frozen=True, kw_only=True)
+class Flavor:
+    name: str
+    owned_by: str
+    runtime_lora: bool
+    role_in_every_chunk: bool
+    continue_trailing_assistant: bool
+    health_body: bytes
+    error_types: Mapping[ErrorKind, str]
+    error_body: Callable[[SimError, str], dict[str, Any]]
+    too_long: Callable[[int, int], str]
+    too_long_param: str | None
+    completion_id: Callable[[], str]
+    chat_id: Callable[[], str]
+    make_metrics: Callable[[SimConfig], Metrics]
+
+    def error_json(self, err: SimError) -> dict[str, Any]:
+        return self.error_body(err, self.error_types[err.kind])
+
+
+def _vllm_error(err: SimError, type_: str) -> dict[str, Any]:
+    return {
+        "error": {"message": err.message, "type": type_, "param": err.param, "code": err.status}
+    }
+
+
+def _lmdeploy_error(err: SimError, type_: str) -> dict[str, Any]:
+    return {
+        "message": err.message,
+        "type": type_,
+        "code": err.status,
+        "param": err.param,
+        "object": "error",
+    }
+
+
+def _vllm_metrics(cfg: SimConfig) -> Metrics:
+    cache_info = {
+        "block_size": str(cfg.resolved("block_size")),
+        "num_gpu_blocks": str(cfg.resolved("num_gpu_blocks")),
+        "enable_prefix_caching": "True",
+        "cache_dtype": "auto",
+        "gpu_memory_utilization": "0.9",
+    }
+    return VllmMetrics(cfg.served_model_name, cache_info, cfg.lora_slots)
+
+
+def _uuid_id(prefix: str) -> Callable[[], str]:
+    return lambda: f"{prefix}{uuid.uuid4().hex}"
+
+
+def _flavors() -> dict[str, Callable[[SimConfig], Flavor]]:
+    def vllm(cfg: SimConfig) -> Flavor:
+        return Flavor(
+            name="vllm",
+            owned_by="vllm",
+            runtime_lora=True,
+            role_in_every_chunk=False,
+            continue_trailing_assistant=False,
+            health_body=b"",
+            error_types={
+                "not_found": "NotFoundError",
+                "bad_request": "BadRequestError",
+                "invalid_input": "InvalidUserInput",
+                "internal": "InternalServerError",
+            },
+            error_body=_vllm_error,
+            too_long=lambda n, limit: (
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"request has {n} input tokens. Please reduce the length of the input messages."
+            ),
+            too_long_param="input_tokens",
+            completion_id=_uuid_id("cmpl-"),
+            chat_id=_uuid_id("chatcmpl-"),
+            make_metrics=_vllm_metrics,
+        )
+
+    def lmdeploy(cfg: SimConfig) -> Flavor:
+        session = itertools.count(1)
+        return Flavor(
+            name="lmdeploy",
+            owned_by="lmdeploy",
+            runtime_lora=False,
+            role_in_every_chunk=True,
+            continue_trailing_assistant=True,
+            health_body=b'{"status":"healthy"}',
+            error_types={
+                "not_found": "not_found_error",
+                "bad_request": "invalid_request_error",
+                "invalid_input": "invalid_request_error",
+                "internal": "internal_error",
+            },
+            error_body=_lmdeploy_error,
+            too_long=lambda n, limit: (
+                f"Input length ({n}) must be smaller than the model context length ({limit})."
+            ),
+            too_long_param=None,
+            completion_id=lambda: "-1",
+            chat_id=lambda: str(next(session)),
+            # LMDeploy refreshes its load gauges every 10 s (hard-coded); scaled like all time.
+            make_metrics=lambda c: LmdeployMetrics(c.served_model_name, 10.0 * c.time_scale),
+        )
+
+    return {"vllm": vllm, "lmdeploy": lmdeploy}
+
+
+def make_flavor(cfg: SimConfig) -> Flavor:
+    return _flavors()[cfg.flavor](cfg)

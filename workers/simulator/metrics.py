@@ -1,0 +1,186 @@
+"""Prometheus metrics under vLLM's or LMDeploy's names, each app with its own registry."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from workers.simulator.scheduler import Seq
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+)  # fmt: skip
+_LABELS = ("model_name", "engine")
+
+
+class _Base:
+    """Counts shared by both flavours; subclasses name and expose them."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._labels = {"model_name": model_name, "engine": "0"}
+        self.failed = 0
+
+    def render(self, snapshot: dict[str, Any]) -> bytes:
+        self.refresh(snapshot)
+        return generate_latest(self.registry)
+
+    def refresh(self, snapshot: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def on_failed(self) -> None:
+        self.failed += 1
+
+    def _gauge(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
+        return Gauge(name, doc, (*_LABELS, *extra), registry=self.registry)
+
+    def _counter(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+        return Counter(name, doc, (*_LABELS, *extra), registry=self.registry)
+
+    def _histogram(self, name: str, doc: str) -> Histogram:
+        return Histogram(name, doc, _LABELS, buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+
+class VllmMetrics(_Base):
+    def __init__(self, model_name: str, cache_info: dict[str, str], max_loras: int) -> None:
+        super().__init__(model_name)
+        lab = self._labels
+        self._running = self._gauge("vllm:num_requests_running", "Requests in the batch").labels(
+            **lab
+        )
+        self._waiting = self._gauge("vllm:num_requests_waiting", "Requests queued").labels(**lab)
+        self._kv = self._gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0..1").labels(**lab)
+        self._queries = self._counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, tokens"
+        ).labels(**lab)
+        self._hits = self._counter("vllm:prefix_cache_hits", "Prefix cache hits, tokens").labels(
+            **lab
+        )
+        self._preempt = self._counter("vllm:num_preemptions", "Preemptions").labels(**lab)
+        self._prompt = self._counter("vllm:prompt_tokens", "Prefill tokens processed").labels(**lab)
+        self._gen = self._counter("vllm:generation_tokens", "Tokens generated").labels(**lab)
+        self._success = self._counter(
+            "vllm:request_success", "Finished requests", ("finished_reason",)
+        )
+        self._ttft = self._histogram("vllm:time_to_first_token_seconds", "TTFT").labels(**lab)
+        self._e2e = self._histogram("vllm:e2e_request_latency_seconds", "End to end").labels(**lab)
+        self._queue = self._histogram("vllm:request_queue_time_seconds", "Time waiting").labels(
+            **lab
+        )
+        info = Gauge(
+            "vllm:cache_config_info", "Cache config", tuple(cache_info), registry=self.registry
+        )
+        info.labels(**cache_info).set(1)
+        self._max_loras = max_loras
+        self._lora: Gauge | None = None
+        if max_loras:
+            self._lora = Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on LoRA requests",
+                ("max_lora", "running_lora_adapters", "waiting_lora_adapters"),
+                registry=self.registry,
+            )
+
+    def refresh(self, snapshot: dict[str, Any]) -> None:
+        self._running.set(snapshot["running"])
+        self._waiting.set(snapshot["waiting"])
+        self._kv.set(snapshot["kv_cache_usage"])
+        if self._lora is not None:
+            # Like vLLM: one series per label set ever seen, the value a Unix timestamp.
+            self._lora.labels(
+                max_lora=str(self._max_loras),
+                running_lora_adapters=",".join(snapshot["running_lora_adapters"]),
+                waiting_lora_adapters=",".join(snapshot["waiting_lora_adapters"]),
+            ).set(time.time())
+
+    def on_admitted(self, seq: Seq, now: float) -> None:
+        self._queries.inc(seq.num_tokens)
+        self._hits.inc(seq.cached_tokens)
+        self._queue.observe(now - seq.arrival)
+
+    def on_first_token(self, seq: Seq, now: float) -> None:
+        self._prompt.inc(seq.num_prompt - seq.cached_tokens)
+        self._ttft.observe(now - seq.arrival)
+
+    def on_tokens(self, n: int) -> None:
+        if n:
+            self._gen.inc(n)
+
+    def on_finished(self, seq: Seq, reason: str, now: float) -> None:
+        self._success.labels(**self._labels, finished_reason=reason).inc()
+        self._e2e.observe(now - seq.arrival)
+
+    def on_preempted(self) -> None:
+        self._preempt.inc()
+
+
+class LmdeployMetrics(_Base):
+    """LMDeploy's names; its load gauges refresh only every `refresh_s` (10 s in LMDeploy)."""
+
+    def __init__(self, model_name: str, refresh_s: float) -> None:
+        super().__init__(model_name)
+        lab = self._labels
+        self._refresh_s = refresh_s
+        self._last_refresh = float("-inf")
+        self._running = self._gauge("lmdeploy:num_requests_running", "Running").labels(**lab)
+        self._waiting = self._gauge("lmdeploy:num_requests_waiting", "Waiting").labels(**lab)
+        self._kv = self._gauge("lmdeploy:gpu_cache_usage_perc", "KV usage").labels(**lab)
+        self._hit_rate = self._gauge("lmdeploy:prefix_cache_hit_rate", "Hit rate").labels(**lab)
+        self._ok = self._gauge("lmdeploy:num_requests_succeeded", "Succeeded").labels(**lab)
+        self._failed = self._gauge("lmdeploy:num_requests_failed", "Failed").labels(**lab)
+        self._routed = self._gauge("lmdeploy:num_api_requests_routed", "Routed").labels(**lab)
+        self._api_waiting = self._gauge("lmdeploy:num_api_requests_waiting", "API waiting").labels(
+            **lab
+        )
+        self._prompt = self._counter("lmdeploy:prompt_tokens", "Prompt tokens").labels(**lab)
+        self._gen = self._counter("lmdeploy:generation_tokens", "Generated tokens").labels(**lab)
+        self._cached = self._counter("lmdeploy:cached_tokens", "Cached tokens").labels(**lab)
+        self._ttft = self._histogram("lmdeploy:time_to_first_token_seconds", "TTFT").labels(**lab)
+        self._tpot = self._histogram("lmdeploy:time_per_output_token_seconds", "TPOT").labels(**lab)
+        self._queue = self._histogram("lmdeploy:request_queue_time_seconds", "Queue").labels(**lab)
+        self._e2e = self._histogram("lmdeploy:e2e_request_latency_seconds", "E2E").labels(**lab)
+        self._queries = 0
+        self._hits = 0
+        self._succeeded = 0
+        self._admitted = 0
+
+    def refresh(self, snapshot: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if now - self._last_refresh < self._refresh_s:
+            return
+        self._last_refresh = now
+        self._running.set(snapshot["running"])
+        self._waiting.set(snapshot["waiting"])
+        self._kv.set(snapshot["kv_cache_usage"])
+        self._hit_rate.set(self._hits / self._queries if self._queries else 0.0)
+        self._ok.set(self._succeeded)
+        self._failed.set(self.failed)
+        self._routed.set(self._admitted)
+        self._api_waiting.set(snapshot["waiting"])
+
+    def on_admitted(self, seq: Seq, now: float) -> None:
+        self._queries += seq.num_tokens
+        self._hits += seq.cached_tokens
+        self._admitted += 1
+        self._cached.inc(seq.cached_tokens)
+        self._queue.observe(now - seq.arrival)
+
+    def on_first_token(self, seq: Seq, now: float) -> None:
+        self._prompt.inc(seq.num_prompt)
+        self._ttft.observe(now - seq.arrival)
+
+    def on_tokens(self, n: int) -> None:
+        if n:
+            self._gen.inc(n)
+
+    def on_finished(self, seq: Seq, reason: str, now: float) -> None:
+        self._succeeded += 1
+        self._e2e.observe(now - seq.arrival)
+        if seq.first_token_at is not None and seq.generated > 1:
+            self._tpot.observe((now - seq.first_token_at) / (seq.generated - 1))
+
+    def on_preempted(self) -> None:
+        pass

@@ -1,0 +1,297 @@
+"""A small continuous-batching scheduler shaped like vLLM V1's.
+
+Each step: running sequences first (one decode token each, or the next chunk of a prefill),
+then waiting ones, FIFO, while there is room in max_num_seqs, the step's token budget, the
+KV cache and the LoRA slots. A running sequence that cannot get a block preempts the most
+recently admitted one (recompute: back to the head of the queue, its blocks freed). The step
+then "runs" for a time taken from the profile, and each sequence that caught up with its
+tokens samples one more, which its request handler streams at once.
+
+Everything is deterministic for a given arrival order and seed: no wall clock decides
+anything except how long the loop sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from workers.simulator.kvcache import BlockPool, LoraSlots
+from workers.simulator.profiles import Profile
+from workers.simulator.tokens import TextSource
+
+Status = Literal["waiting", "running", "finished", "aborted"]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One generated token's text; `finish` is set on the last one."""
+
+    text: str
+    finish: str | None = None
+
+
+@dataclass(eq=False, kw_only=True)
+class Seq:
+    """One request inside the engine."""
+
+    id: str
+    prompt_ids: list[int]
+    hashes: list[int]
+    source: TextSource
+    target: int  # tokens to generate
+    target_reason: str  # "length" at max_tokens, "stop" at a natural EOS
+    adapter: str | None = None
+    stop: tuple[str, ...] = ()
+    arrival: float = 0.0
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    status: Status = "waiting"
+    generated: int = 0
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    registered: int = 0
+    cached_tokens: int = 0
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    tail: str = ""
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + self.generated
+
+
+class SchedulerHooks(Protocol):
+    """What the metrics see of the scheduler."""
+
+    def on_admitted(self, seq: Seq, now: float) -> None: ...
+    def on_first_token(self, seq: Seq, now: float) -> None: ...
+    def on_tokens(self, n: int) -> None: ...
+    def on_finished(self, seq: Seq, reason: str, now: float) -> None: ...
+    def on_preempted(self) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_gpu_blocks: int
+    block_size: int
+    max_loras: int
+    time_scale: float
+
+
+@dataclass
+class _Plan:
+    work: list[tuple[Seq, int]] = field(default_factory=list)
+    lora_loads: int = 0
+
+
+class Scheduler:
+    def __init__(self, limits: Limits, profile: Profile, hooks: SchedulerHooks) -> None:
+        self.limits = limits
+        self.profile = profile
+        self.hooks = hooks
+        self.pool = BlockPool(limits.num_gpu_blocks)
+        self.loras = LoraSlots(limits.max_loras)
+        self.running: list[Seq] = []
+        self.waiting: deque[Seq] = deque()
+        self.preemptions = 0
+        self.steps = 0
+        self._wake = asyncio.Event()
+
+    @staticmethod
+    def _now() -> float:
+        return asyncio.get_running_loop().time()
+
+    # --- requests in and out -------------------------------------------------------------
+    def submit(self, seq: Seq) -> None:
+        seq.arrival = self._now()
+        self.waiting.append(seq)
+        self._wake.set()
+
+    def abort(self, seq: Seq) -> None:
+        """The client went away: drop the sequence and free what it held."""
+        if seq.status == "waiting":
+            self.waiting.remove(seq)
+        elif seq.status == "running":
+            self.running.remove(seq)
+            self.pool.release(seq.blocks)
+            seq.blocks = []
+        if seq.status in ("waiting", "running"):
+            seq.status = "aborted"
+
+    def forget_adapter(self, name: str) -> None:
+        self.loras.drop(name)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "kv_blocks_used": self.pool.num_used,
+            "kv_blocks_total": self.pool.num_blocks,
+            "kv_cache_usage": self.pool.usage,
+            "preemptions": self.preemptions,
+            "steps": self.steps,
+            "loaded_loras": self.loras.resident,
+            "running_lora_adapters": sorted({s.adapter for s in self.running if s.adapter}),
+            "waiting_lora_adapters": sorted({s.adapter for s in self.waiting if s.adapter}),
+        }
+
+    # --- the loop ------------------------------------------------------------------------
+    async def run(self) -> None:
+        deadline = self._now()
+        while True:
+            if not self.running and not self.waiting:
+                self._wake.clear()
+                await self._wake.wait()
+                deadline = self._now()
+            plan = self._schedule()
+            if not plan.work:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), 0.01)
+                except TimeoutError:
+                    pass
+                deadline = self._now()
+                continue
+            deadline += self._step_seconds(plan)
+            now = self._now()
+            if deadline < now:  # we fell behind: do not try to catch up in a burst
+                deadline = now
+            await asyncio.sleep(deadline - now)
+            self._complete(plan, self._now())
+
+    def _step_seconds(self, plan: _Plan) -> float:
+        p = self.profile
+        decoding = sum(1 for seq, n in plan.work if n == 1 and seq.generated)
+        prefill = sum(n for seq, n in plan.work if not (n == 1 and seq.generated))
+        step = p.base_step_s + p.decode_per_seq_s * decoding + p.prefill_per_token_s * prefill
+        if any(seq.adapter for seq, _ in plan.work):
+            step *= p.lora_step_factor
+        return (step + p.lora_load_s * plan.lora_loads) * self.limits.time_scale
+
+    def _blocks_needed(self, seq: Seq, n: int, held: int) -> int:
+        return max(0, math.ceil((seq.num_computed + n) / self.limits.block_size) - held)
+
+    def _schedule(self) -> _Plan:
+        plan = _Plan()
+        budget = self.limits.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            need = self._blocks_needed(seq, n, len(seq.blocks))
+            while need > self.pool.num_free and self.running[-1] is not seq:
+                self._preempt(self.running[-1])
+                preempted = True
+            if need > self.pool.num_free:
+                if len(self.running) == 1:  # alone and still too big: the cache is full
+                    self._finish(seq, "length", self._now())
+                else:
+                    self._preempt(seq)
+                    preempted = True
+                break
+            seq.blocks += self.pool.allocate(need)
+            plan.work.append((seq, n))
+            budget -= n
+            i += 1
+        if not preempted:
+            budget = self._admit(plan, budget)
+        return plan
+
+    def _admit(self, plan: _Plan, budget: int) -> int:
+        bs = self.limits.block_size
+        busy = {s.adapter for s in self.running if s.adapter}
+        skipped: list[Seq] = []
+        while self.waiting and len(self.running) < self.limits.max_num_seqs and budget > 0:
+            seq = self.waiting.popleft()
+            if seq.adapter:
+                got = self.loras.acquire(seq.adapter, busy)
+                if got is None:  # every slot serves a running adapter: let others pass
+                    skipped.append(seq)
+                    continue
+                plan.lora_loads += int(got)
+            # Full prompt blocks only, and never the whole prompt: the last token is computed.
+            hit = self.pool.lookup(seq.hashes, (seq.num_tokens - 1) // bs)
+            seq.num_computed = len(hit) * bs
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            need = self._blocks_needed(seq, n, len(hit))
+            if need > self.pool.num_free - self.pool.evictable_among(hit):
+                seq.num_computed = 0
+                self.waiting.appendleft(seq)
+                break
+            self.pool.touch(hit)
+            seq.blocks = hit + self.pool.allocate(need)
+            seq.registered = len(hit)
+            seq.status = "running"
+            if seq.admitted_at is None:
+                seq.admitted_at = self._now()
+                seq.cached_tokens = seq.num_computed
+                self.hooks.on_admitted(seq, seq.admitted_at)
+            if seq.adapter:
+                busy.add(seq.adapter)
+            self.running.append(seq)
+            plan.work.append((seq, n))
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _preempt(self, seq: Seq) -> None:
+        self.running.remove(seq)
+        self.pool.release(seq.blocks)
+        seq.blocks, seq.num_computed, seq.registered = [], 0, 0
+        seq.status = "waiting"
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+        self.hooks.on_preempted()
+
+    def _complete(self, plan: _Plan, now: float) -> None:
+        self.steps += 1
+        sampled = 0
+        bs = self.limits.block_size
+        for seq, n in plan.work:
+            if seq.status != "running":
+                continue
+            seq.num_computed += n
+            full = min(seq.num_computed // bs, len(seq.hashes))
+            for j in range(seq.registered, full):
+                self.pool.register(seq.blocks[j], seq.hashes[j])
+            seq.registered = max(seq.registered, full)
+            if seq.num_computed == seq.num_tokens:
+                sampled += 1
+                self._sample(seq, now)
+        self.hooks.on_tokens(sampled)
+
+    def _sample(self, seq: Seq, now: float) -> None:
+        piece = seq.source.piece()
+        seq.generated += 1
+        finish = seq.target_reason if seq.generated >= seq.target else None
+        if seq.stop:
+            text = seq.tail + piece
+            cut = min((text.find(s) for s in seq.stop if s in text), default=-1)
+            if cut >= 0:
+                piece, finish = piece[: max(0, cut - len(seq.tail))], "stop"
+            seq.tail = text[-max(len(s) for s in seq.stop) :]
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            self.hooks.on_first_token(seq, now)
+        seq.events.put_nowait(Event(piece, finish))
+        if finish:
+            self._finish(seq, finish, now, emitted=True)
+
+    def _finish(self, seq: Seq, reason: str, now: float, emitted: bool = False) -> None:
+        if not emitted:
+            seq.events.put_nowait(Event("", reason))
+        self.running.remove(seq)
+        self.pool.release(seq.blocks)
+        seq.blocks = []
+        seq.status = "finished"
+        self.hooks.on_finished(seq, reason, now)

@@ -1,0 +1,298 @@
+"""The simulator's HTTP face: vLLM's (or LMDeploy's) OpenAI server on top of the scheduler.
+
+`create_app(config)` builds everything a process needs; nothing lives at module level.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from workers.simulator.config import SimConfig
+from workers.simulator.flavors import SimError, make_flavor
+from workers.simulator.kvcache import block_hashes
+from workers.simulator.requests import Context, Kind, Prepared, prepare
+from workers.simulator.scheduler import Limits, Scheduler, Seq
+from workers.simulator.streams import respond_json, respond_stream
+from workers.simulator.tokens import MEAN_OUTPUT_TOKENS, TextSource, load_tokens, stable_hash
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Simulator:
+    """One engine: its settings, flavour, scheduler, adapters and faults."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.flavor = make_flavor(config)
+        self.metrics = self.flavor.make_metrics(config)
+        self.block_size = config.resolved("block_size")
+        limits = Limits(
+            max_num_seqs=config.resolved("max_num_seqs"),
+            max_num_batched_tokens=config.resolved("max_num_batched_tokens"),
+            num_gpu_blocks=config.resolved("num_gpu_blocks"),
+            block_size=self.block_size,
+            max_loras=config.lora_slots,
+            time_scale=config.time_scale,
+        )
+        self.scheduler = Scheduler(limits, config.timing, self.metrics)
+        self.adapters: dict[str, str] = dict(config.lora_modules)
+        self.faults = config.faults
+        self.context = Context(
+            served_name=config.served_model_name,
+            adapters=self.adapters,
+            tokens=load_tokens(config.model_path),
+            max_model_len=config.max_model_len,
+            kv_tokens=limits.num_gpu_blocks * self.block_size,
+            flavor=self.flavor,
+        )
+        self.accepted = 0
+        self._fault_rng = random.Random(config.seed ^ 0x5EED)
+        self._die_timer: asyncio.TimerHandle | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.created = int(time.time())
+
+    async def lifespan(self, app: web.Application) -> AsyncIterator[None]:
+        self._task = asyncio.create_task(self.scheduler.run(), name="sim-scheduler")
+        self.arm_die_timer()
+        try:
+            yield
+        finally:
+            await self.stop()
+
+    async def stop(self, app: web.Application | None = None) -> None:
+        """Stop stepping; open streams stall, like vLLM's on SIGTERM."""
+        if self._task:
+            self._task.cancel()
+        if self._die_timer:
+            self._die_timer.cancel()
+
+    def arm_die_timer(self) -> None:
+        if self._die_timer:
+            self._die_timer.cancel()
+            self._die_timer = None
+        if self.faults.die_at is not None:
+            loop = asyncio.get_running_loop()
+            self._die_timer = loop.call_later(self.faults.die_at, os._exit, 1)
+
+    def admit_or_fail(self) -> None:
+        """Apply the request-level faults before a request is taken."""
+        if self.faults.die_after is not None and self.accepted >= self.faults.die_after:
+            os._exit(1)
+        self.accepted += 1
+        if self.faults.error_rate and self._fault_rng.random() < self.faults.error_rate:
+            self.metrics.on_failed()
+            raise SimError(500, "internal", "Simulated engine failure (fault error_rate).")
+
+    def new_seq(self, prep: Prepared) -> Seq:
+        namespace = prep.adapter or ""
+        seed = self.config.seed + prep.seed + stable_hash(namespace, prep.prompt_text)
+        source = TextSource(seed)
+        eos = source.eos_after(MEAN_OUTPUT_TOKENS)
+        natural_stop = not prep.ignore_eos and eos < prep.max_tokens
+        return Seq(
+            id=f"seq-{self.accepted}",
+            prompt_ids=prep.prompt_ids,
+            hashes=block_hashes(prep.prompt_ids, self.block_size, namespace),
+            source=source,
+            target=eos if natural_stop else prep.max_tokens,
+            target_reason="stop" if natural_stop else "length",
+            adapter=prep.adapter,
+            stop=prep.stop,
+        )
+
+    def model_card(self, name: str, root: str, parent: str | None) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": self.flavor.owned_by,
+            "root": root,
+            "parent": parent,
+            "max_model_len": self.config.max_model_len if parent is None else None,
+            "permission": [
+                {
+                    "id": f"modelperm-{name}",
+                    "object": "model_permission",
+                    "created": self.created,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
+        }
+
+
+SIM = web.AppKey("simulator", Simulator)
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        body=msgspec.json.encode(data), status=status, content_type="application/json"
+    )
+
+
+async def _body(request: web.Request) -> Any:
+    try:
+        return msgspec.json.decode(await request.read())
+    except msgspec.DecodeError as exc:
+        raise SimError(400, "bad_request", f"malformed JSON body: {exc}") from exc
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except SimError as err:
+        return _json(request.app[SIM].flavor.error_json(err), err.status)
+    except web.HTTPNotFound:
+        return _json({"detail": "Not Found"}, 404)
+    except web.HTTPMethodNotAllowed:
+        return _json({"detail": "Method Not Allowed"}, 405)
+
+
+async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
+    sim = request.app[SIM]
+    body = await _body(request)
+    sim.admit_or_fail()
+    prep = prepare(body, kind, sim.context)
+    seq = sim.new_seq(prep)
+    sim.scheduler.submit(seq)
+    try:
+        if prep.stream:
+            return await respond_stream(
+                request, sim.flavor, prep, seq, sim.faults, sim.scheduler.abort
+            )
+        return await respond_json(sim.flavor, prep, seq)
+    finally:
+        if seq.status in ("waiting", "running"):  # client gone, or a stall: free the engine
+            sim.scheduler.abort(seq)
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def health(request: web.Request) -> web.Response:
+    body = request.app[SIM].flavor.health_body
+    return web.Response(body=body, content_type="application/json" if body else None)
+
+
+async def models(request: web.Request) -> web.Response:
+    sim = request.app[SIM]
+    base = sim.config.served_model_name
+    cards = [sim.model_card(base, sim.config.model_path, None)]
+    cards += [sim.model_card(name, path, base) for name, path in sim.adapters.items()]
+    return _json({"object": "list", "data": cards})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    sim = request.app[SIM]
+    text = sim.metrics.render(sim.scheduler.snapshot())
+    return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def load_lora(request: web.Request) -> web.Response:
+    sim = request.app[SIM]
+    body = await _body(request)
+    name, path = (
+        (body.get("lora_name"), body.get("lora_path")) if isinstance(body, dict) else (None, None)
+    )
+    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+        raise SimError(400, "invalid_input", "Both 'lora_name' and 'lora_path' must be provided.")
+    if name in sim.adapters and not body.get("load_inplace"):
+        raise SimError(
+            400,
+            "invalid_input",
+            f"The lora adapter '{name}' has already been loaded. If you want to load the "
+            "adapter in place, set 'load_inplace' to True.",
+        )
+    if not await asyncio.to_thread(os.path.exists, path):
+        raise SimError(404, "not_found", f"Loading lora {name} failed: No adapter found for {path}")
+    sim.adapters[name] = path
+    sim.scheduler.forget_adapter(name)  # a reload in place takes a fresh slot
+    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora(request: web.Request) -> web.Response:
+    sim = request.app[SIM]
+    body = await _body(request)
+    name = body.get("lora_name") if isinstance(body, dict) else None
+    if not isinstance(name, str) or not name:
+        raise SimError(
+            400, "invalid_input", "'lora_name' needs to be provided to unload a LoRA adapter."
+        )
+    if name not in sim.adapters:
+        raise SimError(404, "not_found", f"The lora adapter '{name}' cannot be found.")
+    del sim.adapters[name]
+    sim.scheduler.forget_adapter(name)
+    return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+async def set_faults(request: web.Request) -> web.Response:
+    sim = request.app[SIM]
+    body = await _body(request)
+    if not isinstance(body, dict):
+        raise SimError(400, "bad_request", "faults must be a JSON object")
+    try:
+        sim.faults.update(body)
+    except ValueError as exc:
+        raise SimError(400, "bad_request", str(exc)) from exc
+    if "die_at" in body:
+        sim.arm_die_timer()
+    return _json(sim.faults.as_dict())
+
+
+async def get_faults(request: web.Request) -> web.Response:
+    return _json(request.app[SIM].faults.as_dict())
+
+
+async def state(request: web.Request) -> web.Response:
+    sim = request.app[SIM]
+    snap = sim.scheduler.snapshot()
+    snap.update(
+        flavor=sim.flavor.name,
+        profile=sim.config.profile,
+        adapters=dict(sim.adapters),
+        accepted=sim.accepted,
+        faults=sim.faults.as_dict(),
+    )
+    return _json(snap)
+
+
+def create_app(config: SimConfig) -> web.Application:
+    sim = Simulator(config)
+    app = web.Application(middlewares=[_errors], client_max_size=64 * 1024**2)
+    app[SIM] = sim
+    app.cleanup_ctx.append(sim.lifespan)
+    app.on_shutdown.append(sim.stop)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/sim/state", state)
+    app.router.add_get("/sim/faults", get_faults)
+    app.router.add_post("/sim/faults", set_faults)
+    if sim.flavor.runtime_lora and config.enable_lora:
+        app.router.add_post("/v1/load_lora_adapter", load_lora)
+        app.router.add_post("/v1/unload_lora_adapter", unload_lora)
+    return app

@@ -1,0 +1,122 @@
+"""Tokens in and text out.
+
+Prompts are counted with the model folder's tokenizer.json when there is one; otherwise
+with a byte-level estimate a gateway can mirror: ceil(utf-8 bytes / 4), each 4-byte chunk
+standing for one token id. Chat messages are rendered ChatML-style before counting.
+
+The text a sequence generates is pseudo-words from a seeded RNG, one word piece per token,
+so that what is streamed, what usage reports and what the scheduler counted agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+MEAN_OUTPUT_TOKENS = 200
+
+_SYLLABLES = (
+    "ka", "lo", "mi", "ren", "ta", "vo", "si", "del", "an", "or", "be", "qu", "ne", "tor",
+    "il", "um", "sa", "pe", "ri", "gon", "ex", "ly", "mar", "chi", "tu", "fen", "ob", "ra",
+)  # fmt: skip
+
+
+class Tokens(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+class ByteTokens:
+    """One token per 4 bytes of UTF-8: ceil(len(bytes) / 4) tokens."""
+
+    def encode(self, text: str) -> list[int]:
+        raw = text.encode()
+        return [int.from_bytes(raw[i : i + 4], "little") for i in range(0, len(raw), 4)]
+
+
+class FileTokens:
+    """A real tokenizer from a model folder's tokenizer.json."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+
+def load_tokens(model: str) -> Tokens:
+    path = Path(model) / "tokenizer.json"
+    return FileTokens(path) if path.is_file() else ByteTokens()
+
+
+def estimate_tokens(text: str) -> int:
+    """The byte-level estimate, for callers that only need the count."""
+    return math.ceil(len(text.encode()) / 4)
+
+
+def message_text(content: Any) -> str:
+    """A message's text: a string, or the text parts of an OpenAI content list."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    raise ValueError("message content must be a string or a list of parts")
+
+
+def render_chat(
+    messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool, continue_final: bool
+) -> str:
+    """ChatML: `<|im_start|>role\\ncontent<|im_end|>\\n` per message.
+
+    Continuing leaves the final (assistant) message open; otherwise the generation prompt
+    opens a new assistant turn.
+    """
+    parts = []
+    for i, msg in enumerate(messages):
+        text = f"<|im_start|>{msg['role']}\n{message_text(msg.get('content'))}"
+        if not (continue_final and i == len(messages) - 1):
+            text += "<|im_end|>\n"
+        parts.append(text)
+    if add_generation_prompt and not continue_final:
+        parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
+
+
+def stable_hash(*parts: str) -> int:
+    """A hash that is the same in every process (Python's str hash is salted)."""
+    digest = hashlib.blake2b("\x00".join(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+class TextSource:
+    """Word pieces and an end-of-sequence point drawn from one seeded RNG."""
+
+    def __init__(self, seed: int) -> None:
+        self._rng = random.Random(seed)
+        self._started = False
+
+    def eos_after(self, mean: int = MEAN_OUTPUT_TOKENS) -> int:
+        """Tokens before a natural stop: geometric with the given mean."""
+        u = self._rng.random()
+        return 1 + int(math.log(1.0 - u) / math.log(1.0 - 1.0 / mean))
+
+    def piece(self) -> str:
+        syllable = self._rng.choice(_SYLLABLES)
+        roll = self._rng.random()
+        if not self._started:
+            self._started = True
+            return syllable.capitalize()
+        if roll < 0.06:
+            return "."
+        if roll < 0.1:
+            return ","
+        if roll < 0.6:
+            return " " + syllable
+        return syllable
