@@ -26,6 +26,12 @@ TEST_DB = 13
 ADMIN_TOKEN = "test-admin-token"
 
 
+def children(pid: int) -> list[int]:
+    """Child process ids of `pid` (Linux /proc)."""
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
 def wait_until(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.05) -> object:
     """Poll `predicate` until it returns something truthy; fail the test on timeout."""
     deadline = time.monotonic() + timeout
@@ -59,7 +65,7 @@ class Proc:
     def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.argv = argv
         self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._log = open(log_path, "wb")
         self.popen = subprocess.Popen(
             argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, cwd=ROOT,

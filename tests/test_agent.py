@@ -16,14 +16,9 @@ import pytest
 
 from fleetgate.redis_server import free_port
 from fleetgate.registry import Registry, connect
-from tests.conftest import ROOT, Fleet, Proc, wait_until
+from tests.conftest import ROOT, Fleet, Proc, children, wait_until
 
 MODEL = "agent-model"
-
-
-def children(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(p) for p in path.read_text().split()] if path.exists() else []
 
 
 def test_sigterm_drains_finishes_in_flight_stops_engine_and_deregisters(
@@ -68,6 +63,25 @@ def test_engine_death_deregisters_and_exits_nonzero(fleet_factory: Callable[[], 
     assert agent.popen.wait(15) == 1
     assert "w" not in fleet.workers(url)
     assert "agent.engine_died" in agent.output()
+
+
+def test_engine_stops_when_the_agent_is_killed(fleet_factory: Callable[[], Fleet]) -> None:
+    """SIGKILL of the agent alone does not leave an orphan engine holding the GPU."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway()
+    agent = fleet.worker("w", "--model", MODEL)
+    fleet.wait_ready(url, "w")
+    [engine_pid] = children(agent.pid)
+    agent.send(signal.SIGKILL)
+
+    def engine_gone() -> bool:
+        try:
+            os.kill(engine_pid, 0)
+        except ProcessLookupError:
+            return True
+        return Path(f"/proc/{engine_pid}/stat").read_text().split()[2] == "Z"
+
+    wait_until(engine_gone, timeout=10)
 
 
 def test_operator_remove_stops_a_running_agent(fleet_factory: Callable[[], Fleet]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -15,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ADMIN_TOKEN, Fleet, wait_until
+from tests.conftest import ADMIN_TOKEN, Fleet, children, wait_until
 
 MODEL = "demo-model"
 FAST = ("--model", MODEL, "--option", "time_scale=0.05")
@@ -237,7 +238,10 @@ def test_sigkilled_worker_vanishes_within_5s_and_requests_keep_succeeding(
     victim = fleet.worker("victim", *FAST)
     fleet.worker("survivor", *FAST)
     fleet.wait_ready(url, "victim", "survivor")
+    engine_pids = children(victim.pid)
     victim.kill_group(signal.SIGKILL)  # the agent and the engine it started, at once
+    for pid in engine_pids:
+        os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()
     statuses = []
     while "victim" in fleet.workers(url):

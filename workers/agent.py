@@ -137,7 +137,7 @@ class Agent:
         self.log.info("agent.engine_starting", argv=argv)
         self.proc = await asyncio.create_subprocess_exec(
             *argv, env=env, stdout=out, stderr=asyncio.subprocess.STDOUT if out else None,
-            stdin=asyncio.subprocess.DEVNULL, start_new_session=True,
+            stdin=asyncio.subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
         )
 
     def _check_alive(self) -> None:
@@ -316,6 +316,18 @@ class Agent:
                 return
             await asyncio.sleep(min(0.5, self.opts.heartbeat_interval_s))
         self.log.warning("agent.drain_timeout", running=self.load.running, waiting=self.load.waiting)
+
+
+def _die_with_parent() -> None:
+    """In the engine's child process: get SIGTERM if the agent dies (Linux), so a crashed
+    agent never leaves an engine holding a GPU that nobody tracks."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def default_worker_id(engine: str, port: int, gpu: str = "") -> str:
