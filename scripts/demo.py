@@ -36,7 +36,7 @@ WORKERS = [
 
 def spawn(name: str, argv: list[str], env: dict[str, str] | None = None) -> int:
     RUN.mkdir(parents=True, exist_ok=True)
-    log = open(RUN / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
+    log = open(RUN / f"{name}.log", "ab")  # the child keeps it open
     proc = subprocess.Popen(
         argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
         env={**os.environ, **(env or {})}, start_new_session=True,
@@ -77,8 +77,6 @@ def start() -> None:
     if any(RUN.glob("*.pid")):
         print("demo: stopping the previous demo first")
         stop()
-    if ping("127.0.0.1", GATEWAY_PORT):
-        pass
     try:
         httpx.get(f"http://127.0.0.1:{GATEWAY_PORT}/health", timeout=0.5)
         raise SystemExit(f"demo: port {GATEWAY_PORT} is taken; set FLEETGATE_DEMO_PORT")
