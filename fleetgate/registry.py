@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
+from fleetgate.hashing import stable_hash
 from fleetgate.schema import SCHEMA_VERSION, Load, WorkerInfo, WorkerState, WorkerView
 
 DEFAULT_PREFIX = "fleetgate"
@@ -98,6 +99,7 @@ def decode_worker(fields: dict[bytes, bytes]) -> WorkerView | None:
         load=load,
         last_heartbeat=float(fields.get(b"hb", b"0") or 0),
         admin_drain=fields.get(b"drain") == b"1",
+        id_hash=stable_hash(info.id),
     )
 
 

@@ -71,6 +71,8 @@ class WorkerView(msgspec.Struct, kw_only=True, frozen=True):
     # Set by an operator through the admin API; independent of the agent's state so
     # that the agent's own writes never clear it.
     admin_drain: bool = False
+    # stable_hash(id), computed once when the record is read; rendezvous hashing uses it.
+    id_hash: int = 0
 
     @property
     def id(self) -> str:

@@ -25,6 +25,7 @@ from fleetgate.schema import WorkerView
 from gateway.errors import GatewayError, InvalidRequest, NotFound, Unauthorized
 from gateway.fleet import FleetWatcher
 from gateway.proxy import Proxy
+from gateway.requests import TokenCounter
 from gateway.routing import make_policy
 from gateway.settings import GatewaySettings
 from gateway.upstream import Upstream
@@ -235,7 +236,10 @@ def create_app(settings: GatewaySettings) -> Litestar:
             settings.connect_timeout_s, settings.first_byte_timeout_s, settings.idle_timeout_s
         )
         await upstream.start()
-        proxy = Proxy(settings, watcher, upstream, make_policy(settings.policy))
+        proxy = Proxy(
+            settings, watcher, upstream, make_policy(settings.policy, settings.routing),
+            tokenizers={model: TokenCounter(path) for model, path in settings.tokenizers.items()},
+        )
         app.state["gw"] = Gateway(
             settings, registry, watcher, proxy, frozenset(_digest(k) for k in settings.api_keys)
         )
@@ -249,7 +253,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
             await redis.aclose()
             log.info("gateway.stopped")
 
-    make_policy(settings.policy)  # fail at start-up, not on the first request
+    make_policy(settings.policy, settings.routing)  # fail at start-up, not on the first request
     return Litestar(
         route_handlers=[
             chat_completions, completions, list_models, get_model, health,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NoReturn
 
 import aiohttp
@@ -32,12 +32,12 @@ from fleetgate.schema import WorkerView
 from gateway.errors import (
     ContextLengthExceeded,
     GatewayError,
-    InvalidRequest,
     ModelNotFound,
     NoWorkerAvailable,
     UpstreamError,
 )
 from gateway.fleet import FleetWatcher
+from gateway.requests import TokenCounter, affinity, estimate_tokens, parse_request
 from gateway.routing import Choice, Policy, RequestFacts, decide
 from gateway.settings import GatewaySettings
 from gateway.upstream import RETRYABLE_STATUS, Upstream, openai_error_body
@@ -46,58 +46,6 @@ log = structlog.get_logger("gateway.proxy")
 
 _FORWARD_HEADERS = {"content-type": "application/json"}
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-
-
-class _Probe(msgspec.Struct):
-    """The fields of an OpenAI request that routing reads; everything else stays raw."""
-
-    model: str
-    stream: bool = False
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    user: str | None = None
-    # Raw: located but not decoded; empty when the field is absent.
-    messages: msgspec.Raw = msgspec.Raw()
-    prompt: msgspec.Raw = msgspec.Raw()
-
-
-_probe_decoder = msgspec.json.Decoder(_Probe)
-
-
-def parse_request(body: bytes, kind: str) -> _Probe:
-    if not body:
-        raise InvalidRequest("the request body is empty; send a JSON object")
-    try:
-        probe = _probe_decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        raise InvalidRequest(f"invalid request body: {exc}", param=_field_of(exc)) from exc
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
-    if not probe.model:
-        raise InvalidRequest("`model` must name a model or adapter", param="model")
-    if kind == "chat" and not _non_empty_array(bytes(probe.messages)):
-        raise InvalidRequest("`messages` must be a non-empty array", param="messages")
-    if kind == "completion" and not len(probe.prompt):
-        raise InvalidRequest("`prompt` is required", param="prompt")
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = getattr(probe, name)
-        if value is not None and value < 1:
-            raise InvalidRequest(f"`{name}` must be at least 1", param=name)
-    return probe
-
-
-def _non_empty_array(raw: bytes) -> bool:
-    return raw.startswith(b"[") and raw[1:].lstrip()[:1] != b"]"
-
-
-def _field_of(exc: msgspec.ValidationError) -> str | None:
-    # msgspec says "... - at `$.field`" or "Object missing required field `field`"
-    text = str(exc)
-    if "`$." in text:
-        return text.split("`$.", 1)[1].split("`", 1)[0].split("[", 1)[0]
-    if "required field `" in text:
-        return text.split("required field `", 1)[1].split("`", 1)[0]
-    return None
 
 
 class _Retryable(Exception):
@@ -113,6 +61,7 @@ class Proxy:
     upstream: Upstream
     policy: Policy
     inflight: dict[str, int] = field(default_factory=dict)
+    tokenizers: dict[str, TokenCounter] = field(default_factory=dict)
     seq: int = 0
 
     async def handle(self, request: Request, path: str, kind: str) -> Response:
@@ -121,13 +70,25 @@ class Proxy:
         body = await request.body()
         probe = parse_request(body, kind)
         self.seq += 1
+        session = request.headers.get("x-session-id") or probe.user
+        key, key_kind = affinity(probe, session) if self.policy.name == "fleet" else (None, None)
+        base = self.watcher.snapshot.models.get(probe.model) or probe.model
+        counter = self.tokenizers.get(base)
+        if counter is not None:
+            estimate = floor = counter.count(probe)
+        else:
+            estimate, floor = estimate_tokens(probe)
         facts = RequestFacts(
             model=probe.model,
+            prompt_tokens=estimate,
             max_tokens=probe.max_completion_tokens or probe.max_tokens,
-            session=request.headers.get("x-session-id") or probe.user,
+            session=session,
             seq=self.seq,
+            adapter=self.watcher.snapshot.models.get(probe.model, "") != "",
+            affinity_key=key,
+            affinity_kind=key_kind,
         )
-        attempt = _Attempt(self, path, body, probe.stream, facts)
+        attempt = _Attempt(self, path, body, probe.stream, facts, floor)
         try:
             resp, choice = await attempt.first()
         except _Retryable as first_failure:
@@ -228,8 +189,12 @@ def _sse_error(message: str) -> bytes:
 class _Attempt:
     """The attempts at one request: each picks the best worker not tried yet."""
 
-    def __init__(self, proxy: Proxy, path: str, body: bytes, stream: bool, facts: RequestFacts) -> None:
+    def __init__(
+        self, proxy: Proxy, path: str, body: bytes, stream: bool, facts: RequestFacts, floor: int
+    ) -> None:
         self.proxy = proxy
+        # The fewest tokens the prompt can have (equal to the estimate with a tokenizer).
+        self.floor = floor
         self.path = path
         self.body = body
         self.stream = stream
@@ -271,6 +236,10 @@ class _Attempt:
         proxy = self.proxy
         snapshot = proxy.watcher.snapshot
         decision = decide(snapshot.workers, self.facts, proxy.inflight, proxy.policy, exclude=self.tried)
+        if decision.verdict == "context_length" and self.floor + (self.facts.max_tokens or 0) < decision.limit:
+            # Only an estimate says it does not fit: let the roomiest workers' engines decide.
+            roomiest = replace(self.facts, prompt_tokens=decision.limit - 1, max_tokens=None)
+            decision = decide(snapshot.workers, roomiest, proxy.inflight, proxy.policy, exclude=self.tried)
         if decision.verdict == "ok" and decision.choices:
             return decision.choices[0]
         if decision.verdict == "unknown_model":
@@ -279,8 +248,11 @@ class _Attempt:
             )
         if decision.verdict == "context_length":
             raise ContextLengthExceeded(
-                f"This model's maximum context length is {decision.limit} tokens; "
-                f"the request asks for more.", param="messages",
+                f"This model's maximum context length is {decision.limit} tokens. However, you "
+                f"requested {self.floor + (self.facts.max_tokens or 0)} tokens or more "
+                f"({self.floor} in the prompt, {self.facts.max_tokens or 0} for the completion). "
+                "Please reduce the length of the prompt or of max_tokens.",
+                param="messages",
             )
         if self.last_error is not None:
             raise self.last_error

@@ -23,7 +23,11 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     admin_token: str = ""
     # Client keys for /v1; empty means the data plane is open (say so in the docs).
     api_keys: tuple[str, ...] = ()
-    policy: str = "least_outstanding"
+    policy: str = "fleet"
+    # Knobs of the `fleet` policy (gateway/routing/fleet.py: FleetOptions).
+    routing: dict[str, float] = msgspec.field(default_factory=dict)
+    # Base model name -> tokenizer.json, for exact prompt token counts (else estimated).
+    tokenizers: dict[str, str] = msgspec.field(default_factory=dict)
     connect_timeout_s: float = 2.0
     # Time allowed for an engine's response headers (non-streaming: the whole answer).
     first_byte_timeout_s: float = 300.0

@@ -64,7 +64,7 @@ def test_openai_client_chat_non_streaming_and_streaming(shared_fleet: tuple[Flee
         model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=12,
     )
     assert raw.headers["x-fleetgate-worker"] in ("big", "small")
-    assert raw.headers["x-fleetgate-route"].startswith("least_outstanding:")
+    assert raw.headers["x-fleetgate-route"].startswith("fleet:")
     completion = raw.parse()
     assert completion.choices[0].message.content
     assert completion.usage is not None and 1 <= completion.usage.completion_tokens <= 12
@@ -200,7 +200,7 @@ def test_drain_under_load_sends_nothing_new_and_finishes_in_flight(
 ) -> None:
     """Draining under load: in-flight requests on the drained worker complete; new ones go elsewhere."""
     fleet = fleet_factory()
-    _, url = fleet.gateway()
+    _, url = fleet.gateway("--policy", "least_outstanding")  # spread the first wave over both
     fleet.worker("a", "--model", MODEL, "--option", "time_scale=0.2", "--option", "max_num_seqs=4")
     fleet.worker("b", "--model", MODEL, "--option", "time_scale=0.2", "--option", "max_num_seqs=4")
     fleet.wait_ready(url, "a", "b")

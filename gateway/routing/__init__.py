@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import msgspec
+
 from gateway.routing.base import Choice, Decision, Policy, RequestFacts, decide
+from gateway.routing.fleet import FleetOptions, FleetPolicy
 from gateway.routing.least_outstanding import LeastOutstanding
+from gateway.routing.random_pick import RandomPick
 from gateway.routing.round_robin import RoundRobin
 
-POLICIES: dict[str, type[Policy]] = {
+POLICIES: dict[str, type[Any]] = {
+    FleetPolicy.name: FleetPolicy,
     LeastOutstanding.name: LeastOutstanding,
     RoundRobin.name: RoundRobin,
+    RandomPick.name: RandomPick,
 }
 
 
-def make_policy(name: str) -> Policy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; known: {sorted(POLICIES)}") from None
+def make_policy(name: str, options: dict[str, Any] | None = None) -> Policy:
+    """The policy called `name`; `options` tune the `fleet` policy (see FleetOptions)."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; known: {sorted(POLICIES)}")
+    if name == FleetPolicy.name:
+        return FleetPolicy(msgspec.convert(options or {}, FleetOptions))
+    return POLICIES[name]()  # type: ignore[no-any-return]
 
 
-__all__ = ["POLICIES", "Choice", "Decision", "Policy", "RequestFacts", "decide", "make_policy"]
+__all__ = ["POLICIES", "Choice", "Decision", "FleetOptions", "Policy", "RequestFacts", "decide", "make_policy"]

@@ -22,8 +22,14 @@ class RequestFacts:
     prompt_tokens: int = 0
     max_tokens: int | None = None
     session: str | None = None
-    # The gateway's request counter; round-robin uses it, nothing else should.
+    # The gateway's request counter; round-robin and random use it, nothing else should.
     seq: int = 0
+    # True when `model` names a LoRA adapter rather than a base model.
+    adapter: bool = False
+    # Stable hash of what this request shares with others (a system prompt, a session);
+    # requests with the same key are sent to the same worker while its load allows.
+    affinity_key: int | None = None
+    affinity_kind: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

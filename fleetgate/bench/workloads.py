@@ -1,0 +1,279 @@
+"""Named, seeded workloads: what each request says, and when it arrives.
+
+A workload is two independent streams drawn from one seed:
+
+* contents (`prefix`, `adapters`, `mixed`): an endless, deterministic sequence of chat
+  requests (model, messages, max_tokens, session);
+* arrivals: a bursty Poisson process (a Markov-modulated one: bursts at `burst` times the
+  mean rate alternate with calm spells, so the mean stays at the target rate).
+
+Contents do not depend on the rate, so the load generator can first look at the shape of
+the requests (their token counts), estimate the fleet's capacity for them, and only then
+draw arrival times at the wanted fraction of it. A finished workload is a list of
+`BenchRequest`s, which round-trips through a JSONL trace (`write_trace`/`read_trace`).
+
+Token counts are sized for the simulator's byte tokenizer (one token per 4 bytes of UTF-8).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+BYTES_PER_TOKEN = 4
+
+
+class BenchRequest(msgspec.Struct, kw_only=True, frozen=True):
+    """One request of a workload, as sent and as stored in a trace line."""
+
+    id: int
+    at: float  # seconds after the run starts
+    model: str
+    messages: list[dict[str, str]]
+    max_tokens: int
+    session: str | None = None
+    # Free-form label for breakdowns: "turn-3", "long", "lora-07", ...
+    tag: str = ""
+
+    def body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": self.messages,
+            "max_tokens": self.max_tokens,
+            # Exact token counts: the same work for every policy.
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.session:
+            body["user"] = self.session
+        return body
+
+    def prompt_tokens(self) -> int:
+        """The simulator's byte estimate of the rendered chat prompt."""
+        size = sum(len(m["role"]) + len(m["content"].encode()) + 24 for m in self.messages)
+        return math.ceil((size + 22) / BYTES_PER_TOKEN)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FleetFacts:
+    """What a workload needs to know of the fleet."""
+
+    model: str
+    adapters: Sequence[str] = ()
+    # The largest and smallest max_model_len in the fleet.
+    max_context: int = 32768
+    min_context: int = 4096
+
+
+# ---------------------------------------------------------------- text
+
+_WORDS = (
+    "the of and to in is you that it he was for on are as with his they at be this have from "
+    "or one had by word but not what all were we when your can said there use an each which "
+    "she do how their if will up other about out many then them these so some her would make "
+    "like him into time has look two more write go see number no way could people my than "
+    "first water been call who oil its now find long down day did get come made may part "
+    "router cache prefix engine token batch queue latency adapter kernel tensor gradient"
+).split()
+
+
+def words(rng: random.Random, tokens: int) -> str:
+    """About `tokens` tokens of text (the byte tokenizer's count)."""
+    out: list[str] = []
+    size = 0
+    target = tokens * BYTES_PER_TOKEN
+    while size < target:
+        w = rng.choice(_WORDS)
+        out.append(w)
+        size += len(w) + 1
+    return " ".join(out)
+
+
+def zipf_weights(n: int, s: float) -> list[float]:
+    raw = [1.0 / (k**s) for k in range(1, n + 1)]
+    total = sum(raw)
+    return [w / total for w in raw]
+
+
+def _pick(rng: random.Random, cumulative: Sequence[float]) -> int:
+    import bisect
+
+    return min(bisect.bisect_left(cumulative, rng.random()), len(cumulative) - 1)
+
+
+# ---------------------------------------------------------------- contents
+
+
+@dataclass(frozen=True, kw_only=True)
+class Draft:
+    """A request before it has an arrival time."""
+
+    model: str
+    messages: list[dict[str, str]]
+    max_tokens: int
+    session: str | None = None
+    tag: str = ""
+
+
+ContentGen = Callable[[random.Random, FleetFacts, dict[str, Any]], Iterator[Draft]]
+
+
+def prefix_contents(rng: random.Random, fleet: FleetFacts, p: dict[str, Any]) -> Iterator[Draft]:
+    """Multi-turn chat sessions; each session opens with one of a few long system prompts.
+
+    A new request starts a session with probability 1/mean_turns, else continues a random
+    open one; a turn carries the whole conversation so far (earlier answers are synthetic
+    text the size of max_tokens, so the trace does not depend on what an engine answered).
+    """
+    n_prompts = int(p.get("system_prompts", 48))
+    sys_tokens = int(p.get("system_tokens", 1200))
+    user_tokens = int(p.get("user_tokens", 80))
+    mean_turns = float(p.get("mean_turns", 4))
+    max_turns = int(p.get("max_turns", 8))
+    max_tokens = int(p.get("max_tokens", 32))
+    open_sessions = int(p.get("open_sessions", 32))
+    prompts = [
+        f"[system prompt {i}] " + words(random.Random(rng.random()), sys_tokens)
+        for i in range(n_prompts)
+    ]
+    cumulative = list(itertools.accumulate(zipf_weights(n_prompts, float(p.get("zipf", 0.6)))))
+    # Open sessions: (id, conversation so far, turns it will have).
+    sessions: list[tuple[str, list[dict[str, str]], int]] = []
+    counter = itertools.count()
+    while True:
+        if not sessions or (len(sessions) < open_sessions and rng.random() < 1 / mean_turns):
+            sid = f"s{next(counter):05d}"
+            system = prompts[_pick(rng, cumulative)]
+            turns = min(max_turns, 1 + int(rng.expovariate(1 / max(mean_turns - 1, 0.01))))
+            sessions.append((sid, [{"role": "system", "content": system}], turns))
+            k = len(sessions) - 1
+        else:
+            k = rng.randrange(len(sessions))
+        sid, history, turns = sessions[k]
+        turn = (len(history) - 1) // 2 + 1
+        messages = [*history, {"role": "user", "content": words(rng, user_tokens)}]
+        yield Draft(model=fleet.model, messages=messages, max_tokens=max_tokens, session=sid,
+                    tag=f"turn-{turn}")  # fmt: skip
+        if turn >= turns:
+            sessions.pop(k)
+        else:
+            answer = {"role": "assistant", "content": words(rng, max_tokens)}
+            sessions[k] = (sid, [*messages, answer], turns)
+
+
+def adapter_contents(rng: random.Random, fleet: FleetFacts, p: dict[str, Any]) -> Iterator[Draft]:
+    """Single-turn requests to many LoRA adapters with Zipf popularity (rank = list order)."""
+    adapters = list(fleet.adapters)
+    if not adapters:
+        raise ValueError("the adapters workload needs adapters in the fleet")
+    cumulative = list(itertools.accumulate(zipf_weights(len(adapters), float(p.get("zipf", 1.0)))))
+    lo, hi = int(p.get("prompt_min", 100)), int(p.get("prompt_max", 400))
+    max_tokens = int(p.get("max_tokens", 32))
+    while True:
+        name = adapters[_pick(rng, cumulative)]
+        content = words(rng, rng.randint(lo, hi))
+        yield Draft(model=name, messages=[{"role": "user", "content": content}],
+                    max_tokens=max_tokens, tag=name)  # fmt: skip
+
+
+def mixed_contents(rng: random.Random, fleet: FleetFacts, p: dict[str, Any]) -> Iterator[Draft]:
+    """Short prompts, medium ones that fit every worker, and long ones that fit only the
+    long-context workers (over the smallest max_model_len, under the largest)."""
+    max_tokens = int(p.get("max_tokens", 32))
+    long_share = float(p.get("long_share", 0.1))
+    medium_share = float(p.get("medium_share", 0.2))
+    small = fleet.min_context
+    long_hi = min(int(p.get("long_max", 12000)), fleet.max_context - max_tokens - 64)
+    long_lo = min(small + 256, long_hi)
+    while True:
+        roll = rng.random()
+        if roll < long_share:
+            n, tag = rng.randint(long_lo, long_hi), "long"
+        elif roll < long_share + medium_share:
+            n, tag = rng.randint(small // 2, small - max_tokens - 256), "medium"
+        else:
+            n, tag = rng.randint(50, 400), "short"
+        yield Draft(model=fleet.model, messages=[{"role": "user", "content": words(rng, n)}],
+                    max_tokens=max_tokens, tag=tag)  # fmt: skip
+
+
+WORKLOADS: dict[str, ContentGen] = {
+    "prefix": prefix_contents,
+    "adapters": adapter_contents,
+    "mixed": mixed_contents,
+}
+
+
+def contents(
+    name: str, seed: int, fleet: FleetFacts, params: dict[str, Any] | None = None
+) -> Iterator[Draft]:
+    try:
+        gen = WORKLOADS[name]
+    except KeyError:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}") from None
+    # One RNG per (workload, seed), independent of the arrival RNG.
+    return gen(random.Random(f"{name}:{seed}"), fleet, dict(params or {}))
+
+
+# ---------------------------------------------------------------- arrivals
+
+
+def bursty_arrivals(
+    rate: float, duration: float, seed: int, *, burst: float = 2.0, mean_phase_s: float = 2.0
+) -> list[float]:
+    """Arrival times in [0, duration) at mean `rate`/s: bursts at burst x rate for about a
+    third of the time, calm spells at the rate that keeps the mean (Poisson within each)."""
+    if rate <= 0 or duration <= 0:
+        return []
+    rng = random.Random(f"arrivals:{seed}")
+    burst_frac = 1 / 3
+    calm_rate = max(0.0, rate * (1 - burst * burst_frac) / (1 - burst_frac))
+    t, out = 0.0, []
+    bursting = rng.random() < burst_frac
+    while t < duration:
+        mean = mean_phase_s * (burst_frac if bursting else 1 - burst_frac) * 2
+        end = min(duration, t + rng.expovariate(1 / mean))
+        r = rate * burst if bursting else calm_rate
+        if r > 0:
+            while True:
+                t += rng.expovariate(r)
+                if t >= end:
+                    break
+                out.append(t)
+        t = end
+        bursting = not bursting
+    return out
+
+
+def build(drafts: Iterator[Draft], arrivals: Sequence[float]) -> list[BenchRequest]:
+    return [
+        BenchRequest(id=i, at=round(at, 6), model=d.model, messages=d.messages,
+                     max_tokens=d.max_tokens, session=d.session, tag=d.tag)  # fmt: skip
+        for i, (at, d) in enumerate(zip(arrivals, drafts, strict=False))
+    ]
+
+
+# ---------------------------------------------------------------- traces
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(BenchRequest)
+
+
+def write_trace(path: str | Path, requests: Sequence[BenchRequest]) -> None:
+    with open(path, "wb") as fh:
+        for req in requests:
+            fh.write(_encoder.encode(req) + b"\n")
+
+
+def read_trace(path: str | Path) -> list[BenchRequest]:
+    with open(path, "rb") as fh:
+        reqs = [_decoder.decode(line) for line in fh if line.strip()]
+    return sorted(reqs, key=lambda r: r.at)
