@@ -19,6 +19,7 @@ import structlog
 
 from fleetgate.registry import Registry
 from fleetgate.schema import WorkerView
+from gateway.routing.table import Routes
 
 log = structlog.get_logger("gateway.fleet")
 
@@ -32,6 +33,7 @@ class FleetSnapshot:
     # Every model name the ready fleet serves -> its base model ("" for a base model).
     models: Mapping[str, str] = field(default_factory=dict)
     models_json: bytes = b'{"object":"list","data":[]}'
+    routes: Routes = field(default_factory=lambda: Routes({}))
 
     @classmethod
     def build(cls, workers: list[WorkerView], version: int) -> FleetSnapshot:
@@ -59,6 +61,7 @@ class FleetSnapshot:
             read_at=time.time(),
             models=models,
             models_json=msgspec.json.encode({"object": "list", "data": data}),
+            routes=Routes.build(workers),
         )
 
 

@@ -199,6 +199,7 @@ class _Attempt:
         self.body = body
         self.stream = stream
         self.facts = facts
+        # Each attempt decides afresh (the fleet may have changed), skipping these.
         self.tried: list[str] = []
         self.count = 0
         self.last_error: GatewayError | None = None
@@ -235,11 +236,11 @@ class _Attempt:
     def _choose(self) -> Choice:
         proxy = self.proxy
         snapshot = proxy.watcher.snapshot
-        decision = decide(snapshot.workers, self.facts, proxy.inflight, proxy.policy, exclude=self.tried)
+        decision = decide(snapshot.routes, self.facts, proxy.inflight, proxy.policy, self.tried, limit=1)
         if decision.verdict == "context_length" and self.floor + (self.facts.max_tokens or 0) < decision.limit:
             # Only an estimate says it does not fit: let the roomiest workers' engines decide.
             roomiest = replace(self.facts, prompt_tokens=decision.limit - 1, max_tokens=None)
-            decision = decide(snapshot.workers, roomiest, proxy.inflight, proxy.policy, exclude=self.tried)
+            decision = decide(snapshot.routes, roomiest, proxy.inflight, proxy.policy, self.tried, limit=1)
         if decision.verdict == "ok" and decision.choices:
             return decision.choices[0]
         if decision.verdict == "unknown_model":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fleetgate.schema import Load, WorkerInfo, WorkerView
-from gateway.routing import RequestFacts, decide, make_policy
+from gateway.routing import RequestFacts, Routes, decide, make_policy
 
 
 def w(
@@ -52,21 +52,21 @@ CASES = [
 @pytest.mark.parametrize(("why", "facts", "inflight", "exclude", "verdict", "ids"), CASES, ids=[c[0] for c in CASES])
 def test_least_outstanding_decisions(why: str, facts: RequestFacts, inflight: dict[str, int],
                                      exclude: tuple[str, ...], verdict: str, ids: list[str]) -> None:
-    decision = decide(FLEET, facts, inflight, make_policy("least_outstanding"), exclude)
+    decision = decide(Routes.build(FLEET), facts, inflight, make_policy("least_outstanding"), exclude)
     assert decision.verdict == verdict
     assert [c.worker.id for c in decision.choices] == ids
 
 
 def test_context_length_verdict_names_the_largest_limit() -> None:
     """The 400 message can tell the client the largest context any worker offers."""
-    decision = decide(FLEET, RequestFacts("base", prompt_tokens=40000), {}, make_policy("least_outstanding"))
+    decision = decide(Routes.build(FLEET), RequestFacts("base", prompt_tokens=40000), {}, make_policy("least_outstanding"))
     assert decision.limit == 32768
 
 
 def test_ties_break_by_capacity_then_id_the_same_on_every_replica() -> None:
     """Equal load prefers the larger engine, then the id: deterministic across gateways."""
     fleet = (w("z", capacity=64), w("y", capacity=256), w("x", capacity=256))
-    ranked = decide(fleet, RequestFacts("base"), {"z": 1, "y": 1, "x": 1}, make_policy("least_outstanding"))
+    ranked = decide(Routes.build(fleet), RequestFacts("base"), {"z": 1, "y": 1, "x": 1}, make_policy("least_outstanding"))
     assert [c.worker.id for c in ranked.choices] == ["x", "y", "z"]
 
 
@@ -74,7 +74,7 @@ def test_round_robin_rotates_with_the_request_counter() -> None:
     """Round-robin walks the eligible workers in id order, one step per request."""
     fleet = (w("a"), w("b"), w("c"), w("d", drain=True))
     policy = make_policy("round_robin")
-    firsts = [decide(fleet, RequestFacts("base", seq=i), {}, policy).choices[0].worker.id for i in range(4)]
+    firsts = [decide(Routes.build(fleet), RequestFacts("base", seq=i), {}, policy).choices[0].worker.id for i in range(4)]
     assert firsts == ["a", "b", "c", "a"]
 
 

@@ -11,6 +11,7 @@ from gateway.routing.fleet import FleetOptions, FleetPolicy
 from gateway.routing.least_outstanding import LeastOutstanding
 from gateway.routing.random_pick import RandomPick
 from gateway.routing.round_robin import RoundRobin
+from gateway.routing.table import Routes
 
 POLICIES: dict[str, type[Any]] = {
     FleetPolicy.name: FleetPolicy,
@@ -29,4 +30,7 @@ def make_policy(name: str, options: dict[str, Any] | None = None) -> Policy:
     return POLICIES[name]()  # type: ignore[no-any-return]
 
 
-__all__ = ["POLICIES", "Choice", "Decision", "FleetOptions", "Policy", "RequestFacts", "decide", "make_policy"]
+__all__ = [
+    "POLICIES", "Choice", "Decision", "FleetOptions", "Policy", "RequestFacts", "Routes", "decide",
+    "make_policy",
+]

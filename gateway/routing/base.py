@@ -1,7 +1,8 @@
 """What every policy shares: the request's facts, the candidate filter and the decision type.
 
-Pure code: no I/O, no framework imports. A policy ranks the workers that passed the
-filters; the gateway tries them in that order.
+Pure code: no I/O, no framework imports. `decide` filters the workers that serve
+the model (precomputed per snapshot in `Routes`), then the policy ranks the top few;
+the gateway tries them in that order.
 """
 
 from __future__ import annotations
@@ -10,9 +11,12 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from fleetgate.schema import WorkerView
+from gateway.routing.table import ModelRoutes, Routes, Slot
 
 Verdict = Literal["ok", "unknown_model", "no_worker", "context_length"]
+
+# How many ranked workers a decision returns: the first choice plus retries.
+DEFAULT_LIMIT = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,8 +38,12 @@ class RequestFacts:
 
 @dataclass(frozen=True, slots=True)
 class Choice:
-    worker: WorkerView
+    slot: Slot
     reason: str
+
+    @property
+    def worker(self):  # type: ignore[no-untyped-def]  # -> WorkerView
+        return self.slot.view
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,34 +58,41 @@ class Policy(Protocol):
     name: str
 
     def rank(
-        self, candidates: Sequence[WorkerView], facts: RequestFacts, inflight: Mapping[str, int]
-    ) -> list[Choice]: ...
-
-
-def fits(worker: WorkerView, facts: RequestFacts) -> bool:
-    if not facts.prompt_tokens:
-        return True
-    return facts.prompt_tokens + (facts.max_tokens or 0) <= worker.info.max_model_len or (
-        # Like vLLM, an engine cuts max_tokens to what fits; only the prompt must fit.
-        facts.max_tokens is None and facts.prompt_tokens < worker.info.max_model_len
-    )
+        self, candidates: Sequence[Slot], facts: RequestFacts, inflight: Mapping[str, int],
+        routes: ModelRoutes, limit: int,
+    ) -> list[Choice]:
+        """The best `limit` candidates, best first, each with the reason it was chosen."""
+        ...
 
 
 def decide(
-    workers: Sequence[WorkerView],
+    routes: Routes,
     facts: RequestFacts,
     inflight: Mapping[str, int],
     policy: Policy,
     exclude: Collection[str] = (),
+    limit: int = DEFAULT_LIMIT,
 ) -> Decision:
-    """Filter the fleet for this request, then let the policy rank what is left."""
-    serving = [w for w in workers if w.serves(facts.model) and w.state != "starting"]
-    if not serving:
+    """Filter the workers serving this model, then let the policy rank what is left."""
+    model_routes = routes.by_model.get(facts.model)
+    if model_routes is None:
         return Decision("unknown_model")
-    routable = [w for w in serving if w.routable and w.id not in exclude]
-    fitting = [w for w in routable if fits(w, facts)]
-    if routable and not fitting:
-        return Decision("context_length", limit=max(w.info.max_model_len for w in routable))
-    if not fitting:
+    if exclude:
+        routable = [s for s in model_routes.slots if s.routable and s.id not in exclude]
+    else:
+        routable = [s for s in model_routes.slots if s.routable]
+    if not routable:
         return Decision("no_worker")
-    return Decision("ok", tuple(policy.rank(fitting, facts, inflight)))
+    need = facts.prompt_tokens
+    if need:
+        # Like vLLM, an engine cuts max_tokens to what fits; the prompt itself must fit,
+        # and where the client asked for a completion length, that should fit too.
+        total = need + (facts.max_tokens or 0)
+        fitting = [s for s in routable if s.max_len >= total] or (
+            [s for s in routable if s.max_len > need] if facts.max_tokens is None else []
+        )
+        if not fitting:
+            return Decision("context_length", limit=max(s.max_len for s in routable))
+    else:
+        fitting = routable
+    return Decision("ok", tuple(policy.rank(fitting, facts, inflight, model_routes, limit)))

@@ -7,22 +7,22 @@
    second old): under KV pressure the queue, not the prefix-cache hit rate, is what
    says a worker is drowning.
 2. Affinity: requests that share a prefix (or a session) go to the same worker,
-   chosen by rendezvous hashing so every gateway replica agrees without talking, and
-   so a worker leaving moves only its own keys. The load is bounded: the home worker
-   is skipped while it carries more than (1 + balance) x its fair share, and the
-   next worker in the key's rendezvous order takes the overflow, so a hot prefix
-   gets a second replica instead of a queue.
+   found on a consistent-hash ring so every gateway replica agrees without talking
+   and a worker leaving moves only its own keys. The load is bounded: the home is
+   skipped while it carries more than (1 + balance) x its fair share (+ slack), and
+   the next worker on the key's ring takes the overflow, so a hot prefix gets a
+   second replica instead of a queue.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Mapping, Sequence
 
 import msgspec
 
-from fleetgate.hashing import mix
-from fleetgate.schema import WorkerView
 from gateway.routing.base import Choice, RequestFacts
+from gateway.routing.table import ModelRoutes, Slot
 
 
 class FleetOptions(msgspec.Struct, kw_only=True, frozen=True):
@@ -30,30 +30,12 @@ class FleetOptions(msgspec.Struct, kw_only=True, frozen=True):
     balance: float = 0.25
     # Requests a home may always take beyond its share (keeps affinity at low load).
     slack: float = 2.0
-    # KV-cache use above which a worker is treated as saturated.
+    # KV-cache use above which a worker with a queue counts as saturated.
     kv_high: float = 0.9
     kv_weight: float = 2.0
     waiting_weight: float = 1.0
-
-
-def busy(worker: WorkerView, inflight: Mapping[str, int]) -> int:
-    load = worker.load
-    return max(inflight.get(worker.id, 0), load.running + load.waiting)
-
-
-def cost(worker: WorkerView, inflight: Mapping[str, int], opts: FleetOptions) -> float:
-    capacity = max(worker.info.capacity, 1)
-    load = worker.load
-    kv_excess = max(0.0, load.kv_cache_usage - opts.kv_high) / max(1e-9, 1.0 - opts.kv_high)
-    return (
-        busy(worker, inflight) / capacity
-        + opts.waiting_weight * load.waiting / capacity
-        + opts.kv_weight * kv_excess
-    )
-
-
-def saturated(worker: WorkerView, opts: FleetOptions) -> bool:
-    return worker.load.waiting > 0 and worker.load.kv_cache_usage >= opts.kv_high
+    # Workers tried along a key's ring before falling back to least load.
+    max_probes: int = 4
 
 
 class FleetPolicy:
@@ -63,23 +45,46 @@ class FleetPolicy:
         self.opts = options or FleetOptions()
 
     def rank(
-        self, candidates: Sequence[WorkerView], facts: RequestFacts, inflight: Mapping[str, int]
+        self, candidates: Sequence[Slot], facts: RequestFacts, inflight: Mapping[str, int],
+        routes: ModelRoutes, limit: int,
     ) -> list[Choice]:
         opts = self.opts
-        by_cost = sorted(candidates, key=lambda w: (cost(w, inflight, opts), w.id))
-        resident_reason = "adapter-resident" if facts.adapter else "least-load"
-        if facts.affinity_key is None or len(candidates) == 1:
-            return [Choice(w, resident_reason) for w in by_cost]
-        total_busy = sum(busy(w, inflight) for w in candidates) + 1
-        total_capacity = sum(max(w.info.capacity, 1) for w in candidates)
-        share = total_busy / total_capacity
+        get = inflight.get
+        kv_high = opts.kv_high
+        kv_scale = opts.kv_weight / max(1e-9, 1.0 - kv_high)
+        waiting_weight = opts.waiting_weight
+        scored: list[tuple[float, str, Slot]] = []
+        busy: dict[str, int] = {}
+        total_busy = 1
+        total_capacity = 0
+        for s in candidates:
+            b = get(s.id, 0)
+            if s.engine_busy > b:
+                b = s.engine_busy
+            c = (b + waiting_weight * s.waiting) / s.capacity
+            if s.kv > kv_high:
+                c += kv_scale * (s.kv - kv_high)
+            scored.append((c, s.id, s))
+            busy[s.id] = b
+            total_busy += b
+            total_capacity += s.capacity
+        default_reason = "adapter-resident" if facts.adapter else "least-load"
         key = facts.affinity_key
-        homes = sorted(candidates, key=lambda w: mix(key, w.id_hash), reverse=True)
+        if key is None or len(candidates) == 1:
+            return [Choice(x[2], default_reason) for x in heapq.nsmallest(limit, scored)]
+        share = total_busy / total_capacity
         kind = facts.affinity_kind or "prefix"
-        for rank_, home in enumerate(homes):
-            limit = (1.0 + opts.balance) * share * max(home.info.capacity, 1) + opts.slack
-            if busy(home, inflight) + 1 <= limit and not saturated(home, opts):
-                reason = f"{kind}-hit" if rank_ == 0 else f"{kind}-spill"
-                rest = [Choice(w, resident_reason) for w in by_cost if w.id != home.id]
-                return [Choice(home, reason), *rest]
-        return [Choice(w, "least-load-overflow") for w in by_cost]
+        probes = 0
+        for s in routes.ring_order(key):
+            home_busy = busy.get(s.id)
+            if home_busy is None:  # drained, already tried, or too short for this prompt
+                continue
+            bound = (1.0 + opts.balance) * share * s.capacity + opts.slack
+            if home_busy + 1 <= bound and not (s.waiting > 0 and s.kv >= kv_high):
+                reason = f"{kind}-hit" if probes == 0 else f"{kind}-spill"
+                rest = heapq.nsmallest(limit, (x for x in scored if x[2] is not s))
+                return [Choice(s, reason), *(Choice(x[2], default_reason) for x in rest[: limit - 1])]
+            probes += 1
+            if probes >= opts.max_probes:
+                break
+        return [Choice(x[2], "least-load-overflow") for x in heapq.nsmallest(limit, scored)]

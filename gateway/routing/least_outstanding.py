@@ -2,30 +2,24 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Mapping, Sequence
 
-from fleetgate.schema import WorkerView
 from gateway.routing.base import Choice, RequestFacts
-
-
-def outstanding(worker: WorkerView, inflight: Mapping[str, int]) -> int:
-    return inflight.get(worker.id, 0) + worker.load.waiting
+from gateway.routing.table import ModelRoutes, Slot
 
 
 class LeastOutstanding:
     name = "least_outstanding"
 
     def rank(
-        self, candidates: Sequence[WorkerView], facts: RequestFacts, inflight: Mapping[str, int]
+        self, candidates: Sequence[Slot], facts: RequestFacts, inflight: Mapping[str, int],
+        routes: ModelRoutes, limit: int,
     ) -> list[Choice]:
+        get = inflight.get
         # Ties go to the larger engine (more free batch slots), then to the id, so every
         # gateway replica given the same snapshot makes the same choice.
-        ordered = sorted(
-            candidates,
-            key=lambda w: (
-                outstanding(w, inflight),
-                outstanding(w, inflight) / max(w.info.capacity, 1),
-                w.id,
-            ),
-        )
-        return [Choice(w, "least-load") for w in ordered]
+        keyed = [
+            ((n := get(s.id, 0) + s.waiting), n / s.capacity, s.id, s) for s in candidates
+        ]
+        return [Choice(k[3], "least-load") for k in heapq.nsmallest(limit, keyed)]

@@ -6,18 +6,21 @@ random state.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Mapping, Sequence
 
 from fleetgate.hashing import mix
-from fleetgate.schema import WorkerView
 from gateway.routing.base import Choice, RequestFacts
+from gateway.routing.table import ModelRoutes, Slot
 
 
 class RandomPick:
     name = "random"
 
     def rank(
-        self, candidates: Sequence[WorkerView], facts: RequestFacts, inflight: Mapping[str, int]
+        self, candidates: Sequence[Slot], facts: RequestFacts, inflight: Mapping[str, int],
+        routes: ModelRoutes, limit: int,
     ) -> list[Choice]:
-        ordered = sorted(candidates, key=lambda w: mix(facts.seq, w.id_hash))
-        return [Choice(w, "random") for w in ordered]
+        seq = facts.seq
+        keyed = [(mix(seq, s.id_hash), s.id, s) for s in candidates]
+        return [Choice(k[2], "random") for k in heapq.nsmallest(limit, keyed)]

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from fleetgate.schema import WorkerView
 from gateway.routing.base import Choice, RequestFacts
+from gateway.routing.table import ModelRoutes, Slot
 
 
 class RoundRobin:
     name = "round_robin"
 
     def rank(
-        self, candidates: Sequence[WorkerView], facts: RequestFacts, inflight: Mapping[str, int]
+        self, candidates: Sequence[Slot], facts: RequestFacts, inflight: Mapping[str, int],
+        routes: ModelRoutes, limit: int,
     ) -> list[Choice]:
-        ordered = sorted(candidates, key=lambda w: w.id)
-        start = facts.seq % len(ordered)
-        rotated = ordered[start:] + ordered[:start]
-        return [Choice(w, "round-robin") for w in rotated]
+        # Candidates arrive in id order (the route table keeps them sorted).
+        n = len(candidates)
+        start = facts.seq % n
+        return [Choice(candidates[(start + i) % n], "round-robin") for i in range(min(limit, n))]

@@ -1,0 +1,91 @@
+"""The fleet arranged for routing: built once per snapshot, read by every request.
+
+Everything that does not change between two snapshots is computed here, in the
+background refresh, so the per-request decision is a few attribute reads per
+worker: who serves which model, each worker's capacity and engine-reported load,
+and a consistent-hash ring per model for affinity.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from fleetgate.hashing import mix, stable_hash
+from fleetgate.schema import WorkerView
+
+# Points per worker on a model's ring: enough to spread keys evenly over a few workers.
+VNODES = 40
+
+
+class Slot:
+    """One worker, as routing reads it (plain attributes: no property calls on the hot path)."""
+
+    __slots__ = (
+        "capacity", "engine_busy", "id", "id_hash", "kv", "max_len", "routable", "view", "waiting",
+    )
+
+    def __init__(self, view: WorkerView) -> None:
+        load = view.load
+        self.view = view
+        self.id = view.info.id
+        self.id_hash = view.id_hash or stable_hash(self.id)
+        self.capacity = max(view.info.capacity, 1)
+        self.max_len = view.info.max_model_len
+        self.routable = view.routable
+        self.engine_busy = load.running + load.waiting
+        self.waiting = load.waiting
+        self.kv = load.kv_cache_usage
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRoutes:
+    """The workers that serve one model name (base or adapter), and its affinity ring."""
+
+    slots: tuple[Slot, ...]
+    ring_points: tuple[int, ...]
+    ring_owner: tuple[int, ...]
+
+    @classmethod
+    def build(cls, slots: Sequence[Slot]) -> ModelRoutes:
+        ordered = tuple(sorted(slots, key=lambda s: s.id))
+        points: list[tuple[int, int]] = []
+        for index, slot in enumerate(ordered):
+            points.extend((mix(slot.id_hash, v), index) for v in range(VNODES))
+        points.sort()
+        return cls(ordered, tuple(p for p, _ in points), tuple(i for _, i in points))
+
+    def ring_order(self, key: int) -> Iterator[Slot]:
+        """Workers in the key's ring order, each once: the same on every gateway replica."""
+        points = self.ring_points
+        if not points:
+            return
+        n = len(points)
+        start = bisect.bisect_left(points, key)
+        seen: set[int] = set()
+        owners = self.ring_owner
+        for step in range(n):
+            owner = owners[(start + step) % n]
+            if owner not in seen:
+                seen.add(owner)
+                yield self.slots[owner]
+                if len(seen) == len(self.slots):
+                    return
+
+
+@dataclass(frozen=True, slots=True)
+class Routes:
+    by_model: dict[str, ModelRoutes]
+
+    @classmethod
+    def build(cls, workers: Sequence[WorkerView]) -> Routes:
+        serving: dict[str, list[Slot]] = {}
+        for view in workers:
+            if view.state == "starting":
+                continue
+            slot = Slot(view)
+            serving.setdefault(view.info.model, []).append(slot)
+            for adapter in view.info.adapters:
+                serving.setdefault(adapter, []).append(slot)
+        return cls({model: ModelRoutes.build(slots) for model, slots in serving.items()})
