@@ -477,3 +477,288 @@ async def test_lora_slots_make_other_adapters_wait(tmp_path: Path) -> None:
         assert first.result().status_code == second.result().status_code == 200
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------------------------------
+# The scheduler's rules, driven step by step on the classes themselves (no sockets, no
+# clock): continuous batching, the token budget, KV admission and preemption, the prefix
+# cache and LoRA slots.
+
+from workers.simulator.kvcache import BlockPool, LoraSlots, block_hashes  # noqa: E402
+from workers.simulator.profiles import PROFILES  # noqa: E402
+from workers.simulator.scheduler import Limits, Scheduler  # noqa: E402
+from workers.simulator.scheduler import Seq as SimSeq  # noqa: E402
+from workers.simulator.tokens import TextSource  # noqa: E402
+
+
+class _Hooks:
+    def __init__(self) -> None:
+        self.admitted: list[str] = []
+        self.first: list[str] = []
+        self.finished: list[tuple[str, str]] = []
+        self.preempted = 0
+        self.lora_loads = 0
+
+    def on_admitted(self, seq: SimSeq, now: float) -> None:
+        self.admitted.append(seq.id)
+
+    def on_first_token(self, seq: SimSeq, now: float) -> None:
+        self.first.append(seq.id)
+
+    def on_tokens(self, n: int) -> None:
+        pass
+
+    def on_finished(self, seq: SimSeq, reason: str, now: float) -> None:
+        self.finished.append((seq.id, reason))
+
+    def on_preempted(self) -> None:
+        self.preempted += 1
+
+    def on_lora_loads(self, n: int) -> None:
+        self.lora_loads += n
+
+
+class _StepScheduler(Scheduler):
+    """The real scheduler with a frozen clock, stepped by hand."""
+
+    @staticmethod
+    def _now() -> float:
+        return 0.0
+
+    def step(self) -> list[tuple[str, int]]:
+        plan = self._schedule()
+        self._complete(plan, 0.0)
+        return [(s.id, n) for s, n in plan.work]
+
+
+def _sched(*, seqs: int = 8, budget: int = 512, blocks: int = 64, bs: int = 16,
+           loras: int = 2) -> tuple[_StepScheduler, _Hooks]:  # fmt: skip
+    hooks = _Hooks()
+    limits = Limits(max_num_seqs=seqs, max_num_batched_tokens=budget, num_gpu_blocks=blocks,
+                    block_size=bs, max_loras=loras, time_scale=1.0)  # fmt: skip
+    return _StepScheduler(limits, PROFILES["h100-7b"], hooks), hooks
+
+
+def _seq(sid: str, prompt: int | list[int], out: int = 4, adapter: str | None = None,
+         bs: int = 16) -> SimSeq:  # fmt: skip
+    ids = list(range(prompt)) if isinstance(prompt, int) else prompt
+    return SimSeq(id=sid, prompt_ids=ids, hashes=block_hashes(ids, bs, adapter or ""),
+                  source=TextSource(0), target=out, target_reason="length", adapter=adapter)  # fmt: skip
+
+
+def _submit(s: Scheduler, seq: SimSeq) -> None:
+    s.waiting.append(seq)  # submit() without the event loop's clock
+
+
+def _run_until_done(s: _StepScheduler, limit: int = 500) -> int:
+    steps = 0
+    while (s.running or s.waiting) and steps < limit:
+        s.step()
+        steps += 1
+    return steps
+
+
+@pytest.mark.parametrize(
+    ("max_seqs", "budget", "prompts", "running", "work"),
+    [
+        # batch cap: only max_num_seqs sequences run, the rest wait in order
+        (2, 4096, [10, 10, 10, 10], 2, [("a", 10), ("b", 10)]),
+        # token budget: a long prompt is prefilled in chunks of the budget
+        (8, 100, [250], 1, [("a", 100)]),
+        # the budget is shared: the second prompt gets what the first left
+        (8, 100, [60, 60], 2, [("a", 60), ("b", 40)]),
+        # nothing of a later prompt fits once the budget is spent
+        (8, 64, [64, 10], 1, [("a", 64)]),
+    ],
+)
+def test_batching_rules(max_seqs: int, budget: int, prompts: list[int], running: int,
+                        work: list[tuple[str, int]]) -> None:  # fmt: skip
+    """The first step admits FIFO within max_num_seqs and the token budget (chunked prefill)."""
+    s, _ = _sched(seqs=max_seqs, budget=budget)
+    for sid, n in zip("abcd", prompts, strict=False):
+        _submit(s, _seq(sid, [hash((sid, i)) % 50000 for i in range(n)]))
+    assert s.step() == work
+    assert len(s.running) == running and len(s.waiting) == len(prompts) - running
+
+
+def test_chunked_prefill_then_one_token_per_step() -> None:
+    """A 250-token prompt on a 100-token budget: 3 prefill steps, the first token on the third,
+    then one token per step until max_tokens."""
+    s, hooks = _sched(budget=100)
+    _submit(s, _seq("a", 250, out=3))
+    assert [s.step() for _ in range(5)] == [[("a", 100)], [("a", 100)], [("a", 50)], [("a", 1)], [("a", 1)]]
+    assert hooks.first == ["a"] and hooks.finished == [("a", "length")]
+
+
+@pytest.mark.parametrize(
+    ("blocks", "prompts", "admitted_first_step"),
+    [
+        (8, [40, 40], 2),  # 3 + 3 blocks fit in 8
+        (5, [40, 40], 1),  # the second waits for free blocks
+        (3, [40], 1),      # exactly 3 blocks
+    ],
+)
+def test_kv_admission(blocks: int, prompts: list[int], admitted_first_step: int) -> None:
+    """A sequence is admitted only when the blocks for its scheduled tokens are free."""
+    s, _ = _sched(blocks=blocks)
+    for sid, n in zip("ab", prompts, strict=False):
+        _submit(s, _seq(sid, [hash((sid, i)) % 50000 for i in range(n)]))
+    s.step()
+    assert len(s.running) == admitted_first_step
+    assert s.pool.num_used == sum(3 for _ in range(admitted_first_step))
+    assert s.pool.usage == pytest.approx(s.pool.num_used / blocks)
+
+
+def test_preemption_when_blocks_run_out() -> None:
+    """Two sequences that outgrow the cache: the later one is preempted (back to the queue
+    head, blocks freed, counted), and both still finish with every token."""
+    s, hooks = _sched(blocks=6, bs=16)
+    a, b = _seq("a", [1] * 30, out=40), _seq("b", [2] * 30, out=40)
+    _submit(s, a)
+    _submit(s, b)
+    _run_until_done(s)
+    assert hooks.preempted > 0 and s.preemptions == hooks.preempted
+    assert a.generated == b.generated == 40
+    assert s.pool.num_used == 0
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "cached"),
+    [
+        ((list(range(100)), None), (list(range(100)), None), 96),   # same prompt: full blocks, not the last token
+        ((list(range(100)), None), (list(range(64)) + [7] * 36, None), 64),  # shared head only
+        ((list(range(100)), "x"), (list(range(100)), None), 0),     # another adapter's namespace
+        ((list(range(100)), None), (list(range(1, 101)), None), 0),  # different from the first token
+        ((list(range(32)), None), (list(range(32)), None), 16),     # a 32-token prompt keeps its last block uncached
+    ],
+)
+def test_prefix_cache_hits(first: tuple[list[int], str | None], second: tuple[list[int], str | None],
+                           cached: int) -> None:  # fmt: skip
+    """A finished prompt's full blocks serve the next prompt with the same leading blocks,
+    within one adapter namespace; hits are whole blocks and never the whole prompt."""
+    s, _ = _sched()
+    one = _seq("a", first[0], out=1, adapter=first[1])
+    _submit(s, one)
+    _run_until_done(s)
+    two = _seq("b", second[0], out=1, adapter=second[1])
+    _submit(s, two)
+    s.step()
+    assert two.cached_tokens == cached
+
+
+def test_prefix_cache_lru_eviction() -> None:
+    """When free-but-cached blocks are needed, the least recently freed go first, and a
+    finished prompt frees its tail before its head: the shared head survives longest."""
+    s, _ = _sched(blocks=8, bs=16)
+    a_ids, b_ids = list(range(64)), list(range(1000, 1096))
+    # a caches 4 blocks; b needs 6 of the 8: the 4 never-hashed ones, then a's last two.
+    for sid, ids in (("a", a_ids), ("b", b_ids)):
+        _submit(s, _seq(sid, ids, out=1))
+        _run_until_done(s)
+    again = _seq("a2", a_ids, out=1)
+    _submit(s, again)
+    s.step()
+    assert again.cached_tokens == 32
+
+
+@pytest.mark.parametrize(
+    ("slots", "ops", "results", "resident"),
+    [
+        (2, [("a", ()), ("a", ())], [True, False], ["a"]),
+        (2, [("a", ()), ("b", ()), ("c", ())], [True, True, True], ["b", "c"]),
+        # using a moves it to the back: b is the least recently used
+        (2, [("a", ()), ("b", ()), ("a", ()), ("c", ())], [True, True, False, True], ["a", "c"]),
+        # a busy adapter is never evicted; all busy -> None (wait)
+        (2, [("a", ()), ("b", ()), ("c", ("a",))], [True, True, True], ["a", "c"]),
+        (2, [("a", ()), ("b", ()), ("c", ("a", "b"))], [True, True, None], ["a", "b"]),
+    ],
+)
+def test_lora_slots(slots: int, ops: list[tuple[str, tuple[str, ...]]], results: list[bool | None],
+                    resident: list[str]) -> None:  # fmt: skip
+    """LoRA slots: resident is free, a miss loads and evicts the least recently used idle adapter."""
+    lru = LoraSlots(slots)
+    assert [lru.acquire(name, set(busy)) for name, busy in ops] == results
+    assert lru.resident == resident
+
+
+def test_lora_swaps_counted_and_timed() -> None:
+    """Alternating three adapters over two slots loads on every miss; each load adds
+    lora_load_s to its step, and a running adapter's slot is not taken."""
+    s, hooks = _sched(loras=2)
+    for i, name in enumerate(["a", "b", "a", "c", "b"]):
+        _submit(s, _seq(f"r{i}", [i] * 20, out=1, adapter=name))
+        _run_until_done(s)
+    # a, b load; a resident; c evicts b (LRU); b evicts a
+    assert hooks.lora_loads == 4
+    p = s.profile
+    plan = s._schedule()  # nothing left: no work
+    assert not plan.work
+    _submit(s, _seq("x", [9] * 20, out=1, adapter="d"))
+    plan = s._schedule()
+    assert plan.lora_loads == 1
+    expected = (p.base_step_s + 20 * p.prefill_per_token_s) * p.lora_step_factor + p.lora_load_s
+    assert s._step_seconds(plan) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("decoding", "prefill"), [(0, 100), (1, 0), (32, 0), (8, 512)])
+def test_step_time(decoding: int, prefill: int) -> None:
+    """Step time = base + per decoding sequence + per uncached prompt token, times time_scale."""
+    s, _ = _sched(seqs=64, budget=8192, blocks=4096)
+    seqs = [_seq(f"d{i}", [i] * 5, out=50) for i in range(decoding)]
+    for q in seqs:
+        _submit(s, q)
+    s.step()  # their prefill
+    if prefill:
+        _submit(s, _seq("p", [77] * prefill, out=1))
+    plan = s._schedule()
+    p = s.profile
+    assert s._step_seconds(plan) == pytest.approx(
+        p.base_step_s + p.decode_per_seq_s * decoding + p.prefill_per_token_s * prefill
+    )
+
+
+def test_reset_clears_cache_and_slots_only_when_idle() -> None:
+    """reset() empties the prefix cache and the LoRA slots, and refuses while work is queued."""
+    s, _ = _sched()
+    _submit(s, _seq("a", list(range(100)), out=1, adapter="x"))
+    _run_until_done(s)
+    assert s.loras.resident == ["x"]
+    _submit(s, _seq("busy", [1] * 10))
+    with pytest.raises(RuntimeError):
+        s.reset()
+    _run_until_done(s)
+    s.reset()
+    assert s.loras.resident == [] and s.pool.num_used == 0
+    again = _seq("b", list(range(100)), out=1, adapter="x")
+    _submit(s, again)
+    s.step()
+    assert again.cached_tokens == 0
+
+
+def test_block_pool_refcounts() -> None:
+    """Shared blocks are counted once per user and become evictable only when the last leaves."""
+    pool = BlockPool(4)
+    blocks = pool.allocate(2)
+    pool.register(blocks[0], 111)
+    pool.touch([blocks[0]])  # a second user
+    pool.release(blocks)
+    assert pool.num_used == 1  # blocks[0] still held by the second user
+    pool.release([blocks[0]])
+    assert pool.num_used == 0 and pool.lookup([111], 1) == [blocks[0]]
+
+
+def test_http_reset_and_lora_load_counter(tmp_path: Path) -> None:
+    """POST /sim/reset: the next identical prompt misses the prefix cache, and
+    fleetgate_sim:lora_loads_total counts slot loads (again after the reset)."""
+    server = start("--max-loras", "1", "--lora-modules", f"a={tmp_path}")
+    try:
+        body = {"model": "a", "prompt": "shared prefix " * 40, "max_tokens": 1}
+        url = server.url + "/v1/completions"
+        assert httpx.post(url, json=body).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert httpx.post(url, json=body).json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert server.metrics()["fleetgate_sim:lora_loads_total"] == 1
+        assert httpx.post(server.url + "/sim/reset").json()["ok"] is True
+        assert httpx.post(url, json=body).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert server.metrics()["fleetgate_sim:lora_loads_total"] == 2
+    finally:
+        server.stop()

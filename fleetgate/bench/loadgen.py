@@ -84,8 +84,8 @@ async def _one(
                     break
                 for choice in obj.get("choices") or ():
                     delta = choice.get("delta") or {}
-                    text = delta.get("content") if "delta" in choice else choice.get("text")
-                    if text or choice.get("finish_reason"):
+                    piece = delta.get("content") if "delta" in choice else choice.get("text")
+                    if piece or choice.get("finish_reason"):
                         chunks += 1
                         if out.ttft is None:
                             out.ttft = time.perf_counter() - t0

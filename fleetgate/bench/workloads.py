@@ -256,7 +256,7 @@ def bursty_arrivals(
 def build(drafts: Iterator[Draft], arrivals: Sequence[float]) -> list[BenchRequest]:
     return [
         BenchRequest(id=i, at=round(at, 6), model=d.model, messages=d.messages,
-                     max_tokens=d.max_tokens, session=d.session, tag=d.tag)  # fmt: skip
+                     max_tokens=d.max_tokens, session=d.session, tag=d.tag)
         for i, (at, d) in enumerate(zip(arrivals, drafts, strict=False))
     ]
 

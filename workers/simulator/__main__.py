@@ -25,6 +25,16 @@ def _lora_module(text: str) -> tuple[str, str]:
     return name, path
 
 
+def _profile_params(pairs: list[str]) -> dict[str, float]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"--profile-param wants FIELD=VALUE, got {pair!r}")
+        out[key.strip()] = float(value)
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m workers.simulator", description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
@@ -44,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--flavor", choices=("vllm", "lmdeploy"), default="vllm")
     p.add_argument("--fault", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument(
+        "--profile-param", action="append", default=[], metavar="FIELD=VALUE",
+        help="override one field of the profile, e.g. base_step_s=0.004 (repeatable)",
+    )  # fmt: skip
     return p
 
 
@@ -69,6 +83,7 @@ def config_from_args(argv: list[str] | None = None) -> SimConfig:
             seed=args.seed,
             flavor=args.flavor,
             faults=parse_fault_args(args.fault),
+            profile_overrides=_profile_params(args.profile_param),
         )
     except ValueError as exc:
         parser.error(str(exc))

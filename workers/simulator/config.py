@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from workers.simulator.profiles import PROFILES, Profile
@@ -76,10 +76,17 @@ class SimConfig:
     seed: int = 0
     flavor: FlavorName = "vllm"
     faults: Faults = field(default_factory=Faults)
+    # Profile fields replaced for this process (`--profile-param base_step_s=0.004`), e.g. a
+    # profile fitted by scripts/calibrate_sim.py.
+    profile_overrides: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
             raise ValueError(f"unknown profile {self.profile!r}; known: {', '.join(PROFILES)}")
+        known = {f.name for f in fields(Profile)} - {"name"}
+        unknown = set(self.profile_overrides) - known
+        if unknown:
+            raise ValueError(f"unknown profile field(s) {sorted(unknown)}; known: {sorted(known)}")
         if self.lora_modules:
             self.enable_lora = True
         if self.time_scale < 0:
@@ -91,7 +98,15 @@ class SimConfig:
 
     @property
     def timing(self) -> Profile:
-        return PROFILES[self.profile]
+        base = PROFILES[self.profile]
+        if not self.profile_overrides:
+            return base
+        types = {f.name: f.type for f in fields(Profile)}
+        values: dict[str, Any] = {
+            k: int(v) if types[k] in (int, "int") else float(v)
+            for k, v in self.profile_overrides.items()
+        }
+        return replace(base, **values)
 
     @property
     def lora_slots(self) -> int:

@@ -23,6 +23,15 @@ class _Base:
         self.registry = CollectorRegistry(auto_describe=True)
         self._labels = {"model_name": model_name, "engine": "0"}
         self.failed = 0
+        # Not a vLLM or LMDeploy metric (neither counts adapter swaps): the simulator's own,
+        # so that a benchmark can see LoRA thrashing. Every time an adapter's weights enter
+        # a slot (first use or swapped back in after an eviction) counts one.
+        self._lora_loads = self._counter(
+            "fleetgate_sim:lora_loads", "Adapter weights loaded into a LoRA slot"
+        ).labels(**self._labels)
+        self._lora_api_loads = self._counter(
+            "fleetgate_sim:lora_api_loads", "Adapters added through /v1/load_lora_adapter"
+        ).labels(**self._labels)
 
     def render(self, snapshot: dict[str, Any]) -> bytes:
         self.refresh(snapshot)
@@ -33,6 +42,12 @@ class _Base:
 
     def on_failed(self) -> None:
         self.failed += 1
+
+    def on_lora_loads(self, n: int) -> None:
+        self._lora_loads.inc(n)
+
+    def on_lora_api_load(self) -> None:
+        self._lora_api_loads.inc()
 
     def _gauge(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
         return Gauge(name, doc, (*_LABELS, *extra), registry=self.registry)

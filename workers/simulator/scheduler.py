@@ -75,6 +75,7 @@ class SchedulerHooks(Protocol):
     def on_tokens(self, n: int) -> None: ...
     def on_finished(self, seq: Seq, reason: str, now: float) -> None: ...
     def on_preempted(self) -> None: ...
+    def on_lora_loads(self, n: int) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,6 +130,15 @@ class Scheduler:
 
     def forget_adapter(self, name: str) -> None:
         self.loras.drop(name)
+
+    def reset(self) -> None:
+        """Forget the prefix cache, the LoRA slots and the step counters; only when idle."""
+        if self.running or self.waiting:
+            raise RuntimeError("the engine is busy")
+        self.pool = BlockPool(self.limits.num_gpu_blocks)
+        self.loras = LoraSlots(self.limits.max_loras)
+        self.preemptions = 0
+        self.steps = 0
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -205,6 +215,8 @@ class Scheduler:
             i += 1
         if not preempted:
             budget = self._admit(plan, budget)
+        if plan.lora_loads:
+            self.hooks.on_lora_loads(plan.lora_loads)
         return plan
 
     def _admit(self, plan: _Plan, budget: int) -> int:

@@ -229,6 +229,7 @@ async def load_lora(request: web.Request) -> web.Response:
         raise SimError(404, "not_found", f"Loading lora {name} failed: No adapter found for {path}")
     sim.adapters[name] = path
     sim.scheduler.forget_adapter(name)  # a reload in place takes a fresh slot
+    sim.metrics.on_lora_api_load()
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -265,6 +266,20 @@ async def get_faults(request: web.Request) -> web.Response:
     return _json(request.app[SIM].faults.as_dict())
 
 
+async def reset(request: web.Request) -> web.Response:
+    """Back to a cold engine between benchmark runs: empty prefix cache, empty LoRA slots,
+    the adapters given at start (runtime loads undone). Counters keep counting (Prometheus
+    counters never go back); a benchmark reads deltas. 409 while requests are in flight."""
+    sim = request.app[SIM]
+    try:
+        sim.scheduler.reset()
+    except RuntimeError as exc:
+        raise SimError(409, "bad_request", f"cannot reset: {exc}") from exc
+    sim.adapters.clear()
+    sim.adapters.update(sim.config.lora_modules)
+    return _json({"ok": True, "adapters": sorted(sim.adapters)})
+
+
 async def state(request: web.Request) -> web.Response:
     sim = request.app[SIM]
     snap = sim.scheduler.snapshot()
@@ -292,6 +307,7 @@ def create_app(config: SimConfig) -> web.Application:
     app.router.add_get("/sim/state", state)
     app.router.add_get("/sim/faults", get_faults)
     app.router.add_post("/sim/faults", set_faults)
+    app.router.add_post("/sim/reset", reset)
     if sim.flavor.runtime_lora and config.enable_lora:
         app.router.add_post("/v1/load_lora_adapter", load_lora)
         app.router.add_post("/v1/unload_lora_adapter", unload_lora)

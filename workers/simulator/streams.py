@@ -118,10 +118,13 @@ async def respond_stream(
         await resp.write(payload)
         sent += 1
 
-    if shape.chat:
-        await send(shape.chunk("", None, first=True))
+    first = True
     while True:
         event = await seq.events.get()
+        if first and shape.chat:
+            # vLLM sends the role chunk with the first output, not before the prefill.
+            await send(shape.chunk("", None, first=True))
+        first = False
         await send(shape.chunk(event.text, event.finish))
         if event.finish:
             break

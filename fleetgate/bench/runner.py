@@ -1,0 +1,166 @@
+"""One benchmark invocation: for each workload, one gateway per policy over the same fleet,
+the same requests (same seed) through each in turn, engines reset in between.
+
+Gateways are started afresh for every workload, so that no policy carries state (learned
+placement, session maps) from one workload into the next; the workers stay up, and
+`POST /sim/reset` empties their prefix caches and LoRA slots before every run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from fleetgate.bench import engines
+from fleetgate.bench.cluster import Cluster
+from fleetgate.bench.fleet import FleetSpec, capacity
+from fleetgate.bench.loadgen import run_requests
+from fleetgate.bench.progress import Progress
+from fleetgate.bench.report import ratios, summarise
+from fleetgate.bench.workloads import (
+    WORKLOADS,
+    BenchRequest,
+    build,
+    bursty_arrivals,
+    contents,
+    read_trace,
+    write_trace,
+)
+
+
+@dataclass(kw_only=True)
+class BenchOptions:
+    workloads: list[str] = field(default_factory=lambda: list(WORKLOADS))
+    policies: list[str] = field(default_factory=lambda: ["round_robin", "least_outstanding"])
+    load: float = 0.8
+    rate: float | None = None  # requests/s; overrides load x capacity
+    duration_s: float = 10.0
+    drain_s: float = 8.0
+    settle_s: float = 0.5
+    seed: int = 0
+    pool: int = 256
+    trace: Path | None = None
+    dump_trace: Path | None = None
+    api_key: str | None = None
+
+
+def known_policies(requested: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(policies the gateway has, the unknown ones) — the gateway's list is read at run time,
+    so policies added to `gateway.routing.POLICIES` are picked up without a bench change."""
+    from gateway.routing import POLICIES
+
+    known = [p for p in requested if p in POLICIES]
+    return known, [p for p in requested if p not in POLICIES]
+
+
+def plan(spec: FleetSpec, workload: str, opts: BenchOptions) -> dict[str, Any]:
+    """The requests of one workload, and the capacity and rate they were drawn at."""
+    if workload == "trace":
+        assert opts.trace is not None
+        reqs = read_trace(opts.trace)
+        span = max((r.at for r in reqs), default=0.0)
+        return {"requests": reqs, "capacity_rps": None, "rate_rps": len(reqs) / span if span else None}
+    drafts = contents(workload, opts.seed, spec.facts, spec.workloads.get(workload))
+    sample = list(itertools.islice(drafts, 300))
+    cap = capacity(spec, sample)
+    rate = opts.rate if opts.rate else opts.load * cap
+    arrivals = bursty_arrivals(rate, opts.duration_s, opts.seed)
+    reqs = build(itertools.chain(sample, drafts), arrivals)
+    return {"requests": reqs, "capacity_rps": round(cap, 3), "rate_rps": round(rate, 3)}
+
+
+def dump_path(base: Path, workload: str, many: bool) -> Path:
+    if "{workload}" in str(base):
+        return Path(str(base).format(workload=workload))
+    return base.with_name(f"{base.stem}-{workload}{base.suffix}") if many else base
+
+
+async def measure(
+    gateway: str,
+    workers: list[engines.WorkerRef],
+    requests: Sequence[BenchRequest],
+    opts: BenchOptions,
+    progress: Progress | None,
+) -> tuple[list[Any], float, dict[str, dict[str, float]], list[str]]:
+    async with httpx.AsyncClient(timeout=10) as client:
+        not_reset = await engines.reset(client, workers)
+        await asyncio.sleep(opts.settle_s)
+        before = await engines.scrape(client, workers)
+        outcomes, wall = await run_requests(
+            gateway, requests, pool=opts.pool, drain_s=opts.drain_s, api_key=opts.api_key,
+            on_progress=(lambda s, d, t: progress.update(s, d, t)) if progress else None,
+        )  # fmt: skip
+        after = await engines.scrape(client, workers)
+    return outcomes, wall, engines.deltas(before, after), not_reset
+
+
+def run_fleet(spec: FleetSpec, cluster: Cluster, opts: BenchOptions, progress: Progress) -> dict[str, Any]:
+    policies, unknown = known_policies(opts.policies)
+    for p in unknown:
+        warnings.warn(f"routing policy {p!r} is not in gateway.routing.POLICIES: skipped", stacklevel=2)
+        progress.note(f"warning: policy {p!r} is unknown to this gateway: skipped")
+    if not policies:
+        raise SystemExit("no known routing policy to run")
+    workloads = ["trace"] if opts.trace else opts.workloads
+    progress.runs = len(workloads) * len(policies)
+    runs, plans = [], {}
+    for wl in workloads:
+        planned = plan(spec, wl, opts)
+        plans[wl] = {k: v for k, v in planned.items() if k != "requests"} | {
+            "requests": len(planned["requests"])
+        }
+        if opts.dump_trace:
+            write_trace(dump_path(opts.dump_trace, wl, len(workloads) > 1), planned["requests"])
+        gateways = cluster.start_gateways(policies)
+        try:
+            workers = asyncio.run(_workers(gateways[0].url, cluster.admin_token))
+            for gw in gateways:
+                progress.start_run(f"{wl}/{gw.policy}", len(planned["requests"]))
+                outcomes, wall, deltas, not_reset = asyncio.run(
+                    measure(gw.url, workers, planned["requests"], opts, progress)
+                )
+                runs.append(summarise(wl, gw.policy, outcomes, wall, deltas, not_reset=not_reset))
+        finally:
+            cluster.stop_gateways(gateways)
+    return {"runs": runs, "plans": plans, "skipped_policies": unknown}
+
+
+def run_attached(url: str, admin_token: str | None, spec: FleetSpec, opts: BenchOptions,
+                 progress: Progress) -> dict[str, Any]:  # fmt: skip
+    """Against a running gateway: its one policy, engines read (and reset) when the admin
+    token is given."""
+    workloads = ["trace"] if opts.trace else opts.workloads
+    progress.runs = len(workloads)
+    runs, plans = [], {}
+    workers = asyncio.run(_workers(url, admin_token)) if admin_token else []
+    for wl in workloads:
+        planned = plan(spec, wl, opts)
+        plans[wl] = {k: v for k, v in planned.items() if k != "requests"}
+        if opts.dump_trace:
+            write_trace(dump_path(opts.dump_trace, wl, len(workloads) > 1), planned["requests"])
+        progress.start_run(f"{wl}/attached", len(planned["requests"]))
+        outcomes, wall, deltas, not_reset = asyncio.run(
+            measure(url, workers, planned["requests"], opts, progress)
+        )
+        policy = next((o.route.split(":")[0] for o in outcomes if o.route), "attached")
+        runs.append(summarise(wl, policy, outcomes, wall, deltas, not_reset=not_reset))
+    return {"runs": runs, "plans": plans, "skipped_policies": []}
+
+
+async def _workers(gateway: str, admin_token: str | None) -> list[engines.WorkerRef]:
+    async with httpx.AsyncClient(timeout=10) as client:
+        return await engines.list_workers(client, gateway, admin_token or "")
+
+
+def finish(result: dict[str, Any], started: float) -> dict[str, Any]:
+    result["ratios"] = ratios(result["runs"])
+    result["wall_s"] = round(time.monotonic() - started, 1)
+    return result
