@@ -12,6 +12,10 @@ Layout (``P`` is the key prefix, ``v1`` the schema version)::
     {P}:v1:removed:<id>   STRING set when an operator removes a worker (TTL 10 min), so its
                           agent stops instead of registering again
     {P}:v1:events         PUBSUB a worker id whenever something about it changed
+    {P}:v1:gateways       SET   ids of gateways that publish in-flight counts (pruned by readers)
+    {P}:v1:inflight:<gw>  HASH  worker id -> requests gateway <gw> has in flight there,
+                          rewritten whole every ~100 ms, PEXPIRE lease: a gateway that crashes
+                          leaks nothing, its counts vanish with the lease
 
 The prefix is wrapped in a hash tag so every key lands in one Redis Cluster slot:
 multi-key pipelines and the Lua scripts below work unchanged on a cluster.
@@ -33,7 +37,9 @@ from fleetgate.schema import SCHEMA_VERSION, Load, WorkerInfo, WorkerState, Work
 
 DEFAULT_PREFIX = "fleetgate"
 DEFAULT_HEARTBEAT_TTL_S = 3.0
+DEFAULT_INFLIGHT_LEASE_S = 3.0
 REMOVED_TTL_S = 600
+_LEASE_FIELD = "_at"
 
 _info_encoder = msgspec.json.Encoder()
 _info_decoder = msgspec.json.Decoder(WorkerInfo)
@@ -66,12 +72,17 @@ class Keys:
         self.events = f"{base}:events"
         self._worker = f"{base}:w:"
         self._removed = f"{base}:removed:"
+        self.gateways = f"{base}:gateways"
+        self._inflight = f"{base}:inflight:"
 
     def worker(self, worker_id: str) -> str:
         return self._worker + worker_id
 
     def removed(self, worker_id: str) -> str:
         return self._removed + worker_id
+
+    def inflight(self, gateway_id: str) -> str:
+        return self._inflight + gateway_id
 
 
 def decode_worker(fields: dict[bytes, bytes]) -> WorkerView | None:
@@ -204,6 +215,53 @@ class Registry:
     async def read(self, worker_id: str) -> WorkerView | None:
         fields = await self.redis.hgetall(self.keys.worker(worker_id))  # type: ignore[misc]
         return decode_worker(fields) if fields else None  # type: ignore[arg-type]
+
+    # -- in-flight counts shared by gateway replicas --------------------------------
+
+    async def publish_inflight(
+        self, gateway_id: str, counts: dict[str, int], lease_s: float = DEFAULT_INFLIGHT_LEASE_S
+    ) -> None:
+        """Replace this gateway's in-flight counts (atomically) and renew their lease."""
+        key = self.keys.inflight(gateway_id)
+        # The hash always holds `_at`, so it exists exactly while the gateway lives.
+        fields: dict[str, object] = {worker: n for worker, n in counts.items() if n > 0}
+        fields[_LEASE_FIELD] = repr(time.time())
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(key)
+            pipe.hset(key, mapping=fields)  # type: ignore[arg-type]
+            pipe.pexpire(key, int(lease_s * 1000))
+            pipe.sadd(self.keys.gateways, gateway_id)
+            await pipe.execute()
+
+    async def read_inflight(self, exclude_gateway: str = "") -> dict[str, int]:
+        """Requests in flight per worker, summed over every gateway but `exclude_gateway`."""
+        members = await self.redis.smembers(self.keys.gateways)  # type: ignore[misc]
+        ids = sorted(m.decode() if isinstance(m, bytes) else str(m) for m in members)
+        ids = [i for i in ids if i != exclude_gateway]
+        if not ids:
+            return {}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for gateway_id in ids:
+                pipe.hgetall(self.keys.inflight(gateway_id))
+            rows = await pipe.execute()
+        total: dict[str, int] = {}
+        dead = []
+        for gateway_id, row in zip(ids, rows, strict=True):
+            if not row:
+                dead.append(gateway_id)
+            for worker, n in row.items():
+                name = worker.decode() if isinstance(worker, bytes) else str(worker)
+                if name != _LEASE_FIELD:
+                    total[name] = total.get(name, 0) + int(n)
+        if dead:
+            await self.redis.srem(self.keys.gateways, *dead)
+        return total
+
+    async def forget_gateway(self, gateway_id: str) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self.keys.inflight(gateway_id))
+            pipe.srem(self.keys.gateways, gateway_id)
+            await pipe.execute()
 
     def pubsub(self) -> aioredis.client.PubSub:
         return self.redis.pubsub(ignore_subscribe_messages=True)

@@ -9,7 +9,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import os
+import socket
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -24,6 +27,7 @@ from fleetgate.registry import Registry, connect
 from fleetgate.schema import WorkerView
 from gateway.errors import GatewayError, InvalidRequest, NotFound, Unauthorized
 from gateway.fleet import FleetWatcher
+from gateway.inflight import SharedInflight
 from gateway.proxy import Proxy
 from gateway.requests import TokenCounter
 from gateway.routing import make_policy
@@ -236,18 +240,22 @@ def create_app(settings: GatewaySettings) -> Litestar:
             settings.connect_timeout_s, settings.first_byte_timeout_s, settings.idle_timeout_s
         )
         await upstream.start()
+        gateway_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        inflight = SharedInflight(registry, gateway_id)
         proxy = Proxy(
-            settings, watcher, upstream, make_policy(settings.policy, settings.routing),
+            settings, watcher, upstream, make_policy(settings.policy, settings.routing), inflight,
             tokenizers={model: TokenCounter(path) for model, path in settings.tokenizers.items()},
         )
         app.state["gw"] = Gateway(
             settings, registry, watcher, proxy, frozenset(_digest(k) for k in settings.api_keys)
         )
         await watcher.start()
-        log.info("gateway.started", **settings.public())
+        inflight.start()
+        log.info("gateway.started", gateway_id=gateway_id, **settings.public())
         try:
             yield
         finally:
+            await inflight.stop()
             await watcher.stop()
             await upstream.close()
             await redis.aclose()

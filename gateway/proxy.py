@@ -37,6 +37,7 @@ from gateway.errors import (
     UpstreamError,
 )
 from gateway.fleet import FleetWatcher
+from gateway.inflight import SharedInflight
 from gateway.requests import TokenCounter, affinity, estimate_tokens, parse_request
 from gateway.routing import Choice, Policy, RequestFacts, decide
 from gateway.settings import GatewaySettings
@@ -60,7 +61,7 @@ class Proxy:
     watcher: FleetWatcher
     upstream: Upstream
     policy: Policy
-    inflight: dict[str, int] = field(default_factory=dict)
+    inflight: SharedInflight
     tokenizers: dict[str, TokenCounter] = field(default_factory=dict)
     seq: int = 0
 
@@ -172,11 +173,7 @@ class Proxy:
             )
 
     def _done(self, worker_id: str) -> None:
-        left = self.inflight.get(worker_id, 1) - 1
-        if left > 0:
-            self.inflight[worker_id] = left
-        else:
-            self.inflight.pop(worker_id, None)
+        self.inflight.done(worker_id)
 
 
 def _sse_error(message: str) -> bytes:
@@ -213,7 +210,7 @@ class _Attempt:
         worker = choice.worker
         self.tried.append(worker.id)
         self.count += 1
-        proxy.inflight[worker.id] = proxy.inflight.get(worker.id, 0) + 1
+        proxy.inflight.add(worker.id)
         try:
             resp = await proxy.upstream.post(
                 worker.info.url + self.path, self.body, _FORWARD_HEADERS, self.stream

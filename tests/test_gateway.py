@@ -319,3 +319,18 @@ def test_gateway_requires_api_key_when_configured(fleet_factory: Callable[[], Fl
         model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2
     ).choices
     assert ADMIN_TOKEN not in httpx.get(f"{url}/health").text
+
+
+def test_replicas_share_in_flight_counts_through_redis(fleet_factory: Callable[[], Fleet]) -> None:
+    """Requests in flight through one gateway count in every other gateway's view of the fleet."""
+    fleet = fleet_factory()
+    _, url1 = fleet.gateway()
+    _, url2 = fleet.gateway()
+    fleet.worker("w", "--model", MODEL, "--option", "time_scale=0.5")
+    fleet.wait_ready(url1, "w")
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 60, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(httpx.post, f"{url1}/v1/completions", json=body, timeout=60) for _ in range(3)]
+        wait_until(lambda: fleet.workers(url2)["w"]["load"]["inflight"] == 3, timeout=5)
+        assert all(f.result().status_code == 200 for f in futures)
+    wait_until(lambda: fleet.workers(url2)["w"]["load"]["inflight"] == 0, timeout=5)

@@ -114,3 +114,17 @@ def test_keys_share_one_cluster_slot() -> None:
     keys = Keys("fleet")
     for key in (keys.workers, keys.events, keys.worker("a"), keys.worker("b")):
         assert key.startswith("{fleet}:v1:")
+
+
+async def test_inflight_counts_are_summed_across_gateways_and_expire_with_the_lease(registry: Registry) -> None:
+    """Each gateway publishes its in-flight counts under a lease; readers sum the live ones."""
+    await registry.publish_inflight("gw1", {"w1": 2, "w2": 1}, lease_s=0.5)
+    await registry.publish_inflight("gw2", {"w1": 3, "w3": 0}, lease_s=5)
+    assert await registry.read_inflight() == {"w1": 5, "w2": 1}
+    assert await registry.read_inflight(exclude_gateway="gw2") == {"w1": 2, "w2": 1}
+    await registry.publish_inflight("gw2", {}, lease_s=5)  # its requests finished
+    assert await registry.read_inflight() == {"w1": 2, "w2": 1}
+    await asyncio.sleep(0.7)  # gw1 crashed: its lease runs out, its counts go with it
+    assert await registry.read_inflight() == {}
+    members = await registry.redis.smembers(registry.keys.gateways)
+    assert members == {b"gw2"}

@@ -294,28 +294,35 @@ class Agent:
             await self._register_quietly(self.state)
 
     async def _drain(self) -> None:
-        """Stop new work, then wait until the engine has nothing running or queued."""
+        """Stop new work, then wait until no gateway has a request in flight here and the
+        engine has nothing running or queued (or the grace period ends)."""
         self.state = "draining"
         with contextlib.suppress(Exception):
             await self.registry.set_state(self.opts.worker_id, "draining")
         self.log.info("agent.draining", grace_s=self.opts.drain_grace_s)
         started = time.monotonic()
         deadline = started + self.opts.drain_grace_s
-        idle_scrapes = 0
-        # Requests a gateway sent just before it saw the drain may still be on the wire:
-        # insist on two idle scrapes, at least a second apart from the drain.
+        idle_checks = 0
+        inflight = 0
+        # Gateways publish their in-flight counts every ~100 ms: insist on two idle checks,
+        # at least a second after the drain began, so nothing still on the wire is missed.
         while time.monotonic() < deadline:
             try:
                 await self._tick()
             except EngineDied:
                 return
-            busy = self.load.running + self.load.waiting
-            idle_scrapes = idle_scrapes + 1 if busy == 0 else 0
-            if idle_scrapes >= 2 and time.monotonic() - started >= 1.0:
+            try:
+                inflight = (await self.registry.read_inflight()).get(self.opts.worker_id, 0)
+            except Exception:  # Redis away: judge by the engine alone
+                inflight = 0
+            busy = self.load.running + self.load.waiting + inflight
+            idle_checks = idle_checks + 1 if busy == 0 else 0
+            if idle_checks >= 2 and time.monotonic() - started >= 1.0:
                 self.log.info("agent.drained", s=round(time.monotonic() - started, 2))
                 return
             await asyncio.sleep(min(0.5, self.opts.heartbeat_interval_s))
-        self.log.warning("agent.drain_timeout", running=self.load.running, waiting=self.load.waiting)
+        self.log.warning("agent.drain_timeout", running=self.load.running, waiting=self.load.waiting,
+                         inflight=inflight)
 
 
 def _die_with_parent() -> None:
