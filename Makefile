@@ -3,9 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 VLLM_VENV := .venv-vllm
+SWIFT_VENV := .venv-swift
 TINY := .cache/tiny
 
-.PHONY: venv vllm demo stop test test-fast lint bench clean
+.PHONY: venv vllm swift demo stop test test-fast lint bench clean
 
 venv: $(VENV)/.installed
 
@@ -23,14 +24,20 @@ $(VLLM_VENV)/.fleetgate-ready: scripts/setup_vllm.sh
 $(TINY)/model/config.json: scripts/make_tiny_model.py $(VLLM_VENV)/.fleetgate-ready
 	HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python scripts/make_tiny_model.py $(TINY)
 
+# Real ms-swift (`swift deploy`, CPU) in its own venv; it serves the same tiny model.
+swift: $(SWIFT_VENV)/.fleetgate-ready $(TINY)/model/config.json
+
+$(SWIFT_VENV)/.fleetgate-ready: scripts/setup_swift.sh
+	bash scripts/setup_swift.sh $(SWIFT_VENV)
+
 demo: venv
 	$(PY) scripts/demo.py
 
 stop:
 	$(PY) scripts/demo.py stop
 
-test: venv vllm
-	FLEETGATE_REQUIRE_VLLM=1 $(PY) -m pytest -q
+test: venv vllm swift
+	FLEETGATE_REQUIRE_VLLM=1 FLEETGATE_REQUIRE_SWIFT=1 $(PY) -m pytest -q
 
 # Everything but the real-vLLM tests.
 test-fast: venv

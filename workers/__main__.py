@@ -4,6 +4,7 @@
     python -m workers --engine sim --sim-profile h100-7b --model demo
     python -m workers --engine external --url http://10.0.0.5:8000 --flavor vllm
     python -m workers ... --dry-run      # print the engine command and why, start nothing
+    python -m workers --gpu 0 --instances 2 ...   # two engines sharing one large card
 """
 
 from __future__ import annotations
@@ -11,23 +12,31 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
+import subprocess
 import sys
+import time
 from typing import Any
 
+import httpx
 import yaml
 
 from fleetgate.logs import configure_logging
 from fleetgate.redis_server import free_port
 from fleetgate.schema import GpuInfo
-from workers.agent import AgentOptions, default_worker_id, run_agent
-from workers.engines import EngineSpec, get_engine
+from workers.agent import AgentOptions, _die_with_parent, default_worker_id, run_agent
+from workers.engines import Engine, EngineSpec, get_engine
 from workers.gpu import DEFAULT_PROFILES, CardProfile, load_profiles, profile_for, query_gpus
+
+# With `--instances N` each engine gets 1/N of the card: the option that sizes its memory,
+# and its value when neither the profile nor the command line sets it.
+MEMORY_SHARE = {"vllm": ("gpu_memory_utilization", 0.9), "lmdeploy": ("cache_max_entry_count", 0.8)}
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m workers", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", default="auto", help="auto|sim|vllm|lmdeploy|external (default auto)")
+    p.add_argument("--engine", default="auto", help="auto|sim|vllm|lmdeploy|swift|external (default auto)")
     p.add_argument("--gpu", default="", help="GPU index, or a comma list for tensor parallel")
     p.add_argument("--model", default="", help="model path or name (default: the demo model for sim)")
     p.add_argument("--served-model-name", default="", help="name clients use (default: --model's)")
@@ -43,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="engine option (YAML value), overrides the card profile; repeatable")
     p.add_argument("--profiles", default=str(DEFAULT_PROFILES), help="card profile file")
+    p.add_argument("--nvidia-smi-output", default="", metavar="FILE",
+                   help="read the cards from this saved nvidia-smi output instead of running it")
+    p.add_argument("--instances", type=int, default=1,
+                   help="engines to run on the card(s), each with its share of the memory")
+    p.add_argument("--instance", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--id", default="", help="worker id (default: host-gpuN-engine-port)")
     p.add_argument("--redis-url", default=os.environ.get("FLEETGATE_REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--redis-prefix", default=os.environ.get("FLEETGATE_REDIS_PREFIX", "fleetgate"))
@@ -76,12 +90,21 @@ def _adapters(text: str) -> dict[str, str]:
     return out
 
 
+def group_id(args: argparse.Namespace, engine_name: str, port: int) -> str:
+    """The worker id; with `--instances N` the id the N instances share as a prefix."""
+    return args.id or default_worker_id(engine_name, args.port or port, args.gpu)
+
+
 def plan(args: argparse.Namespace) -> tuple[AgentOptions, list[str]]:
     """Decide engine, card profile and spec; return the options and the reasons."""
     why: list[str] = []
     gpu_ids = tuple(g for g in args.gpu.split(",") if g)
-    gpus = {g.index: g for g in query_gpus()} if args.engine in ("auto", "vllm", "lmdeploy") else {}
+    probe = args.engine not in ("sim", "external")
+    gpus = {g.index: g for g in query_gpus(args.nvidia_smi_output or None)} if probe else {}
     gpu: GpuInfo | None = gpus.get(gpu_ids[0]) if gpu_ids else None
+    missing = [g for g in gpu_ids if g not in gpus]
+    if gpus and missing and (gpu is not None or args.engine != "auto"):
+        raise SystemExit(f"GPU {','.join(missing)} not found by nvidia-smi (it lists {','.join(gpus)})")
     profiles = load_profiles(args.profiles)
     card: CardProfile | None = profile_for(gpu, profiles) if gpu else None
     engine_name = args.engine
@@ -92,26 +115,38 @@ def plan(args: argparse.Namespace) -> tuple[AgentOptions, list[str]]:
         else:
             engine_name = card.engine
             why.append(f"{gpu.name if gpu else '?'}: profile {card.name} -> {engine_name} ({card.why})")
+    elif card is not None and card.engine != engine_name:
+        why.append(f"{gpu.name if gpu else '?'}: profile {card.name} is for {card.engine}; "
+                   f"{engine_name} runs with its own defaults")
     options: dict[str, Any] = dict(card.options) if card and card.engine == engine_name else {}
     if engine_name == "sim":
         sim_profile = args.sim_profile or (card.sim_profile if card else "l40s-7b")
         options = {"profile": sim_profile}
         gpu = gpu or GpuInfo(name=f"simulated {sim_profile}", profile=sim_profile, index=args.gpu)
         why.append(f"simulated card profile {sim_profile}")
-    options.update(_options(args.option))
+    overrides = _options(args.option)
+    instances, instance = max(1, args.instances), args.instance or 0
+    if instances > 1:
+        why.append(_share_memory(engine_name, options, overrides, instances, args.gpu))
+    for key, value in overrides.items():
+        if key in options and options[key] != value:
+            why.append(f"--option {key}={value} overrides the profile's {options[key]}")
+    options.update(overrides)
     model = args.model or ("fleetgate-demo-7b" if engine_name in ("sim", "external") else "")
     if not model and engine_name != "external":
         raise SystemExit(f"--model is required for --engine {engine_name}")
     served = args.served_model_name or (os.path.basename(model.rstrip("/")) if model else "")
     max_len = args.max_model_len or (card.max_model_len if card and card.max_model_len else 0) or 4096
-    port = args.port or free_port(args.host)
+    port = args.port + instance if args.port else free_port(args.host)
     flavor = args.flavor if engine_name == "external" else engine_name
     spec = EngineSpec(
         model=model, served_name=served, port=port, host=args.host, max_model_len=max_len,
         adapters=_adapters(args.adapters), gpu=gpu, gpu_ids=gpu_ids, options=options,
     )
     url = args.url or f"http://{args.advertise_host or args.host}:{port}"
-    worker_id = args.id or default_worker_id(engine_name, port, args.gpu)
+    worker_id = group_id(args, engine_name, port)
+    if instances > 1:
+        worker_id = f"{worker_id}-{instance}"
     opts = AgentOptions(
         worker_id=worker_id, engine=flavor, spec=spec, managed=engine_name != "external", url=url,
         redis_url=args.redis_url, redis_prefix=args.redis_prefix, heartbeat_ttl_s=args.heartbeat_ttl,
@@ -121,24 +156,115 @@ def plan(args: argparse.Namespace) -> tuple[AgentOptions, list[str]]:
     return opts, why
 
 
+def _share_memory(
+    engine_name: str, options: dict[str, Any], overrides: dict[str, Any], instances: int, gpu: str
+) -> str:
+    """Give each of `instances` engines its share of the card's memory (in `options`)."""
+    if engine_name not in MEMORY_SHARE:
+        return f"{instances} {engine_name} instances on GPU {gpu or '-'}: nothing to split"
+    key, default = MEMORY_SHARE[engine_name]
+    if key in overrides:
+        return f"{instances} instances on GPU {gpu or '-'}: each uses --option {key}={overrides[key]}"
+    whole = float(options.get(key, default))
+    options[key] = round(whole / instances, 3)
+    # LMDeploy's fraction is of the memory left after the weights, which the first
+    # instance's weights and cache shrink for the next: the split is conservative there.
+    return f"{instances} instances share GPU {gpu or '-'}: {key} {whole:g} / {instances} = {options[key]:g} each"
+
+
+def _engine(opts: AgentOptions) -> Engine:
+    """The engine, with its command line built once so a bad combination fails here."""
+    try:
+        engine = get_engine(opts.engine)
+        if opts.managed:
+            engine.command(opts.spec)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    return engine
+
+
+def _print_plan(opts: AgentOptions, engine: Engine) -> None:
+    if opts.managed:
+        env = engine.environment(opts.spec)
+        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(engine.command(opts.spec)))
+    else:
+        print(f"# attach to {opts.url} (nothing is started)")
+
+
+def run_instances(argv: list[str], args: argparse.Namespace) -> int:
+    """`--instances N`: one agent process per instance, started one after another.
+
+    Each next engine starts once the previous one answers its health check, so that
+    engines which size their cache from the free memory (vLLM's profiling run) never
+    measure while another one is loading. Signals are passed to every agent; the exit
+    code is the first non-zero one of theirs.
+    """
+    if args.engine == "external":
+        raise SystemExit("--instances starts engines; it does not apply to --engine external")
+    args.port = args.port or free_port(args.host)
+    plans = [plan(argparse.Namespace(**{**vars(args), "instance": k})) for k in range(args.instances)]
+    first, why = plans[0]
+    engine = _engine(first)
+    group = group_id(args, first.engine, args.port)
+    if args.dry_run:
+        for line in why:
+            print(f"# {line}")
+        print(f"# worker id: {group}")
+        for k, (opts, _) in enumerate(plans):
+            print(f"# instance {k + 1} of {args.instances}: worker id {opts.worker_id}")
+            _print_plan(opts, engine)
+        return 0
+    procs: list[subprocess.Popen[bytes]] = []
+    stopping = False
+
+    def forward(sig: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(sig)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    for k, (opts, _) in enumerate(plans):
+        if stopping:
+            break
+        child = [sys.executable, "-m", "workers", *argv,
+                 "--port", str(args.port), "--id", group, "--instance", str(k)]
+        procs.append(subprocess.Popen(child, preexec_fn=_die_with_parent))
+        if k + 1 < len(plans):
+            _wait_healthy(procs[-1], opts.url + engine.health_path, args.health_timeout, lambda: stopping)
+    codes = [proc.wait() for proc in procs]
+    return next((code for code in codes if code), 0)
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout: float, stop: Any) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None and not stop():
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     if args.engine == "external" and not args.url:
         raise SystemExit("--engine external needs --url of the running engine")
+    if args.instances < 1:
+        raise SystemExit("--instances must be at least 1")
+    if args.instances > 1 and args.instance is None:
+        sys.exit(run_instances(argv, args))
     opts, why = plan(args)
-    try:
-        engine = get_engine(opts.engine)
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
+    engine = _engine(opts)
     if args.dry_run:
         for line in why:
             print(f"# {line}")
         print(f"# worker id: {opts.worker_id}")
-        if opts.managed:
-            env = engine.environment(opts.spec)
-            print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(engine.command(opts.spec)))
-        else:
-            print(f"# attach to {opts.url} (nothing is started)")
+        _print_plan(opts, engine)
         return
     configure_logging(args.log_level)
     sys.exit(run_agent(opts, engine))

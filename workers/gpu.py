@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -14,6 +15,9 @@ import yaml
 from fleetgate.schema import GpuInfo
 
 QUERY = ["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"]
+# A file holding QUERY's output, read instead of running nvidia-smi (tests, dry runs
+# for another machine). `python -m workers --nvidia-smi-output FILE` sets the same.
+SMI_FILE_ENV = "FLEETGATE_NVIDIA_SMI_FILE"
 DEFAULT_PROFILES = Path(__file__).resolve().parent.parent / "config" / "workers.yaml"
 
 
@@ -29,8 +33,15 @@ def parse_nvidia_smi(text: str) -> list[GpuInfo]:
     return gpus
 
 
-def query_gpus() -> list[GpuInfo]:
-    """The cards nvidia-smi sees; empty when there is no driver or no card."""
+def query_gpus(recorded: str | Path | None = None) -> list[GpuInfo]:
+    """The cards nvidia-smi sees; empty when there is no driver or no card.
+
+    `recorded` (else $FLEETGATE_NVIDIA_SMI_FILE) names a file with nvidia-smi's output
+    to read instead: what another machine would report.
+    """
+    recorded = recorded or os.environ.get(SMI_FILE_ENV)
+    if recorded:
+        return parse_nvidia_smi(Path(recorded).read_text())
     if shutil.which("nvidia-smi") is None:
         return []
     try:

@@ -14,7 +14,8 @@ from typing import Any, ClassVar
 import httpx
 
 from fleetgate.schema import Load
-from workers.engines.base import EngineSpec, flag_args, metric_samples, total
+from workers.engines.base import EngineSpec, flag_args
+from workers.engines.lmdeploy import parse_lmdeploy_metrics
 from workers.engines.vllm import load_lora, parse_vllm_metrics, unload_lora
 from workers.simulator.profiles import PROFILES, profile_for_gpu
 
@@ -28,18 +29,6 @@ _FLAGS = (
     "seed",
     "flavor",
 )
-
-
-def parse_lmdeploy_metrics(text: str) -> Load:
-    """LMDeploy's gauges; it has no query counter, so prompt tokens stand for queries."""
-    s = metric_samples(text)
-    return Load(
-        running=int(total(s, "lmdeploy:num_requests_running")),
-        waiting=int(total(s, "lmdeploy:num_requests_waiting")),
-        kv_cache_usage=total(s, "lmdeploy:gpu_cache_usage_perc"),
-        prefix_cache_queries=total(s, "lmdeploy:prompt_tokens_total"),
-        prefix_cache_hits=total(s, "lmdeploy:cached_tokens_total"),
-    )
 
 
 def sim_profile(spec: EngineSpec) -> str:

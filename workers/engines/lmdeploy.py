@@ -1,0 +1,120 @@
+"""LMDeploy's OpenAI server (`lmdeploy serve api_server`).
+
+Adapters are fixed at start (`--adapters name=path`, PyTorch backend only); there is no
+runtime load API. Its load gauges (running, waiting, KV usage) refresh only every 10 s,
+hard-coded in LMDeploy: they lag, so the gateway's own in-flight count must weigh more
+for this engine than the scrape does. Metrics are on by default from 0.11
+(`--disable-metrics` turns them off); before 0.11 they need `--enable-metrics`, which
+the `enable_metrics` option passes. The names are the same either way.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import ClassVar
+
+import httpx
+
+from fleetgate.schema import Load
+from workers.engines.base import AdapterError, EngineSpec, flag_args, metric_samples, peak, total
+
+# Flags taken from the profile / command line, in the order they are emitted.
+_FLAGS = (
+    "tp",
+    "max_batch_size",
+    "cache_max_entry_count",
+    "quant_policy",
+    "cache_block_seq_len",
+    "max_prefill_token_num",
+    "enable_prefix_caching",
+    "eager_mode",
+    "dtype",
+    "device",
+    "enable_metrics",
+    "log_level",
+)
+
+# LMDeploy's own default batch size depends on the card (128 to 512), so the argv always
+# names it: capacity() must be true.
+DEFAULT_MAX_BATCH_SIZE = 128
+
+
+def parse_lmdeploy_metrics(text: str) -> Load:
+    """LMDeploy's gauges; it has no prefix-cache query counter, so prompt tokens stand for queries."""
+    s = metric_samples(text)
+    return Load(
+        running=int(total(s, "lmdeploy:num_requests_running")),
+        waiting=int(total(s, "lmdeploy:num_requests_waiting")),
+        kv_cache_usage=peak(s, "lmdeploy:gpu_cache_usage_perc"),
+        prefix_cache_queries=total(s, "lmdeploy:prompt_tokens_total"),
+        prefix_cache_hits=total(s, "lmdeploy:cached_tokens_total"),
+    )
+
+
+def backend(spec: EngineSpec) -> str:
+    """The option's backend; else PyTorch when adapters are given (TurboMind serves none), else TurboMind."""
+    chosen = spec.options.get("backend")
+    if chosen:
+        return str(chosen)
+    return "pytorch" if spec.adapters else "turbomind"
+
+
+class LmdeployEngine:
+    name: ClassVar[str] = "lmdeploy"
+    runtime_lora: ClassVar[bool] = False
+    # True, but the gauges are up to 10 s old (see the module docstring).
+    reports_load: ClassVar[bool] = True
+    health_path: ClassVar[str] = "/health"
+    metrics_path: ClassVar[str | None] = "/metrics"
+
+    def command(self, spec: EngineSpec) -> list[str]:
+        python = spec.options.get("python") or os.environ.get("FLEETGATE_LMDEPLOY_PYTHON") or sys.executable
+        chosen = backend(spec)
+        if spec.adapters and chosen != "pytorch":
+            raise ValueError(f"LMDeploy serves LoRA adapters only with --backend pytorch, not {chosen}")
+        options = dict(spec.options)
+        options["max_batch_size"] = self.capacity(spec)
+        if len(spec.gpu_ids) > 1:
+            options.setdefault("tp", len(spec.gpu_ids))
+        argv = [
+            str(python), "-m", "lmdeploy", "serve", "api_server", spec.model,
+            "--server-name", spec.host,
+            "--server-port", str(spec.port),
+            "--model-name", spec.served_name,
+            "--backend", chosen,
+            "--session-len", str(spec.max_model_len),
+            *flag_args(options, _FLAGS),
+        ]  # fmt: skip
+        if spec.adapters:
+            argv.append("--adapters")
+            argv.extend(f"{name}={path}" for name, path in spec.adapters.items())
+        argv.extend(spec.extra_args)
+        return argv
+
+    def environment(self, spec: EngineSpec) -> dict[str, str]:
+        env: dict[str, str] = {}
+        if spec.gpu_ids:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpu_ids)
+        for key, value in (spec.options.get("env") or {}).items():
+            env[str(key)] = str(value)
+        return env
+
+    def capacity(self, spec: EngineSpec) -> int:
+        return int(spec.options.get("max_batch_size") or DEFAULT_MAX_BATCH_SIZE)
+
+    def max_loras(self, spec: EngineSpec) -> int:
+        # Every start-time adapter stays resident; there are no other slots.
+        return len(spec.adapters)
+
+    def parse_metrics(self, text: str) -> Load:
+        return parse_lmdeploy_metrics(text)
+
+    async def load_adapter(self, client: httpx.AsyncClient, base_url: str, name: str, path: str) -> None:
+        raise AdapterError(f"cannot load {name!r}: LMDeploy's adapters are fixed at start", 501)
+
+    async def unload_adapter(self, client: httpx.AsyncClient, base_url: str, name: str) -> None:
+        raise AdapterError(f"cannot unload {name!r}: LMDeploy's adapters are fixed at start", 501)
+
+
+ENGINE = LmdeployEngine
