@@ -12,6 +12,8 @@ Layout (``P`` is the key prefix, ``v1`` the schema version)::
     {P}:v1:removed:<id>   STRING set when an operator removes a worker (TTL 10 min), so its
                           agent stops instead of registering again
     {P}:v1:events         PUBSUB a worker id whenever something about it changed
+    {P}:v1:circuit:<id>   STRING why a gateway's circuit breaker took the worker out of routing,
+                          PX cooldown: when it expires the worker gets traffic again (half-open)
     {P}:v1:gateways       SET   ids of gateways that publish in-flight counts (pruned by readers)
     {P}:v1:inflight:<gw>  HASH  worker id -> requests gateway <gw> has in flight there,
                           rewritten whole every ~100 ms, PEXPIRE lease: a gateway that crashes
@@ -72,6 +74,7 @@ class Keys:
         self.events = f"{base}:events"
         self._worker = f"{base}:w:"
         self._removed = f"{base}:removed:"
+        self._circuit = f"{base}:circuit:"
         self.gateways = f"{base}:gateways"
         self._inflight = f"{base}:inflight:"
 
@@ -81,11 +84,14 @@ class Keys:
     def removed(self, worker_id: str) -> str:
         return self._removed + worker_id
 
+    def circuit(self, worker_id: str) -> str:
+        return self._circuit + worker_id
+
     def inflight(self, gateway_id: str) -> str:
         return self._inflight + gateway_id
 
 
-def decode_worker(fields: dict[bytes, bytes]) -> WorkerView | None:
+def decode_worker(fields: dict[bytes, bytes], circuit: bytes | None = None) -> WorkerView | None:
     """A worker hash as read from Redis, or None if it is incomplete or of another schema."""
     raw_info = fields.get(b"info")
     if not raw_info:
@@ -111,6 +117,7 @@ def decode_worker(fields: dict[bytes, bytes]) -> WorkerView | None:
         last_heartbeat=float(fields.get(b"hb", b"0") or 0),
         admin_drain=fields.get(b"drain") == b"1",
         id_hash=stable_hash(info.id),
+        circuit=circuit.decode(errors="replace") if circuit else "",
     )
 
 
@@ -198,14 +205,16 @@ class Registry:
         async with self.redis.pipeline(transaction=False) as pipe:
             for worker_id in ids:
                 pipe.hgetall(self.keys.worker(worker_id))
-            rows: Sequence[dict[bytes, bytes]] = await pipe.execute()
+                pipe.get(self.keys.circuit(worker_id))
+            rows: Sequence[Any] = await pipe.execute()
         views: list[WorkerView] = []
         gone: list[str] = []
-        for worker_id, fields in zip(ids, rows, strict=True):
+        for i, worker_id in enumerate(ids):
+            fields, circuit = rows[2 * i], rows[2 * i + 1]
             if not fields:
                 gone.append(worker_id)
                 continue
-            view = decode_worker(fields)
+            view = decode_worker(fields, circuit)
             if view is not None:
                 views.append(view)
         if gone:
@@ -214,7 +223,22 @@ class Registry:
 
     async def read(self, worker_id: str) -> WorkerView | None:
         fields = await self.redis.hgetall(self.keys.worker(worker_id))  # type: ignore[misc]
-        return decode_worker(fields) if fields else None  # type: ignore[arg-type]
+        circuit = await self.redis.get(self.keys.circuit(worker_id))
+        return decode_worker(fields, circuit) if fields else None  # type: ignore[arg-type]
+
+    # -- circuit breakers (written by gateways, read by every gateway) ----------------
+
+    async def open_circuit(self, worker_id: str, reason: str, cooldown_s: float) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(self.keys.circuit(worker_id), reason, px=max(1, int(cooldown_s * 1000)))
+            pipe.publish(self.keys.events, worker_id)
+            await pipe.execute()
+
+    async def close_circuit(self, worker_id: str) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self.keys.circuit(worker_id))
+            pipe.publish(self.keys.events, worker_id)
+            await pipe.execute()
 
     # -- in-flight counts shared by gateway replicas --------------------------------
 

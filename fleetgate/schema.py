@@ -73,6 +73,8 @@ class WorkerView(msgspec.Struct, kw_only=True, frozen=True):
     admin_drain: bool = False
     # stable_hash(id), computed once when the record is read; rendezvous hashing uses it.
     id_hash: int = 0
+    # Why a gateway's circuit breaker took this worker out of routing ("" when closed).
+    circuit: str = ""
 
     @property
     def id(self) -> str:
@@ -88,7 +90,7 @@ class WorkerView(msgspec.Struct, kw_only=True, frozen=True):
 
     @property
     def routable(self) -> bool:
-        return self.state == "ready" and not self.admin_drain
+        return self.state == "ready" and not self.admin_drain and not self.circuit
 
     def serves(self, model: str) -> bool:
         return model == self.info.model or model in self.info.adapters

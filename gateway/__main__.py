@@ -6,7 +6,9 @@ import argparse
 import os
 from pathlib import Path
 
+import msgspec
 import uvicorn
+import yaml
 
 from fleetgate.logs import configure_logging
 from gateway.app import create_app
@@ -25,11 +27,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--policy")
     parser.add_argument("--admin-token", help="prefer the FLEETGATE_ADMIN_TOKEN variable")
     parser.add_argument("--log-level")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="any setting of config/gateway.yaml (YAML value); repeatable")
     args = parser.parse_args(argv)
     overrides = {
-        k: v for k, v in vars(args).items() if k != "config" and v is not None
+        k: v for k, v in vars(args).items() if k not in ("config", "set") and v is not None
     }
-    settings = load_settings(args.config, overrides)
+    for pair in args.set:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            parser.error(f"--set needs KEY=VALUE, got {pair!r}")
+        overrides[key.strip().replace("-", "_")] = yaml.safe_load(value)
+    try:
+        settings = load_settings(args.config, overrides)
+    except msgspec.ValidationError as exc:
+        parser.error(f"bad setting: {exc}")
     configure_logging(settings.log_level, settings.log_json)
     uvicorn.run(
         create_app(settings),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import hmac
 import os
 import socket
 import time
@@ -25,13 +24,17 @@ from litestar.openapi import OpenAPIConfig
 
 from fleetgate.registry import Registry, connect
 from fleetgate.schema import WorkerView
+from gateway.circuit import Breakers
 from gateway.errors import GatewayError, InvalidRequest, NotFound, Unauthorized
 from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
+from gateway.metrics import GatewayMetrics, metrics_endpoint
 from gateway.proxy import Proxy
 from gateway.requests import TokenCounter
 from gateway.routing import make_policy
 from gateway.settings import GatewaySettings
+from gateway.ui import HANDLERS as UI_HANDLERS
+from gateway.ui import admin_authorized
 from gateway.upstream import Upstream
 
 log = structlog.get_logger("gateway.app")
@@ -46,6 +49,7 @@ class Gateway:
     watcher: FleetWatcher
     proxy: Proxy
     api_key_digests: frozenset[bytes]
+    metrics: GatewayMetrics
 
 
 def _gw(state: State) -> Gateway:
@@ -69,7 +73,8 @@ def _check_client(gw: Gateway, request: Request) -> None:
 
 def _check_admin(gw: Gateway, request: Request) -> None:
     token = gw.settings.admin_token
-    if not token or not hmac.compare_digest(_bearer(request).encode(), token.encode()):
+    # A bearer token, or the dashboard's session cookie (gateway/ui.py).
+    if not admin_authorized(request, token):
         raise Unauthorized(
             "Admin endpoints need `Authorization: Bearer <FLEETGATE_ADMIN_TOKEN>`"
             + ("" if token else " (no admin token is configured on this gateway)."),
@@ -151,6 +156,7 @@ def _worker_json(w: WorkerView, inflight: int) -> dict[str, object]:
             "kv_cache_usage": w.load.kv_cache_usage,
             "inflight": inflight,
         },
+        "circuit": {"state": "open", "reason": w.circuit} if w.circuit else {"state": "closed"},
         "last_heartbeat": w.last_heartbeat,
         "heartbeat_age_s": round(time.time() - w.last_heartbeat, 3) if w.last_heartbeat else None,
     }
@@ -236,18 +242,23 @@ def create_app(settings: GatewaySettings) -> Litestar:
         redis = connect(settings.redis_url)
         registry = Registry(redis, settings.redis_prefix, settings.heartbeat_ttl_s)
         watcher = FleetWatcher(registry, settings.refresh_interval_s)
-        upstream = Upstream(
-            settings.connect_timeout_s, settings.first_byte_timeout_s, settings.idle_timeout_s
-        )
+        upstream = Upstream(settings.connect_timeout_s)
         await upstream.start()
         gateway_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         inflight = SharedInflight(registry, gateway_id)
+        breakers = Breakers(
+            registry, lambda worker_id: watcher.snapshot.by_id.get(worker_id), watcher.poke,
+            threshold=settings.breaker_threshold, cooldown_s=settings.breaker_cooldown_s,
+        )
         proxy = Proxy(
-            settings, watcher, upstream, make_policy(settings.policy, settings.routing), inflight,
+            settings, watcher, upstream, make_policy(settings.policy, settings.routing), inflight, breakers,
             tokenizers={model: TokenCounter(path) for model, path in settings.tokenizers.items()},
         )
+        metrics = GatewayMetrics()
+        metrics.watch_fleet(watcher, inflight)
         app.state["gw"] = Gateway(
-            settings, registry, watcher, proxy, frozenset(_digest(k) for k in settings.api_keys)
+            settings, registry, watcher, proxy, frozenset(_digest(k) for k in settings.api_keys),
+            metrics,
         )
         await watcher.start()
         inflight.start()
@@ -255,6 +266,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
         try:
             yield
         finally:
+            await breakers.close()
             await inflight.stop()
             await watcher.stop()
             await upstream.close()
@@ -266,6 +278,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
         route_handlers=[
             chat_completions, completions, list_models, get_model, health,
             admin_workers, admin_drain, admin_undrain, admin_remove,
+            metrics_endpoint, *UI_HANDLERS,
         ],
         lifespan=[lifespan],
         exception_handlers={
@@ -273,7 +286,8 @@ def create_app(settings: GatewaySettings) -> Litestar:
             HTTPException: _http_error,
             Exception: _internal_error,
         },
-        openapi_config=OpenAPIConfig(title="fleetgate", version="0.1.0", path="/docs"),
+        # Litestar's default path: the schema at /schema/openapi.json.
+        openapi_config=OpenAPIConfig(title="fleetgate", version="0.1.0"),
         logging_config=None,
-        request_max_body_size=64 * 1024 * 1024,
+        request_max_body_size=settings.max_body_bytes,
     )

@@ -1,14 +1,18 @@
 """Proxying one OpenAI request: parse the little routing needs, pick a worker, forward, relay.
 
 The body goes to the engine byte for byte. Only the fields routing needs are
-decoded (msgspec skips the rest without building objects). A failure before any
-byte reached the client is retried on another worker (bounded in attempts and in
-time, jittered, one log event each); once a stream has started, bytes are relayed
-as they arrive and a client that goes away closes the engine's request.
+decoded. A failure before any byte reached the client (refused connection,
+timeout, engine 5xx/429, a body cut short) is retried on another worker, bounded
+in attempts and in time, with jittered backoff and one log event per retry. Once a
+stream has started, events are relayed as they arrive; if the engine dies or
+stalls mid-stream, the stream is continued on another worker (gateway/resume.py).
+When every eligible worker is full, the request waits in a bounded queue, then
+gets 429 + Retry-After. A client that goes away closes the engine's request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,7 +20,6 @@ from dataclasses import dataclass, field, replace
 from typing import NoReturn
 
 import aiohttp
-import msgspec
 import structlog
 from litestar import Request, Response
 from litestar.response import Stream
@@ -29,19 +32,23 @@ from tenacity import (
 )
 
 from fleetgate.schema import WorkerView
+from gateway.circuit import Breakers
 from gateway.errors import (
     ContextLengthExceeded,
     GatewayError,
     ModelNotFound,
     NoWorkerAvailable,
+    Overloaded,
     UpstreamError,
+    UpstreamTimeout,
 )
 from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
 from gateway.requests import TokenCounter, affinity, estimate_tokens, parse_request
+from gateway.resume import StreamTracker, continuation_body, resumable_request
 from gateway.routing import Choice, Policy, RequestFacts, decide
 from gateway.settings import GatewaySettings
-from gateway.upstream import RETRYABLE_STATUS, Upstream, openai_error_body
+from gateway.upstream import RETRYABLE_STATUS, Upstream, openai_error_body, sse_error
 
 log = structlog.get_logger("gateway.proxy")
 
@@ -55,6 +62,14 @@ class _Retryable(Exception):
         self.error = error
 
 
+class _Saturated(Exception):
+    """Every eligible worker is full: the request waits in the gateway's queue."""
+
+
+class _StreamBroke(Exception):
+    """The engine's stream ended without finishing."""
+
+
 @dataclass
 class Proxy:
     settings: GatewaySettings
@@ -62,8 +77,10 @@ class Proxy:
     upstream: Upstream
     policy: Policy
     inflight: SharedInflight
+    breakers: Breakers
     tokenizers: dict[str, TokenCounter] = field(default_factory=dict)
     seq: int = 0
+    queued: int = 0
 
     async def handle(self, request: Request, path: str, kind: str) -> Response:
         started = time.perf_counter()
@@ -71,9 +88,10 @@ class Proxy:
         body = await request.body()
         probe = parse_request(body, kind)
         self.seq += 1
+        snapshot = self.watcher.snapshot
         session = request.headers.get("x-session-id") or probe.user
         key, key_kind = affinity(probe, session) if self.policy.name == "fleet" else (None, None)
-        base = self.watcher.snapshot.models.get(probe.model) or probe.model
+        base = snapshot.models.get(probe.model) or probe.model
         counter = self.tokenizers.get(base)
         if counter is not None:
             estimate = floor = counter.count(probe)
@@ -85,15 +103,21 @@ class Proxy:
             max_tokens=probe.max_completion_tokens or probe.max_tokens,
             session=session,
             seq=self.seq,
-            adapter=self.watcher.snapshot.models.get(probe.model, "") != "",
+            adapter=snapshot.models.get(probe.model, "") != "",
             affinity_key=key,
             affinity_kind=key_kind,
         )
         attempt = _Attempt(self, path, body, probe.stream, facts, floor)
-        try:
-            resp, choice = await attempt.first()
-        except _Retryable as first_failure:
-            resp, choice = await self._retry(attempt, first_failure)
+        while True:
+            try:
+                result = await attempt.next()
+                break
+            except _Saturated:
+                await self._wait_for_room(attempt)
+            except _Retryable as first_failure:
+                result = await self._retry(attempt, first_failure)
+                break
+        choice, resp, data = result
         worker = choice.worker
         headers = {
             "x-fleetgate-worker": worker.id,
@@ -102,29 +126,43 @@ class Proxy:
         }
         fields = {
             "request_id": request_id, "model": probe.model, "worker": worker.id,
-            "route": choice.reason, "attempts": attempt.count, "status": resp.status,
-            "stream": probe.stream,
+            "route": choice.reason, "attempts": attempt.count, "stream": probe.stream,
         }
-        if probe.stream and resp.status == 200:
+        if resp is not None:
+            tracker = StreamTracker(kind, resumable_request(body, kind))
             return Stream(
-                self._relay(resp, worker.id, started, fields),
+                self._relay(attempt, choice, resp, tracker, started, fields),
                 status_code=200,
                 media_type="text/event-stream",
                 headers={**headers, **_SSE_HEADERS},
             )
-        try:
-            data = await self.upstream.read(resp)
-        finally:
-            resp.release()
-            self._done(worker.id)
-        if resp.status >= 400:
-            data = openai_error_body(resp.status, data)
-        log.info("gateway.request", **fields, ms=round((time.perf_counter() - started) * 1000, 2))
-        return Response(
-            content=data, status_code=resp.status, media_type="application/json", headers=headers,
-        )
+        status, payload = data
+        log.info("gateway.request", **fields, status=status, ms=round((time.perf_counter() - started) * 1000, 2))
+        return Response(content=payload, status_code=status, media_type="application/json", headers=headers)
 
-    async def _retry(self, attempt: _Attempt, failure: _Retryable) -> tuple[aiohttp.ClientResponse, Choice]:
+    async def _wait_for_room(self, attempt: _Attempt) -> None:
+        """Hold a request while every eligible worker is full; bounded in count and time."""
+        settings = self.settings
+        if self.queued >= settings.queue_max:
+            raise Overloaded("Every worker is at capacity and the gateway's queue is full.",
+                             retry_after=settings.queue_timeout_s)
+        self.queued += 1
+        if attempt.queue_deadline is None:
+            attempt.queue_deadline = time.monotonic() + settings.queue_timeout_s
+        deadline = attempt.queue_deadline
+        try:
+            while attempt.saturated():
+                if time.monotonic() >= deadline:
+                    log.info("gateway.shed", model=attempt.facts.model, queued=self.queued)
+                    raise Overloaded(
+                        f"Every worker serving `{attempt.facts.model}` is at capacity; try again shortly.",
+                        retry_after=max(1.0, settings.queue_timeout_s / 2),
+                    )
+                await asyncio.sleep(0.02)
+        finally:
+            self.queued -= 1
+
+    async def _retry(self, attempt: _Attempt, failure: _Retryable) -> _Result:
         settings = self.settings
         if settings.retry_attempts <= 1:
             raise failure.error
@@ -133,8 +171,11 @@ class Proxy:
             wait=wait_random_exponential(multiplier=settings.retry_backoff_s, max=1.0),
             retry=retry_if_exception_type(_Retryable),
             reraise=True,
+            before=lambda state: log.info(
+                "gateway.retry", model=attempt.facts.model, attempt=attempt.count + 1,
+                error=(attempt.last_error.message if attempt.last_error else ""),
+            ),
         )
-        log.info("gateway.retry", model=attempt.facts.model, attempt=attempt.count, error=failure.error.message)
         try:
             async for state in retrying:
                 with state:
@@ -144,43 +185,90 @@ class Proxy:
         raise failure.error  # pragma: no cover - tenacity either returns or raises
 
     async def _relay(
-        self, resp: aiohttp.ClientResponse, worker_id: str, started: float, fields: dict[str, object]
+        self, attempt: _Attempt, choice: Choice, resp: aiohttp.ClientResponse, tracker: StreamTracker,
+        started: float, fields: dict[str, object],
     ) -> AsyncIterator[bytes]:
+        settings = self.settings
+        loop = asyncio.get_running_loop()
+        worker = choice.worker
         outcome = "completed"
         first_chunk_ms: float | None = None
+        resumes = 0
         try:
-            async for chunk in resp.content.iter_any():
-                if first_chunk_ms is None:
-                    first_chunk_ms = round((time.perf_counter() - started) * 1000, 2)
-                yield chunk
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            outcome = f"engine_broke:{type(exc).__name__}"
-            yield _sse_error("the engine's stream broke off; the answer is incomplete")
+            while True:
+                try:
+                    buffer = b""
+                    # The first event may wait behind the engine's queue; later ones may not stall.
+                    async with asyncio.timeout(attempt.first_byte_timeout()) as deadline:
+                        async for data in resp.content.iter_any():
+                            deadline.reschedule(loop.time() + settings.stall_timeout_s)
+                            buffer += data
+                            while (cut := buffer.find(b"\n\n")) >= 0:
+                                event, buffer = buffer[:cut], buffer[cut + 2:]
+                                out = tracker.on_event(event.strip(b"\r\n"))
+                                if out is not None:
+                                    if first_chunk_ms is None:
+                                        first_chunk_ms = round((time.perf_counter() - started) * 1000, 2)
+                                    yield out
+                                if tracker.done:
+                                    break
+                            if tracker.done:
+                                break
+                    if tracker.done:
+                        self.breakers.success(worker.id)
+                        return
+                    if tracker.finished:  # a finish_reason came, only [DONE] is missing
+                        yield b"data: [DONE]\n\n"
+                        return
+                    raise _StreamBroke("the engine closed the stream before it finished")
+                except (aiohttp.ClientError, TimeoutError, _StreamBroke) as exc:
+                    reason = "stalled" if isinstance(exc, TimeoutError) else type(exc).__name__
+                    self.breakers.failure(worker.id, f"stream {reason}")
+                    resp.close()
+                    self.inflight.done(worker.id)
+                    log.warning("gateway.stream_broke", worker=worker.id, reason=reason,
+                                sent_chunks=tracker.content_chunks, request_id=fields["request_id"])
+                    if not tracker.resumable or resumes >= settings.max_resumes:
+                        outcome = f"broken:{reason}"
+                        yield sse_error("The engine serving this stream failed and the stream cannot be "
+                                        "resumed elsewhere; the answer is incomplete.")
+                        return
+                    body = continuation_body(attempt.body, attempt.kind, tracker.sent_text,
+                                             tracker.content_chunks, worker.info.engine)
+                    if body is None:
+                        yield tracker.final_length_chunk()
+                        return
+                    resumes += 1
+                    try:
+                        choice, resp = await attempt.resume(body)
+                    except GatewayError as err:
+                        outcome = f"broken:{reason}"
+                        yield sse_error(f"The stream could not be resumed on another worker: {err.message}")
+                        return
+                    worker = choice.worker
+                    tracker.start_segment()
+                    log.info("gateway.stream_resumed", worker=worker.id, resumes=resumes,
+                             sent_chunks=tracker.content_chunks, request_id=fields["request_id"])
         except BaseException:
             # The client went away (cancellation) or the server is stopping: abort the
             # engine's request by closing its connection instead of reading it to the end.
             outcome = "client_gone"
             raise
         finally:
-            if outcome == "completed":
-                resp.release()
-            else:
-                resp.close()
-            self._done(worker_id)
+            if not resp.closed:
+                if outcome == "completed":
+                    resp.release()
+                else:
+                    resp.close()
+                self.inflight.done(worker.id)
             log.info(
-                "gateway.request", **fields, outcome=outcome, ttft_ms=first_chunk_ms,
-                ms=round((time.perf_counter() - started) * 1000, 2),
+                "gateway.request", **fields, final_worker=worker.id, status=200, outcome=outcome,
+                resumes=resumes, ttft_ms=first_chunk_ms, ms=round((time.perf_counter() - started) * 1000, 2),
             )
 
-    def _done(self, worker_id: str) -> None:
-        self.inflight.done(worker_id)
 
-
-def _sse_error(message: str) -> bytes:
-    payload = msgspec.json.encode(
-        {"error": {"message": message, "type": "upstream_error", "param": None, "code": "stream_interrupted"}}
-    )
-    return b"data: " + payload + b"\n\ndata: [DONE]\n\n"
+# (choice, open streaming response or None, (status, body) when not streaming)
+_Result = tuple[Choice, aiohttp.ClientResponse | None, tuple[int, bytes]]
 
 
 class _Attempt:
@@ -190,55 +278,86 @@ class _Attempt:
         self, proxy: Proxy, path: str, body: bytes, stream: bool, facts: RequestFacts, floor: int
     ) -> None:
         self.proxy = proxy
-        # The fewest tokens the prompt can have (equal to the estimate with a tokenizer).
-        self.floor = floor
         self.path = path
+        self.kind = "chat" if path.endswith("chat/completions") else "completion"
         self.body = body
         self.stream = stream
         self.facts = facts
+        # The fewest tokens the prompt can have (equal to the estimate with a tokenizer).
+        self.floor = floor
         # Each attempt decides afresh (the fleet may have changed), skipping these.
         self.tried: list[str] = []
         self.count = 0
         self.last_error: GatewayError | None = None
+        self.queue_deadline: float | None = None
 
-    async def first(self) -> tuple[aiohttp.ClientResponse, Choice]:
-        return await self.next()
+    def first_byte_timeout(self) -> float:
+        s = self.proxy.settings
+        return s.first_byte_timeout_s + s.first_byte_per_1k_tokens_s * self.facts.prompt_tokens / 1000
 
-    async def next(self) -> tuple[aiohttp.ClientResponse, Choice]:
+    def saturated(self) -> bool:
+        proxy = self.proxy
+        decision = decide(proxy.watcher.snapshot.routes, self.facts, proxy.inflight, proxy.policy,
+                          self.tried, limit=1, full_at=proxy.settings.full_at)
+        return decision.verdict == "saturated"
+
+    async def next(self, body: bytes | None = None) -> _Result:
         proxy = self.proxy
         choice = self._choose()
         worker = choice.worker
         self.tried.append(worker.id)
         self.count += 1
         proxy.inflight.add(worker.id)
+        url = worker.info.url + self.path
         try:
-            resp = await proxy.upstream.post(
-                worker.info.url + self.path, self.body, _FORWARD_HEADERS, self.stream
-            )
+            resp = await proxy.upstream.post(url, body or self.body, _FORWARD_HEADERS, self.stream,
+                                             self.first_byte_timeout())
         except UpstreamError as exc:
-            proxy._done(worker.id)
+            proxy.inflight.done(worker.id)
             self._failed(worker, exc)
+        if self.stream and resp.status == 200:
+            return choice, resp, (200, b"")
+        try:
+            data = await proxy.upstream.read(resp)
+        except UpstreamError as exc:
+            self._failed(worker, exc)
+        finally:
+            resp.release()
+            proxy.inflight.done(worker.id)
         if resp.status in RETRYABLE_STATUS:
-            try:
-                data = await proxy.upstream.read(resp)
-            except UpstreamError:
-                data = b""
-            finally:
-                resp.release()
-                proxy._done(worker.id)
             message = openai_error_body(resp.status, data).decode()
             self._failed(worker, UpstreamError(f"engine {worker.id} answered {resp.status}: {message[:300]}"))
-        return resp, choice
+        proxy.breakers.success(worker.id)
+        if resp.status >= 400:
+            data = openai_error_body(resp.status, data)
+        return choice, None, (resp.status, data)
+
+    async def resume(self, body: bytes) -> tuple[Choice, aiohttp.ClientResponse]:
+        """Start the continuation of a broken stream on another worker (retried like a request)."""
+        for _ in range(self.proxy.settings.retry_attempts):
+            try:
+                choice, resp, _ = await self.next(body)
+            except _Retryable:
+                continue
+            if resp is not None:
+                return choice, resp
+            raise UpstreamError("the engine refused the continuation")
+        raise self.last_error or NoWorkerAvailable("No other worker can continue this stream.")
 
     def _choose(self) -> Choice:
         proxy = self.proxy
-        snapshot = proxy.watcher.snapshot
-        decision = decide(snapshot.routes, self.facts, proxy.inflight, proxy.policy, self.tried, limit=1)
+        routes = proxy.watcher.snapshot.routes
+        # Shed load on a request's first attempt only: a retry or a resume has waited enough.
+        full_at = proxy.settings.full_at if self.count == 0 else None
+        decision = decide(routes, self.facts, proxy.inflight, proxy.policy, self.tried, limit=1,
+                          full_at=full_at)
+        if decision.verdict == "saturated":
+            raise _Saturated
         if decision.verdict == "context_length" and self.floor + (self.facts.max_tokens or 0) < decision.limit:
             # Only an estimate says it does not fit: let the roomiest workers' engines decide.
             roomiest = replace(self.facts, prompt_tokens=decision.limit - 1, max_tokens=None)
-            decision = decide(snapshot.routes, roomiest, proxy.inflight, proxy.policy, self.tried, limit=1)
-        if decision.verdict == "ok" and decision.choices:
+            decision = decide(routes, roomiest, proxy.inflight, proxy.policy, self.tried, limit=1)
+        if decision.choices:
             return decision.choices[0]
         if decision.verdict == "unknown_model":
             raise ModelNotFound(
@@ -255,11 +374,16 @@ class _Attempt:
         if self.last_error is not None:
             raise self.last_error
         raise NoWorkerAvailable(
-            f"No worker can serve `{self.facts.model}` right now (all draining or busy); try again shortly.",
+            f"No worker can serve `{self.facts.model}` right now (all draining or unhealthy); "
+            "try again shortly.",
             retry_after=1,
         )
 
     def _failed(self, worker: WorkerView, error: GatewayError) -> NoReturn:
         self.last_error = error
+        self.proxy.breakers.failure(worker.id, error.message)
         log.warning("gateway.attempt_failed", worker=worker.id, attempt=self.count, error=error.message)
         raise _Retryable(error)
+
+
+__all__ = ["Proxy", "UpstreamTimeout"]

@@ -10,9 +10,10 @@ import msgspec
 import yaml
 
 from fleetgate.registry import DEFAULT_HEARTBEAT_TTL_S, DEFAULT_PREFIX
+from gateway.routing.base import FullAt
 
 
-class GatewaySettings(msgspec.Struct, kw_only=True):
+class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 8000
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -29,15 +30,35 @@ class GatewaySettings(msgspec.Struct, kw_only=True):
     # Base model name -> tokenizer.json, for exact prompt token counts (else estimated).
     tokenizers: dict[str, str] = msgspec.field(default_factory=dict)
     connect_timeout_s: float = 2.0
-    # Time allowed for an engine's response headers (non-streaming: the whole answer).
+    # Time allowed for an engine's first byte (non-streaming: its whole answer; streaming:
+    # its first event), plus this much per 1,000 prompt tokens.
     first_byte_timeout_s: float = 300.0
-    # A stream that sends nothing for this long is abandoned.
-    idle_timeout_s: float = 120.0
+    first_byte_per_1k_tokens_s: float = 5.0
+    # A stream that sends nothing for this long after its first event counts as dead.
+    stall_timeout_s: float = 30.0
+    # How many times one stream may be continued on another worker.
+    max_resumes: int = 2
     retry_attempts: int = 3
     retry_max_s: float = 10.0
     retry_backoff_s: float = 0.05
+    # Circuit breaker: failures in a row that open it, and its first cooldown.
+    breaker_threshold: int = 3
+    breaker_cooldown_s: float = 5.0
+    # Load shedding: a worker is full at capacity x (1 + shed_queue_ratio) outstanding
+    # requests, or at shed_kv KV-cache use with a queue; when all are, requests wait up
+    # to queue_timeout_s in a queue of at most queue_max, then get 429.
+    shed_queue_ratio: float = 1.0
+    shed_kv: float = 0.98
+    queue_max: int = 512
+    queue_timeout_s: float = 10.0
+    # Largest request body accepted (413 above it).
+    max_body_bytes: int = 32 * 1024 * 1024
     log_level: str = "info"
     log_json: bool | None = None
+
+    @property
+    def full_at(self) -> FullAt:
+        return FullAt(queue_ratio=self.shed_queue_ratio, kv=self.shed_kv)
 
     def public(self) -> dict[str, Any]:
         """The settings with secrets masked, for logs and /admin."""

@@ -19,14 +19,11 @@ RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 
 
 class Upstream:
-    def __init__(self, connect_timeout_s: float, first_byte_timeout_s: float, idle_timeout_s: float) -> None:
+    def __init__(self, connect_timeout_s: float) -> None:
         self._connect = connect_timeout_s
-        self._plain = aiohttp.ClientTimeout(
-            total=None, sock_connect=connect_timeout_s, sock_read=first_byte_timeout_s
-        )
-        self._stream = aiohttp.ClientTimeout(
-            total=None, sock_connect=connect_timeout_s, sock_read=max(idle_timeout_s, 1.0)
-        )
+        # Streams time their reads themselves (first event, then stalls): see proxy._relay.
+        self._stream = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=None)
+        self._plain: dict[float, aiohttp.ClientTimeout] = {}
         self.session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -42,14 +39,25 @@ class Upstream:
         if self.session is not None:
             await self.session.close()
 
+    def _plain_timeout(self, first_byte_s: float) -> aiohttp.ClientTimeout:
+        # A handful of distinct values (rounded), so these are built once and reused.
+        key = float(round(first_byte_s))
+        timeout = self._plain.get(key)
+        if timeout is None:
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect, sock_read=max(key, 1.0))
+            if len(self._plain) < 256:
+                self._plain[key] = timeout
+        return timeout
+
     async def post(
-        self, url: str, body: bytes, headers: Mapping[str, str], stream: bool
+        self, url: str, body: bytes, headers: Mapping[str, str], stream: bool, first_byte_s: float,
     ) -> aiohttp.ClientResponse:
         """Send a request and return once the engine's response headers arrived."""
         assert self.session is not None
         try:
             return await self.session.post(
-                url, data=body, headers=headers, timeout=self._stream if stream else self._plain,
+                url, data=body, headers=headers,
+                timeout=self._stream if stream else self._plain_timeout(first_byte_s),
             )
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             raise UpstreamTimeout(f"engine at {url} did not answer in time") from exc
@@ -109,3 +117,11 @@ def _encode(message: str, status: int, param: str | None, type_: str | None = No
     return msgspec.json.encode(
         {"error": {"message": message, "type": kind, "param": param, "code": status}}
     )
+
+
+def sse_error(message: str, code: str = "stream_interrupted") -> bytes:
+    """An OpenAI-style error event followed by [DONE]: how a stream that cannot go on ends."""
+    payload = msgspec.json.encode(
+        {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
+    )
+    return b"data: " + payload + b"\n\ndata: [DONE]\n\n"

@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.routing.base import Choice, Decision, Policy, RequestFacts, decide
+from gateway.routing.base import Choice, Decision, FullAt, Policy, RequestFacts, decide
 from gateway.routing.fleet import FleetOptions, FleetPolicy
 from gateway.routing.least_outstanding import LeastOutstanding
 from gateway.routing.random_pick import RandomPick
@@ -31,6 +31,6 @@ def make_policy(name: str, options: dict[str, Any] | None = None) -> Policy:
 
 
 __all__ = [
-    "POLICIES", "Choice", "Decision", "FleetOptions", "Policy", "RequestFacts", "Routes", "decide",
+    "POLICIES", "Choice", "Decision", "FleetOptions", "FullAt", "Policy", "RequestFacts", "Routes", "decide",
     "make_policy",
 ]

@@ -13,7 +13,7 @@ from typing import Literal, Protocol
 
 from gateway.routing.table import ModelRoutes, Routes, Slot
 
-Verdict = Literal["ok", "unknown_model", "no_worker", "context_length"]
+Verdict = Literal["ok", "unknown_model", "no_worker", "context_length", "saturated"]
 
 # How many ranked workers a decision returns: the first choice plus retries.
 DEFAULT_LIMIT = 3
@@ -34,6 +34,20 @@ class RequestFacts:
     # requests with the same key are sent to the same worker while its load allows.
     affinity_key: int | None = None
     affinity_kind: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FullAt:
+    """When a worker counts as full, for load shedding."""
+
+    # Outstanding work (in flight or queued) at or above capacity x (1 + queue_ratio).
+    queue_ratio: float = 1.0
+    # Or a KV cache this full while the engine already queues requests.
+    kv: float = 0.98
+
+    def full(self, slot: Slot, inflight: Mapping[str, int]) -> bool:
+        busy = max(inflight.get(slot.id, 0), slot.engine_busy)
+        return busy >= slot.capacity * (1.0 + self.queue_ratio) or (slot.waiting > 0 and slot.kv >= self.kv)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +86,13 @@ def decide(
     policy: Policy,
     exclude: Collection[str] = (),
     limit: int = DEFAULT_LIMIT,
+    full_at: FullAt | None = None,
 ) -> Decision:
-    """Filter the workers serving this model, then let the policy rank what is left."""
+    """Filter the workers serving this model, then let the policy rank what is left.
+
+    With `full_at`, a request whose every eligible worker is full is `saturated`
+    (the gateway holds it back) instead of ranked.
+    """
     model_routes = routes.by_model.get(facts.model)
     if model_routes is None:
         return Decision("unknown_model")
@@ -95,4 +114,10 @@ def decide(
             return Decision("context_length", limit=max(s.max_len for s in routable))
     else:
         fitting = routable
-    return Decision("ok", tuple(policy.rank(fitting, facts, inflight, model_routes, limit)))
+    choices = tuple(policy.rank(fitting, facts, inflight, model_routes, limit))
+    # Cheap in the common case: only when the policy's pick is full are the others checked.
+    if full_at is not None and full_at.full(choices[0].slot, inflight) and all(
+        full_at.full(s, inflight) for s in fitting
+    ):
+        return Decision("saturated")
+    return Decision("ok", choices)

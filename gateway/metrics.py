@@ -1,0 +1,231 @@
+"""What one gateway exposes about itself: Prometheus metrics and its recent routing decisions.
+
+Two halves with different costs:
+
+- The request path calls `GatewayMetrics.request_done`, `retry`, `failover`,
+  `resumed_stream`, `shed` and `record_decision`. Each is a dict lookup of a cached
+  label child plus an increment (a few microseconds): the gateway's budget is about
+  half a millisecond of CPU per request.
+- Fleet gauges (workers by state, per-worker load and in-flight counts) cost the
+  request path nothing: `FleetCollector` reads the watcher's snapshot when Prometheus
+  scrapes `/metrics`.
+
+Every `GatewayMetrics` has its own `CollectorRegistry`, so two apps in one process
+(tests) never share counters.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from litestar import Response, get
+from litestar.datastructures import State
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+from gateway.fleet import FleetWatcher
+
+# Seconds. TTFT of a warm engine is tens of milliseconds; a queued one, seconds.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+WORKER_STATES = ("starting", "ready", "draining")
+# The `worker` label of a request no worker answered (refused or failed before routing).
+NO_WORKER = "none"
+
+
+class DecisionLog:
+    """The last `size` routing decisions of this gateway, newest last; O(1) per record."""
+
+    def __init__(self, size: int = 100) -> None:
+        self._ring: deque[tuple[Any, ...]] = deque(maxlen=size)
+        self.total = 0
+
+    def record(
+        self, request_id: str, model: str, worker: str, reason: str, attempts: int = 1,
+        status: int | None = None,
+    ) -> None:
+        self.total += 1
+        self._ring.append((time.time(), request_id, model, worker, reason, attempts, status))
+
+    def as_json(self) -> list[dict[str, Any]]:
+        """Newest first, as `GET /admin/decisions` returns them."""
+        keys = ("ts", "request_id", "model", "worker", "reason", "attempts", "status")
+        return [dict(zip(keys, row, strict=True)) for row in reversed(self._ring)]
+
+
+class GatewayMetrics:
+    def __init__(self, decisions: int = 100) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self._requests = Counter(
+            "fleetgate_requests", "Requests answered, by requested model (base or adapter), "
+            "worker and HTTP status.", ["model", "worker", "status"], registry=r,
+        )
+        self._duration = Histogram(
+            "fleetgate_request_duration_seconds", "Time from the request's arrival to its last "
+            "byte, by requested model and whether it streamed.", ["model", "stream"],
+            buckets=DURATION_BUCKETS, registry=r,
+        )
+        self._ttft = Histogram(
+            "fleetgate_time_to_first_token_seconds", "Time from a streamed request's arrival to "
+            "the first chunk relayed to the client.", ["model"], buckets=TTFT_BUCKETS, registry=r,
+        )
+        self._tokens = Counter(
+            "fleetgate_tokens", "Tokens in answered requests, as the engines reported them "
+            "(kind: prompt or completion).", ["model", "kind"], registry=r,
+        )
+        self._retries = Counter(
+            "fleetgate_retries", "Attempts beyond the first (before any byte reached the client).",
+            ["model"], registry=r,
+        )
+        self._failovers = Counter(
+            "fleetgate_failovers", "Requests answered by another worker after their first choice "
+            "failed.", ["model"], registry=r,
+        )
+        self._resumed = Counter(
+            "fleetgate_resumed_streams", "Streams that broke off and were resumed on another worker.",
+            ["model"], registry=r,
+        )
+        self._shed = Counter(
+            "fleetgate_shed", "Requests the gateway refused itself because no worker could take "
+            "them (status: the HTTP status sent).", ["model", "status"], registry=r,
+        )
+        # Label children by label values: `.labels()` takes a lock and validates each call.
+        self._children: dict[tuple[Any, ...], Any] = {}
+        # Answered requests per worker since start; the dashboard turns these into rates.
+        self.by_worker: dict[str, int] = {}
+        self.started_at = time.time()
+        self.decisions = DecisionLog(decisions)
+
+    # -- the request path --------------------------------------------------------------
+
+    def _child(self, metric: Any, *values: str) -> Any:
+        key = (id(metric), *values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
+
+    def request_done(
+        self, model: str, worker: str, status: int, stream: bool, seconds: float,
+        ttft_seconds: float | None = None, prompt_tokens: int = 0, completion_tokens: int = 0,
+    ) -> None:
+        """Once per request, when its last byte went out (or it failed); `worker` may be ''."""
+        worker = worker or NO_WORKER
+        self._child(self._requests, model, worker, str(status)).inc()
+        self._child(self._duration, model, "true" if stream else "false").observe(seconds)
+        if ttft_seconds is not None:
+            self._child(self._ttft, model).observe(ttft_seconds)
+        if prompt_tokens:
+            self._child(self._tokens, model, "prompt").inc(prompt_tokens)
+        if completion_tokens:
+            self._child(self._tokens, model, "completion").inc(completion_tokens)
+        self.by_worker[worker] = self.by_worker.get(worker, 0) + 1
+
+    def retry(self, model: str) -> None:
+        self._child(self._retries, model).inc()
+
+    def failover(self, model: str) -> None:
+        self._child(self._failovers, model).inc()
+
+    def resumed_stream(self, model: str) -> None:
+        self._child(self._resumed, model).inc()
+
+    def shed(self, model: str, status: int) -> None:
+        self._child(self._shed, model, str(status)).inc()
+
+    def record_decision(
+        self, request_id: str, model: str, worker: str, reason: str, attempts: int = 1,
+        status: int | None = None,
+    ) -> None:
+        self.decisions.record(request_id, model, worker, reason, attempts, status)
+
+    # -- reading -------------------------------------------------------------------------
+
+    def watch_fleet(self, watcher: FleetWatcher, inflight: Mapping[str, int]) -> None:
+        """Expose the fleet gauges, read from `watcher.snapshot` at each scrape."""
+        self.registry.register(FleetCollector(watcher, inflight))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def totals(self) -> dict[str, float]:
+        """Gateway-wide counts since start, for the dashboard's header."""
+        out: dict[str, float] = {}
+        for name, metric in (
+            ("requests", self._requests), ("retries", self._retries),
+            ("failovers", self._failovers), ("resumed_streams", self._resumed), ("shed", self._shed),
+        ):
+            out[name] = sum(
+                s.value for m in metric.collect() for s in m.samples if s.name.endswith("_total")
+            )
+        return out
+
+
+class FleetCollector(Collector):
+    """Fleet gauges computed from the current snapshot when scraped, never on the request path."""
+
+    def __init__(self, watcher: FleetWatcher, inflight: Mapping[str, int]) -> None:
+        self.watcher = watcher
+        self.inflight = inflight
+
+    def describe(self) -> list[Metric]:
+        return []  # no collect() at registration: the watcher may not have read Redis yet
+
+    def collect(self) -> Iterator[Metric]:
+        watcher = self.watcher
+        snapshot = watcher.snapshot
+        by_state = dict.fromkeys(WORKER_STATES, 0)
+        workers = GaugeMetricFamily(
+            "fleetgate_workers", "Registered workers by state, as this gateway's snapshot sees them.",
+            labels=["state"],
+        )
+        info = GaugeMetricFamily(
+            "fleetgate_worker_info", "One series per registered worker, its attributes as labels.",
+            labels=["worker", "engine", "model", "host", "gpu"],
+        )
+        gauges = {
+            name: GaugeMetricFamily(f"fleetgate_worker_{name}", text, labels=["worker"])
+            for name, text in (
+                ("inflight", "Requests in flight to the worker from all gateways."),
+                ("running", "Sequences the engine runs, from its last heartbeat."),
+                ("waiting", "Sequences queued in the engine, from its last heartbeat."),
+                ("kv_cache_usage", "Fraction of the engine's KV cache in use (0-1)."),
+            )
+        }
+        for w in snapshot.workers:
+            state = w.effective_state
+            by_state[state] = by_state.get(state, 0) + 1
+            wid = w.id
+            gpu = w.info.gpu.name if w.info.gpu else ""
+            info.add_metric([wid, w.info.engine, w.info.model, w.info.host, gpu], 1)
+            gauges["inflight"].add_metric([wid], self.inflight.get(wid, 0))
+            gauges["running"].add_metric([wid], w.load.running)
+            gauges["waiting"].add_metric([wid], w.load.waiting)
+            gauges["kv_cache_usage"].add_metric([wid], w.load.kv_cache_usage)
+        for state, count in by_state.items():
+            workers.add_metric([state], count)
+        yield workers
+        yield info
+        yield from gauges.values()
+        yield GaugeMetricFamily(
+            "fleetgate_registry_up", "1 while this gateway reads the Redis registry, 0 while it "
+            "routes on its last snapshot.", value=0 if watcher.degraded else 1,
+        )
+        if snapshot.read_at:
+            yield GaugeMetricFamily(
+                "fleetgate_snapshot_age_seconds", "Age of the fleet snapshot this gateway routes on.",
+                value=watcher.age_s,
+            )
+
+
+@get("/metrics", include_in_schema=False)
+async def metrics_endpoint(state: State) -> Response:
+    """Prometheus scrape; open like /health (put it behind your network's rules)."""
+    body = state["gw"].metrics.exposition()
+    return Response(content=body, media_type=CONTENT_TYPE_LATEST)

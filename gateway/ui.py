@@ -1,0 +1,287 @@
+"""The operators' dashboard at `/admin/ui`, and the admin reads it polls.
+
+A browser cannot send a bearer header when it navigates, so the admin token is
+given once (the login form, or `?token=` in a bookmark) and exchanged for an
+HttpOnly, SameSite=Strict cookie scoped to `/admin`. The cookie carries no token,
+only an expiry and an HMAC of it keyed by the token: any gateway of the fleet that
+shares the token accepts it, and changing the token logs every browser out.
+
+Cross-site request forgery: a SameSite=Strict cookie is not sent on requests that
+start on another site, and admin writes authorised by the cookie also need the
+`x-fleetgate-csrf` header, which a cross-origin page cannot add without a CORS
+preflight that the gateway never grants. Pages forbid framing and inline script.
+
+The page is rendered here; `ui_assets/dashboard.js` (no framework, no CDN) refreshes
+it from `/admin/workers`, `/admin/stats` and `/admin/decisions` every 1.5 s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import html
+import time
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from litestar import Request, Response, get, post
+from litestar.datastructures import Cookie, State
+from litestar.response import Redirect
+
+from fleetgate.schema import WorkerView
+from gateway.errors import NotFound, Unauthorized
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+COOKIE = "fleetgate_admin"
+CSRF_HEADER = "x-fleetgate-csrf"
+SESSION_S = 12 * 3600
+_ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+_PAGE_HEADERS = {
+    "content-security-policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+        "img-src 'self' data:; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "x-frame-options": "DENY",
+    "referrer-policy": "no-referrer",
+    "cache-control": "no-store",
+    "x-content-type-options": "nosniff",
+}
+
+
+# -- authorisation ------------------------------------------------------------------
+
+
+def _sign(token: str, expires: int) -> str:
+    return hmac.new(token.encode(), f"fleetgate-ui:{expires}".encode(), hashlib.sha256).hexdigest()
+
+
+def session_value(token: str, now: float | None = None) -> str:
+    expires = int((time.time() if now is None else now) + SESSION_S)
+    return f"{expires}.{_sign(token, expires)}"
+
+
+def session_ok(token: str, value: str, now: float | None = None) -> bool:
+    expires, _, mac = value.partition(".")
+    if not token or not expires.isdigit() or int(expires) < (time.time() if now is None else now):
+        return False
+    return hmac.compare_digest(mac.encode(), _sign(token, int(expires)).encode())
+
+
+def _bearer_ok(request: Request, token: str) -> bool:
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def admin_authorized(request: Request, token: str) -> bool:
+    """A bearer token, or the dashboard's cookie (plus the CSRF header on writes)."""
+    if not token:
+        return False
+    if _bearer_ok(request, token):
+        return True
+    if not session_ok(token, request.cookies.get(COOKIE, "")):
+        return False
+    return request.method in ("GET", "HEAD") or request.headers.get(CSRF_HEADER) == "1"
+
+
+def _gw(state: State) -> Gateway:
+    return state["gw"]  # type: ignore[no-any-return]
+
+
+def _require_admin(request: Request, gw: Gateway) -> None:
+    if not admin_authorized(request, gw.settings.admin_token):
+        raise Unauthorized("Admin endpoints need `Authorization: Bearer <FLEETGATE_ADMIN_TOKEN>`.")
+
+
+def _cookie(request: Request, value: str, max_age: int) -> Cookie:
+    https = request.url.scheme == "https" or request.headers.get("x-forwarded-proto") == "https"
+    return Cookie(
+        key=COOKIE, value=value, path="/admin", max_age=max_age, httponly=True,
+        samesite="strict", secure=https,
+    )
+
+
+# -- JSON the page polls --------------------------------------------------------------
+
+
+@get("/admin/decisions")
+async def admin_decisions(request: Request, state: State) -> Response:
+    """This gateway's last routing decisions, newest first."""
+    gw = _gw(state)
+    _require_admin(request, gw)
+    log = gw.metrics.decisions
+    body = {"data": log.as_json(), "total": log.total}
+    return Response(content=msgspec.json.encode(body), media_type="application/json")
+
+
+@get("/admin/stats")
+async def admin_stats(request: Request, state: State) -> Response:
+    """This gateway's counters since start: requests per worker (for rates) and totals."""
+    gw = _gw(state)
+    _require_admin(request, gw)
+    watcher = gw.watcher
+    body = {
+        "now": time.time(),
+        "uptime_s": round(time.time() - gw.metrics.started_at, 3),
+        "requests_by_worker": gw.metrics.by_worker,
+        "totals": gw.metrics.totals(),
+        "registry": "degraded" if watcher.degraded else "ok",
+        "snapshot_age_s": round(watcher.age_s, 3) if watcher.snapshot.read_at else None,
+        "policy": gw.settings.policy,
+    }
+    return Response(content=msgspec.json.encode(body), media_type="application/json")
+
+
+# -- pages ----------------------------------------------------------------------------
+
+
+def _page(title: str, body: str, status: int = 200, cookies: list[Cookie] | None = None) -> Response:
+    doc = (
+        "<!doctype html><html lang=en><head><meta charset=utf-8>"
+        '<meta name=viewport content="width=device-width, initial-scale=1">'
+        f"<title>{html.escape(title)}</title>"
+        '<link rel=stylesheet href="/admin/ui/assets/dashboard.css"></head>'
+        f"<body>{body}</body></html>"
+    )
+    return Response(
+        content=doc, status_code=status, media_type="text/html; charset=utf-8",
+        headers=_PAGE_HEADERS, cookies=cookies or [],
+    )
+
+
+def _login_page(error: str = "", status: int = 200) -> Response:
+    note = f'<p class=error role=alert>{html.escape(error)}</p>' if error else ""
+    return _page("fleetgate: sign in", (
+        "<main class=login><h1>fleetgate</h1>"
+        "<form method=post action=/admin/ui/login>"
+        "<label for=token>Admin token</label>"
+        "<input id=token name=token type=password autocomplete=current-password autofocus required>"
+        f"<button type=submit>Sign in</button>{note}</form>"
+        "<p class=hint>The gateway's <code>FLEETGATE_ADMIN_TOKEN</code>.</p></main>"
+    ), status)
+
+
+def _signed_in(request: Request, token: str) -> Response:
+    # 303: the browser follows with a GET, and the token leaves the address bar.
+    return Redirect(
+        "/admin/ui", status_code=303, cookies=[_cookie(request, session_value(token), SESSION_S)],
+        headers={"cache-control": "no-store", "referrer-policy": "no-referrer"},
+    )
+
+
+def _cell(text: object, cls: str = "") -> str:
+    attr = f' class="{cls}"' if cls else ""
+    return f"<td{attr}>{html.escape(str(text))}</td>"
+
+
+def _row(w: WorkerView, inflight: int) -> str:
+    info, load = w.info, w.load
+    gpu = info.gpu
+    gpu_text = (f"{gpu.name} ({gpu.memory_mib // 1024} GiB)" if gpu.memory_mib else gpu.name) if gpu else ""
+    state = w.effective_state
+    age = f"{time.time() - w.last_heartbeat:.1f} s" if w.last_heartbeat else "-"
+    wid = html.escape(info.id, quote=True)
+    toggle = "undrain" if w.admin_drain else "drain"
+    return (
+        f'<tr data-worker="{wid}">'
+        f'<td><span class=wid>{wid}</span><span class=url>{html.escape(info.url)}</span></td>'
+        + _cell(info.host) + _cell(gpu_text) + _cell(info.engine) + _cell(info.model)
+        + _cell(", ".join(info.adapters) or "-")
+        + f'<td><span class="state state-{html.escape(state)}">{html.escape(state)}</span></td>'
+        + _cell("-", "col-circuit")
+        + _cell(f"{load.running} / {load.waiting}", "num")
+        + _cell(f"{load.kv_cache_usage * 100:.0f}%", "num")
+        + _cell(inflight, "num") + _cell("-", "num") + _cell(age, "num")
+        + f'<td class=actions><button type=button data-action="{toggle}" data-worker="{wid}">'
+        f'{toggle.capitalize()}</button>'
+        f'<button type=button class=danger data-action=remove data-worker="{wid}">Remove</button></td>'
+        "</tr>"
+    )
+
+
+_COLUMNS = (
+    "Worker", "Host", "GPU", "Engine", "Model", "Adapters", "State", "Circuit", "Run / wait",
+    "KV", "In flight", "Req/s", "Heartbeat", "",
+)
+
+
+def _dashboard(gw: Gateway) -> Response:
+    snapshot = gw.watcher.snapshot
+    inflight = gw.proxy.inflight
+    rows = "".join(_row(w, inflight.get(w.id, 0)) for w in snapshot.workers)
+    empty = "" if rows else '<tr class=empty><td colspan=14>No workers registered.</td></tr>'
+    head = "".join(
+        f'<th class="{"col-circuit" if c == "Circuit" else ""}">{html.escape(c)}</th>' for c in _COLUMNS
+    )
+    registry = "degraded" if gw.watcher.degraded else "ok"
+    return _page("fleetgate", (
+        "<header><h1>fleetgate</h1>"
+        f'<span id=registry class="pill pill-{registry}">registry {registry}</span>'
+        f'<span id=summary>{len(snapshot.workers)} workers</span>'
+        '<span id=live class=live>live</span>'
+        "<form method=post action=/admin/ui/logout><button type=submit class=link>Sign out</button></form>"
+        "</header><main>"
+        '<section id=totals class=totals aria-label="gateway totals"></section>'
+        '<h2>Workers</h2><div class=scroll><table id=workers class="no-circuit">'
+        f"<thead><tr>{head}</tr></thead><tbody>{rows or empty}</tbody></table></div>"
+        "<h2>Recent routing decisions <small>(this gateway)</small></h2>"
+        '<div class=scroll><table id=decisions><thead><tr><th>Time</th><th>Request</th><th>Model</th>'
+        "<th>Worker</th><th>Reason</th><th>Attempts</th><th>Status</th></tr></thead>"
+        '<tbody><tr class=empty><td colspan=7>No requests yet.</td></tr></tbody></table></div>'
+        '<div id=toast role=status aria-live=polite></div>'
+        '<dialog id=confirm><form method=dialog><p id=confirm-text></p><menu>'
+        '<button value=cancel id=confirm-cancel>Cancel</button>'
+        '<button value=ok id=confirm-ok class=danger>Confirm</button></menu></form></dialog>'
+        '</main><script src="/admin/ui/assets/dashboard.js"></script>'
+    ))
+
+
+@get("/admin/ui", include_in_schema=False)
+async def ui_page(request: Request, state: State) -> Response:
+    gw = _gw(state)
+    token = gw.settings.admin_token
+    if not token:
+        return _login_page("No admin token is configured on this gateway (FLEETGATE_ADMIN_TOKEN).", 503)
+    given = request.query_params.get("token")
+    if given is not None:
+        if hmac.compare_digest(given.encode(), token.encode()):
+            return _signed_in(request, token)
+        return _login_page("That token is not this gateway's admin token.", 401)
+    if not session_ok(token, request.cookies.get(COOKIE, "")):
+        return _login_page()
+    return _dashboard(gw)
+
+
+@post("/admin/ui/login", status_code=303, include_in_schema=False)
+async def ui_login(request: Request, state: State) -> Response:
+    token = _gw(state).settings.admin_token
+    form = await request.form()
+    given = str(form.get("token", ""))
+    if token and hmac.compare_digest(given.encode(), token.encode()):
+        return _signed_in(request, token)
+    return _login_page("That token is not this gateway's admin token.", 401)
+
+
+@post("/admin/ui/logout", status_code=303, include_in_schema=False)
+async def ui_logout(request: Request) -> Response:
+    return Redirect("/admin/ui", status_code=303, cookies=[_cookie(request, "", 0)])
+
+
+def _asset(name: str) -> bytes:
+    return (resources.files("gateway") / "ui_assets" / name).read_bytes()
+
+
+@get("/admin/ui/assets/{name:str}", include_in_schema=False)
+async def ui_asset(name: str) -> Response:
+    """The page's script and stylesheet (not secret: served without a session)."""
+    if name not in _ASSETS:
+        raise NotFound(f"No asset `{name}`.")
+    return Response(
+        content=_asset(name), media_type=_ASSETS[name],
+        headers={"cache-control": "no-cache", "x-content-type-options": "nosniff"},
+    )
+
+
+HANDLERS: list[Any] = [admin_decisions, admin_stats, ui_page, ui_login, ui_logout, ui_asset]
