@@ -8,12 +8,17 @@ Layout (``P`` is the key prefix, ``v1`` the schema version)::
                                 drain -> "1" when an operator drained it (written by the admin API)
                                 load  -> Load JSON (refreshed by the agent's heartbeat)
                                 hb    -> unix time of the last heartbeat
+                                sig   -> HMAC-SHA256 of `info` with the registration secret
+                                         (when one is set, readers ignore unsigned records)
+                                stop  -> "1" when an operator asked the agent to stop
                           PEXPIRE heartbeat_ttl: a worker whose agent dies vanishes by itself
     {P}:v1:removed:<id>   STRING set when an operator removes a worker (TTL 10 min), so its
                           agent stops instead of registering again
     {P}:v1:events         PUBSUB a worker id whenever something about it changed
     {P}:v1:circuit:<id>   STRING why a gateway's circuit breaker took the worker out of routing,
                           PX cooldown: when it expires the worker gets traffic again (half-open)
+    {P}:v1:epoch          STRING set once by the first gateway; its absence means Redis lost
+                          everything (a restart without persistence)
     {P}:v1:gateways       SET   ids of gateways that publish in-flight counts (pruned by readers)
     {P}:v1:inflight:<gw>  HASH  worker id -> requests gateway <gw> has in flight there,
                           rewritten whole every ~100 ms, PEXPIRE lease: a gateway that crashes
@@ -27,9 +32,11 @@ an existing worker never recreate a key that has expired.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import redis.asyncio as aioredis
@@ -53,8 +60,16 @@ _UPDATE_IF_EXISTS = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 if tonumber(ARGV[1]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+if redis.call('HGET', KEYS[1], 'stop') == '1' then return 2 end
 return 1
 """
+
+HeartbeatReply = Literal["ok", "missing", "stop"]
+_REPLIES: dict[int, HeartbeatReply] = {0: "missing", 1: "ok", 2: "stop"}
+
+
+def sign(secret: str, info: bytes) -> str:
+    return hmac.new(secret.encode(), info, hashlib.sha256).hexdigest()
 
 
 def connect(url: str, **kwargs: Any) -> aioredis.Redis:
@@ -76,6 +91,7 @@ class Keys:
         self._removed = f"{base}:removed:"
         self._circuit = f"{base}:circuit:"
         self.gateways = f"{base}:gateways"
+        self.epoch = f"{base}:epoch"
         self._inflight = f"{base}:inflight:"
 
     def worker(self, worker_id: str) -> str:
@@ -91,10 +107,15 @@ class Keys:
         return self._inflight + gateway_id
 
 
-def decode_worker(fields: dict[bytes, bytes], circuit: bytes | None = None) -> WorkerView | None:
-    """A worker hash as read from Redis, or None if it is incomplete or of another schema."""
+def decode_worker(
+    fields: dict[bytes, bytes], circuit: bytes | None = None, secret: str = ""
+) -> WorkerView | None:
+    """A worker hash as read from Redis, or None if it is incomplete, of another schema,
+    or (with a registration secret) not signed with it."""
     raw_info = fields.get(b"info")
     if not raw_info:
+        return None
+    if secret and not hmac.compare_digest(fields.get(b"sig", b"").decode(errors="replace"), sign(secret, raw_info)):
         return None
     try:
         info = _info_decoder.decode(raw_info)
@@ -129,8 +150,11 @@ class Registry:
         redis: aioredis.Redis,
         prefix: str = DEFAULT_PREFIX,
         heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S,
+        secret: str = "",
     ) -> None:
         self.redis = redis
+        # Shared by agents and gateways: only records signed with it are routed to.
+        self.secret = secret
         self.keys = Keys(prefix)
         self.ttl_ms = int(heartbeat_ttl_s * 1000)
         self._update = redis.register_script(_UPDATE_IF_EXISTS)
@@ -140,11 +164,10 @@ class Registry:
     async def register(self, info: WorkerInfo, state: WorkerState, load: Load | None = None) -> None:
         """Create (or replace) a worker's record and announce it."""
         key = self.keys.worker(info.id)
-        fields: dict[str, bytes | str] = {
-            "info": _info_encoder.encode(info),
-            "state": state,
-            "hb": repr(time.time()),
-        }
+        raw = _info_encoder.encode(info)
+        fields: dict[str, bytes | str] = {"info": raw, "state": state, "hb": repr(time.time())}
+        if self.secret:
+            fields["sig"] = sign(self.secret, raw)
         if load is not None:
             fields["load"] = _info_encoder.encode(load)
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -155,19 +178,30 @@ class Registry:
             pipe.publish(self.keys.events, info.id)
             await pipe.execute()
 
-    async def heartbeat(self, worker_id: str, load: Load) -> bool:
-        """Refresh a worker's TTL and load. False means the record is gone: register again."""
-        ok = await self._update(
+    async def heartbeat(self, worker_id: str, load: Load) -> HeartbeatReply:
+        """Refresh a worker's TTL and load.
+
+        "missing": the record is gone (expired, Redis restarted, or removed): register again
+        unless `was_removed`. "stop": an operator asked this worker to drain and stop.
+        """
+        reply = await self._update(
             keys=[self.keys.worker(worker_id)],
             args=[self.ttl_ms, "load", _info_encoder.encode(load), "hb", repr(time.time())],
         )
-        return bool(ok)
+        return _REPLIES.get(int(reply), "ok")
 
     async def set_state(self, worker_id: str, state: WorkerState) -> bool:
         return await self._set_fields(worker_id, "state", state)
 
     async def update_info(self, info: WorkerInfo) -> bool:
-        return await self._set_fields(info.id, "info", _info_encoder.encode(info))
+        raw = _info_encoder.encode(info)
+        if self.secret:
+            return await self._set_fields(info.id, "info", raw, "sig", sign(self.secret, raw))
+        return await self._set_fields(info.id, "info", raw)
+
+    async def request_stop(self, worker_id: str) -> bool:
+        """Drain the worker and ask its agent to stop once drained."""
+        return await self._set_fields(worker_id, "drain", "1", "stop", "1")
 
     # -- operator side ------------------------------------------------------
 
@@ -214,7 +248,7 @@ class Registry:
             if not fields:
                 gone.append(worker_id)
                 continue
-            view = decode_worker(fields, circuit)
+            view = decode_worker(fields, circuit, self.secret)
             if view is not None:
                 views.append(view)
         if gone:
@@ -224,7 +258,7 @@ class Registry:
     async def read(self, worker_id: str) -> WorkerView | None:
         fields = await self.redis.hgetall(self.keys.worker(worker_id))  # type: ignore[misc]
         circuit = await self.redis.get(self.keys.circuit(worker_id))
-        return decode_worker(fields, circuit) if fields else None  # type: ignore[arg-type]
+        return decode_worker(fields, circuit, self.secret) if fields else None  # type: ignore[arg-type]
 
     # -- circuit breakers (written by gateways, read by every gateway) ----------------
 
@@ -280,6 +314,11 @@ class Registry:
         if dead:
             await self.redis.srem(self.keys.gateways, *dead)
         return total
+
+    async def mark_epoch(self) -> bool:
+        """True when Redis holds none of this fleet's state any more (first start, or a
+        restart that lost its memory): readers then keep their last view a little longer."""
+        return bool(await self.redis.set(self.keys.epoch, repr(time.time()), nx=True))
 
     async def forget_gateway(self, gateway_id: str) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:

@@ -176,6 +176,8 @@ async def admin_workers(request: Request, state: State) -> Response:
 async def _admin_write(gw: Gateway, worker_id: str, action: str) -> Response:
     if action == "remove":
         found = await gw.registry.deregister(worker_id, by_operator=True)
+    elif action == "drain-and-stop":
+        found = await gw.registry.request_stop(worker_id)
     else:
         found = await gw.registry.set_admin_drain(worker_id, action == "drain")
     if not found:
@@ -188,9 +190,13 @@ async def _admin_write(gw: Gateway, worker_id: str, action: str) -> Response:
 
 @post("/admin/workers/{worker_id:str}/drain", status_code=200)
 async def admin_drain(request: Request, state: State, worker_id: str) -> Response:
+    """Stop sending the worker new requests; with `?stop=true` its agent then stops it."""
     gw = _gw(state)
     _check_admin(gw, request)
-    return await _admin_write(gw, worker_id, "drain")
+    stop = request.query_params.get("stop", "false").lower()
+    if stop not in ("true", "false", "1", "0"):
+        raise InvalidRequest("`stop` must be true or false.", param="stop")
+    return await _admin_write(gw, worker_id, "drain-and-stop" if stop in ("true", "1") else "drain")
 
 
 @post("/admin/workers/{worker_id:str}/undrain", status_code=200)
@@ -240,7 +246,9 @@ def create_app(settings: GatewaySettings) -> Litestar:
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         redis = connect(settings.redis_url)
-        registry = Registry(redis, settings.redis_prefix, settings.heartbeat_ttl_s)
+        registry = Registry(
+            redis, settings.redis_prefix, settings.heartbeat_ttl_s, secret=settings.registration_secret
+        )
         watcher = FleetWatcher(registry, settings.refresh_interval_s)
         upstream = Upstream(settings.connect_timeout_s)
         await upstream.start()

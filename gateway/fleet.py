@@ -76,6 +76,10 @@ class FleetWatcher:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._ready = asyncio.Event()
+        # After Redis lost its data, workers missing from it are kept this long (until their
+        # agents, heartbeating every second, have registered again).
+        self.resync_grace_s = registry.ttl_ms / 1000 + 2.0
+        self._keep_until = 0.0
 
     @property
     def age_s(self) -> float:
@@ -102,6 +106,13 @@ class FleetWatcher:
 
     async def refresh(self) -> None:
         workers = await self.registry.read_all()
+        if await self.registry.mark_epoch() and self.snapshot.workers:
+            log.warning("gateway.registry_lost_data", keep_s=self.resync_grace_s,
+                        workers=len(self.snapshot.workers))
+            self._keep_until = time.monotonic() + self.resync_grace_s
+        if time.monotonic() < self._keep_until:
+            present = {w.id for w in workers}
+            workers += [w for w in self.snapshot.workers if w.id not in present]
         self._version += 1
         old = self.snapshot
         self.snapshot = FleetSnapshot.build(workers, self._version)

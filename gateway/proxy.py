@@ -194,6 +194,7 @@ class Proxy:
         outcome = "completed"
         first_chunk_ms: float | None = None
         resumes = 0
+        counted = True  # `worker` holds one of this gateway's in-flight counts
         try:
             while True:
                 try:
@@ -226,6 +227,7 @@ class Proxy:
                     self.breakers.failure(worker.id, f"stream {reason}")
                     resp.close()
                     self.inflight.done(worker.id)
+                    counted = False
                     log.warning("gateway.stream_broke", worker=worker.id, reason=reason,
                                 sent_chunks=tracker.content_chunks, request_id=fields["request_id"])
                     if not tracker.resumable or resumes >= settings.max_resumes:
@@ -246,6 +248,7 @@ class Proxy:
                         yield sse_error(f"The stream could not be resumed on another worker: {err.message}")
                         return
                     worker = choice.worker
+                    counted = True
                     tracker.start_segment()
                     log.info("gateway.stream_resumed", worker=worker.id, resumes=resumes,
                              sent_chunks=tracker.content_chunks, request_id=fields["request_id"])
@@ -255,7 +258,7 @@ class Proxy:
             outcome = "client_gone"
             raise
         finally:
-            if not resp.closed:
+            if counted:
                 if outcome == "completed":
                     resp.release()
                 else:

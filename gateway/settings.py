@@ -22,6 +22,8 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Full re-read of the registry; pub/sub events trigger one at once in between.
     refresh_interval_s: float = 1.0
     admin_token: str = ""
+    # Shared with the agents: records not signed with it are ignored (empty: no signing).
+    registration_secret: str = ""
     # Client keys for /v1; empty means the data plane is open (say so in the docs).
     api_keys: tuple[str, ...] = ()
     policy: str = "fleet"
@@ -64,6 +66,7 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """The settings with secrets masked, for logs and /admin."""
         out = msgspec.structs.asdict(self)
         out["admin_token"] = "***" if self.admin_token else ""
+        out["registration_secret"] = "***" if self.registration_secret else ""
         out["api_keys"] = [f"***{k[-4:]}" if len(k) > 8 else "***" for k in self.api_keys]
         out["redis_url"] = _mask_url(self.redis_url)
         return out
@@ -80,6 +83,7 @@ _ENV = {
     "FLEETGATE_REDIS_URL": "redis_url",
     "FLEETGATE_REDIS_PREFIX": "redis_prefix",
     "FLEETGATE_ADMIN_TOKEN": "admin_token",
+    "FLEETGATE_REGISTRATION_SECRET": "registration_secret",
     "FLEETGATE_POLICY": "policy",
     "FLEETGATE_LOG_LEVEL": "log_level",
 }

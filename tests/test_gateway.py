@@ -74,6 +74,7 @@ def test_openai_client_chat_non_streaming_and_streaming(shared_fleet: tuple[Flee
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
+    wait_until(lambda: all(w["load"]["inflight"] == 0 for w in shared_fleet[0].workers(url).values()), timeout=3)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert text and len(finishes) == 1

@@ -43,9 +43,9 @@ async def test_register_then_read_round_trips_record_state_and_load(registry: Re
 async def test_record_expires_without_heartbeats_and_index_is_pruned(registry: Registry) -> None:
     """A worker whose agent stops heartbeating vanishes after the TTL; readers drop its id."""
     await registry.register(info(), "ready")
-    assert await registry.heartbeat("w1", Load(running=1))
+    assert await registry.heartbeat("w1", Load(running=1)) == "ok"
     await asyncio.sleep(0.35)
-    assert await registry.heartbeat("w1", Load(running=2))  # refreshes the TTL
+    assert await registry.heartbeat("w1", Load(running=2)) == "ok"  # refreshes the TTL
     await asyncio.sleep(0.35)
     assert [v.id for v in await registry.read_all()] == ["w1"]
     await asyncio.sleep(0.8)
@@ -57,7 +57,7 @@ async def test_heartbeat_after_expiry_reports_missing_and_does_not_recreate(regi
     """A heartbeat never resurrects a partial record: the agent is told to register again."""
     await registry.register(info(), "ready")
     await registry.redis.delete(registry.keys.worker("w1"))  # as after a Redis restart
-    assert not await registry.heartbeat("w1", Load())
+    assert await registry.heartbeat("w1", Load()) == "missing"
     assert not await registry.redis.exists(registry.keys.worker("w1"))
 
 
@@ -128,3 +128,30 @@ async def test_inflight_counts_are_summed_across_gateways_and_expire_with_the_le
     assert await registry.read_inflight() == {}
     members = await registry.redis.smembers(registry.keys.gateways)
     assert members == {b"gw2"}
+
+
+async def test_stop_request_drains_and_tells_the_agent_on_its_next_heartbeat(registry: Registry) -> None:
+    """drain?stop=true marks the worker drained at once and answers the agent's heartbeat with stop."""
+    await registry.register(info(), "ready")
+    assert await registry.request_stop("w1")
+    [view] = await registry.read_all()
+    assert view.draining
+    assert await registry.heartbeat("w1", Load()) == "stop"
+
+
+async def test_with_a_registration_secret_only_signed_records_are_read(redis_url: str, prefix: str) -> None:
+    """A registration secret: records written without it (or with another) are never routed to."""
+    redis = connect(redis_url)
+    genuine = Registry(redis, prefix, secret="s3cret")
+    forged = Registry(redis, prefix, secret="")
+    other = Registry(redis, prefix, secret="guess")
+    await genuine.register(info("real"), "ready")
+    await forged.register(info("fake", url="http://169.254.169.254"), "ready")
+    await other.register(info("wrong-key"), "ready")
+    assert [v.id for v in await genuine.read_all()] == ["real"]
+    await genuine.update_info(info("real", adapters=("x",)))
+    [view] = await genuine.read_all()
+    assert view.info.adapters == ("x",)
+    keys = [k async for k in redis.scan_iter(match=f"{{{prefix}}}:*")]
+    await redis.delete(*keys)
+    await redis.aclose()

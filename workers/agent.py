@@ -25,7 +25,13 @@ import httpx
 import msgspec
 import structlog
 
-from fleetgate.registry import DEFAULT_HEARTBEAT_TTL_S, DEFAULT_PREFIX, Registry, connect
+from fleetgate.registry import (
+    DEFAULT_HEARTBEAT_TTL_S,
+    DEFAULT_PREFIX,
+    HeartbeatReply,
+    Registry,
+    connect,
+)
 from fleetgate.schema import Load, WorkerInfo, WorkerState
 from workers.engines import Engine, EngineSpec
 
@@ -82,7 +88,10 @@ class Agent:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         redis = connect(self.opts.redis_url)
-        self.registry = Registry(redis, self.opts.redis_prefix, self.opts.heartbeat_ttl_s)
+        self.registry = Registry(
+            redis, self.opts.redis_prefix, self.opts.heartbeat_ttl_s,
+            secret=os.environ.get("FLEETGATE_REGISTRATION_SECRET", ""),
+        )
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=2.0))
         code = 0
         try:
@@ -199,7 +208,7 @@ class Agent:
                     return True
             if time.monotonic() - last_beat >= self.opts.heartbeat_interval_s:
                 last_beat = time.monotonic()
-                if not await self._beat(Load(ts=time.time())):
+                if await self._beat(Load(ts=time.time())) == "missing":
                     await self._register_quietly("starting")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), 0.25)
@@ -261,12 +270,12 @@ class Agent:
         except Exception as exc:  # Redis down: keep the engine, retry on the next beat
             self.log.warning("agent.registry_unreachable", error=repr(exc))
 
-    async def _beat(self, load: Load) -> bool:
+    async def _beat(self, load: Load) -> HeartbeatReply:
         try:
             return await self.registry.heartbeat(self.opts.worker_id, load)
         except Exception as exc:
             self.log.warning("agent.registry_unreachable", error=repr(exc))
-            return True  # nothing to re-register into while Redis is away
+            return "ok"  # nothing to re-register into while Redis is away
 
     async def _heartbeat_until_stopped(self) -> None:
         missed = 0
@@ -287,7 +296,11 @@ class Agent:
         self._check_alive()
         if load is not None:
             self.load = load
-        if not await self._beat(self.load):
+        reply = await self._beat(self.load)
+        if reply == "stop" and not self.stopping.is_set():
+            self.log.info("agent.stop_requested", reason="an operator drained this worker with stop=true")
+            self.stopping.set()
+        elif reply == "missing":
             if await self.registry.was_removed(self.opts.worker_id):
                 raise RemovedByOperator
             self.log.warning("agent.reregister", reason="record missing in Redis")
