@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import msgspec
 from litestar import Response, get
 from litestar.datastructures import State
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
@@ -36,6 +37,36 @@ DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0
 WORKER_STATES = ("starting", "ready", "draining")
 # The `worker` label of a request no worker answered (refused or failed before routing).
 NO_WORKER = "none"
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = 0
+    completion_tokens: int | None = 0
+
+
+class _WithUsage(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+_usage_decoder = msgspec.json.Decoder(_WithUsage)
+
+
+def usage_of(payload: bytes) -> tuple[int, int]:
+    """(prompt, completion) tokens of an OpenAI response body or one SSE `data:` event.
+
+    (0, 0) when it carries no usage. Only `usage` is decoded; msgspec skips the rest.
+    """
+    if b'"usage"' not in payload:
+        return 0, 0
+    if payload.startswith(b"data:"):
+        payload = payload[5:]
+    try:
+        usage = _usage_decoder.decode(payload).usage
+    except msgspec.DecodeError:
+        return 0, 0
+    if usage is None:
+        return 0, 0
+    return usage.prompt_tokens or 0, usage.completion_tokens or 0
 
 
 class DecisionLog:

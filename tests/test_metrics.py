@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleetgate.schema import GpuInfo, Load, WorkerInfo, WorkerView
 from gateway.fleet import FleetSnapshot
-from gateway.metrics import DecisionLog, GatewayMetrics
+from gateway.metrics import DecisionLog, GatewayMetrics, usage_of
 from gateway.proxy import Proxy
 from tests.conftest import Fleet
 
@@ -110,6 +110,16 @@ def test_decision_log_keeps_the_newest_hundred() -> None:
     assert len(rows) == 100 and log.total == 250
     assert rows[0]["request_id"] == "r249" and rows[-1]["request_id"] == "r150"
     assert set(rows[0]) == {"ts", "request_id", "model", "worker", "reason", "attempts", "status"}
+
+
+def test_usage_of_reads_bodies_and_stream_events() -> None:
+    """Token usage comes out of a whole response or a final SSE event, and is (0, 0) when absent."""
+    body = b'{"id":"x","choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":12,"completion_tokens":3,"total_tokens":15}}'
+    assert usage_of(body) == (12, 3)
+    assert usage_of(b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":9}}') == (5, 9)
+    assert usage_of(b'data: {"choices":[{"delta":{"content":"x"}}],"usage":null}') == (0, 0)
+    assert usage_of(b'data: {"choices":[{"delta":{"content":"x"}}]}') == (0, 0)
+    assert usage_of(b"data: [DONE]") == (0, 0) and usage_of(b'{"usage": broken') == (0, 0)
 
 
 def test_grafana_dashboard_uses_only_exposed_metrics() -> None:
