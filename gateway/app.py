@@ -29,6 +29,7 @@ from gateway.errors import GatewayError, InvalidRequest, NotFound, Unauthorized
 from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
 from gateway.metrics import GatewayMetrics, metrics_endpoint
+from gateway.openapi import ChatOperation, CompletionOperation, ModelsOperation
 from gateway.proxy import Proxy
 from gateway.requests import TokenCounter
 from gateway.routing import make_policy
@@ -84,21 +85,21 @@ def _check_admin(gw: Gateway, request: Request) -> None:
 # -- OpenAI API ---------------------------------------------------------------
 
 
-@post("/v1/chat/completions", status_code=200)
+@post("/v1/chat/completions", status_code=200, operation_class=ChatOperation)
 async def chat_completions(request: Request, state: State) -> Response:
     gw = _gw(state)
     _check_client(gw, request)
     return await gw.proxy.handle(request, "/v1/chat/completions", "chat")
 
 
-@post("/v1/completions", status_code=200)
+@post("/v1/completions", status_code=200, operation_class=CompletionOperation)
 async def completions(request: Request, state: State) -> Response:
     gw = _gw(state)
     _check_client(gw, request)
     return await gw.proxy.handle(request, "/v1/completions", "completion")
 
 
-@get("/v1/models")
+@get("/v1/models", operation_class=ModelsOperation)
 async def list_models(request: Request, state: State) -> Response:
     gw = _gw(state)
     _check_client(gw, request)
@@ -258,12 +259,12 @@ def create_app(settings: GatewaySettings) -> Litestar:
             registry, lambda worker_id: watcher.snapshot.by_id.get(worker_id), watcher.poke,
             threshold=settings.breaker_threshold, cooldown_s=settings.breaker_cooldown_s,
         )
-        proxy = Proxy(
-            settings, watcher, upstream, make_policy(settings.policy, settings.routing), inflight, breakers,
-            tokenizers={model: TokenCounter(path) for model, path in settings.tokenizers.items()},
-        )
         metrics = GatewayMetrics()
         metrics.watch_fleet(watcher, inflight)
+        proxy = Proxy(
+            settings, watcher, upstream, make_policy(settings.policy, settings.routing), inflight, breakers,
+            metrics, tokenizers={model: TokenCounter(path) for model, path in settings.tokenizers.items()},
+        )
         app.state["gw"] = Gateway(
             settings, registry, watcher, proxy, frozenset(_digest(k) for k in settings.api_keys),
             metrics,

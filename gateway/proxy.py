@@ -44,6 +44,7 @@ from gateway.errors import (
 )
 from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
+from gateway.metrics import GatewayMetrics, usage_of
 from gateway.requests import TokenCounter, affinity, estimate_tokens, parse_request
 from gateway.resume import StreamTracker, continuation_body, resumable_request
 from gateway.routing import Choice, Policy, RequestFacts, decide
@@ -78,6 +79,7 @@ class Proxy:
     policy: Policy
     inflight: SharedInflight
     breakers: Breakers
+    metrics: GatewayMetrics
     tokenizers: dict[str, TokenCounter] = field(default_factory=dict)
     seq: int = 0
     queued: int = 0
@@ -108,20 +110,29 @@ class Proxy:
             affinity_kind=key_kind,
         )
         attempt = _Attempt(self, path, body, probe.stream, facts, floor)
-        while True:
-            try:
-                result = await attempt.next()
-                break
-            except _Saturated:
-                await self._wait_for_room(attempt)
-            except _Retryable as first_failure:
-                result = await self._retry(attempt, first_failure)
-                break
+        try:
+            while True:
+                try:
+                    result = await attempt.next()
+                    break
+                except _Saturated:
+                    await self._wait_for_room(attempt)
+                except _Retryable as first_failure:
+                    result = await self._retry(attempt, first_failure)
+                    break
+        except GatewayError as exc:
+            self._failed_request(request_id, probe.model, probe.stream, attempt, exc, started)
+            raise
         choice, resp, data = result
         worker = choice.worker
+        route = f"{self.policy.name}:{choice.reason}"
+        self.metrics.record_decision(request_id, probe.model, worker.id, route, attempt.count,
+                                     200 if resp is not None else data[0])
+        if attempt.count > 1:
+            self.metrics.failover(probe.model)
         headers = {
             "x-fleetgate-worker": worker.id,
-            "x-fleetgate-route": f"{self.policy.name}:{choice.reason}",
+            "x-fleetgate-route": route,
             "x-request-id": request_id,
         }
         fields = {
@@ -137,8 +148,24 @@ class Proxy:
                 headers={**headers, **_SSE_HEADERS},
             )
         status, payload = data
-        log.info("gateway.request", **fields, status=status, ms=round((time.perf_counter() - started) * 1000, 2))
+        elapsed = time.perf_counter() - started
+        prompt_tokens, completion_tokens = usage_of(payload) if status == 200 else (0, 0)
+        self.metrics.request_done(probe.model, worker.id, status, False, elapsed, None,
+                                  prompt_tokens, completion_tokens)
+        log.info("gateway.request", **fields, status=status, ms=round(elapsed * 1000, 2),
+                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
         return Response(content=payload, status_code=status, media_type="application/json", headers=headers)
+
+    def _failed_request(
+        self, request_id: str, model: str, stream: bool, attempt: _Attempt, exc: GatewayError, started: float
+    ) -> None:
+        elapsed = time.perf_counter() - started
+        self.metrics.request_done(model, "", exc.status, stream, elapsed)
+        if exc.status in (429, 503):
+            self.metrics.shed(model, exc.status)
+        self.metrics.record_decision(request_id, model, "", type(exc).__name__, attempt.count, exc.status)
+        log.info("gateway.request", request_id=request_id, model=model, stream=stream, status=exc.status,
+                 error=exc.code, attempts=attempt.count, ms=round(elapsed * 1000, 2))
 
     async def _wait_for_room(self, attempt: _Attempt) -> None:
         """Hold a request while every eligible worker is full; bounded in count and time."""
@@ -171,10 +198,7 @@ class Proxy:
             wait=wait_random_exponential(multiplier=settings.retry_backoff_s, max=1.0),
             retry=retry_if_exception_type(_Retryable),
             reraise=True,
-            before=lambda state: log.info(
-                "gateway.retry", model=attempt.facts.model, attempt=attempt.count + 1,
-                error=(attempt.last_error.message if attempt.last_error else ""),
-            ),
+            before=lambda state: self._log_retry(attempt),
         )
         try:
             async for state in retrying:
@@ -183,6 +207,11 @@ class Proxy:
         except _Retryable as last:
             raise last.error from None
         raise failure.error  # pragma: no cover - tenacity either returns or raises
+
+    def _log_retry(self, attempt: _Attempt) -> None:
+        self.metrics.retry(attempt.facts.model)
+        log.info("gateway.retry", model=attempt.facts.model, attempt=attempt.count + 1,
+                 error=attempt.last_error.message if attempt.last_error else "")
 
     async def _relay(
         self, attempt: _Attempt, choice: Choice, resp: aiohttp.ClientResponse, tracker: StreamTracker,
@@ -195,6 +224,7 @@ class Proxy:
         first_chunk_ms: float | None = None
         resumes = 0
         counted = True  # `worker` holds one of this gateway's in-flight counts
+        tokens = (0, 0)
         try:
             while True:
                 try:
@@ -210,6 +240,10 @@ class Proxy:
                                 if out is not None:
                                     if first_chunk_ms is None:
                                         first_chunk_ms = round((time.perf_counter() - started) * 1000, 2)
+                                    if b'"usage"' in out:
+                                        usage = usage_of(out)
+                                        if usage[1]:
+                                            tokens = usage
                                     yield out
                                 if tracker.done:
                                     break
@@ -249,6 +283,7 @@ class Proxy:
                         return
                     worker = choice.worker
                     counted = True
+                    self.metrics.resumed_stream(str(fields["model"]))
                     tracker.start_segment()
                     log.info("gateway.stream_resumed", worker=worker.id, resumes=resumes,
                              sent_chunks=tracker.content_chunks, request_id=fields["request_id"])
@@ -264,9 +299,15 @@ class Proxy:
                 else:
                     resp.close()
                 self.inflight.done(worker.id)
+            elapsed = time.perf_counter() - started
+            self.metrics.request_done(
+                str(fields["model"]), worker.id, 200, True, elapsed,
+                first_chunk_ms / 1000 if first_chunk_ms is not None else None, *tokens,
+            )
             log.info(
                 "gateway.request", **fields, final_worker=worker.id, status=200, outcome=outcome,
-                resumes=resumes, ttft_ms=first_chunk_ms, ms=round((time.perf_counter() - started) * 1000, 2),
+                resumes=resumes, ttft_ms=first_chunk_ms, ms=round(elapsed * 1000, 2),
+                prompt_tokens=tokens[0], completion_tokens=tokens[1],
             )
 
 

@@ -143,12 +143,15 @@ class Fleet:
         wait_until(up, timeout=30)
         return proc, url
 
-    def worker(self, worker_id: str, *extra: str, engine: str = "sim") -> Proc:
+    def worker(
+        self, worker_id: str, *extra: str, engine: str = "sim", env: dict[str, str] | None = None
+    ) -> Proc:
         return self._spawn(
             worker_id,
             [sys.executable, "-m", "workers", "--engine", engine, "--id", worker_id,
              "--redis-url", self.redis_url, "--redis-prefix", self.prefix,
              "--engine-log", str(self.tmp / f"{worker_id}-engine.log"), *extra],
+            env,
         )
 
     def admin(self, gateway_url: str) -> httpx.Client:

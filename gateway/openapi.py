@@ -1,0 +1,149 @@
+"""OpenAPI descriptions of the OpenAI routes.
+
+The handlers read raw bytes (the body is forwarded untouched, never re-encoded), so
+Litestar cannot infer their schemas. These Structs describe what the gateway accepts
+and answers, for the docs, the generated clients and the schema fuzzing in CI. They
+describe; they do not validate on the request path (gateway/requests.py does that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+from litestar.openapi.spec import Operation, RequestBody
+from litestar.openapi.spec.media_type import OpenAPIMediaType
+from litestar.openapi.spec.response import OpenAPIResponse
+
+_REF = "#/components/schemas/{name}"
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(msgspec.Struct, kw_only=True):
+    model: str
+    messages: list[ChatMessage]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+
+
+class CompletionRequest(msgspec.Struct, kw_only=True):
+    model: str
+    prompt: str | list[str]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class Error(msgspec.Struct):
+    error: ErrorDetail
+
+
+class Model(msgspec.Struct):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    parent: str | None
+
+
+class ModelList(msgspec.Struct):
+    object: Literal["list"]
+    data: list[Model]
+
+
+def _inline(node: Any, defs: dict[str, Any]) -> Any:
+    """The schema with every $ref replaced by its definition (these types are not recursive)."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            return _inline(defs[ref.rsplit("/", 1)[1]], defs)
+        return {k: _inline(v, defs) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_inline(v, defs) for v in node]
+    return node
+
+
+_schemas, _defs = msgspec.json.schema_components(
+    [ChatCompletionRequest, CompletionRequest, Error, ModelList], ref_template=_REF
+)
+_CHAT, _COMPLETION, _ERROR, _MODELS = (_inline(x, _defs) for x in _schemas)
+
+_ERRORS = {
+    str(status): OpenAPIResponse(description=why, content={"application/json": OpenAPIMediaType(schema=_ERROR)})  # type: ignore[arg-type]
+    for status, why in [
+        (400, "Malformed JSON or body, or a prompt over the context length"),
+        (401, "Missing or invalid API key"),
+        (404, "No worker serves this model or adapter"),
+        (413, "Body over the size limit"),
+        (429, "Every worker is full (Retry-After)"),
+        (502, "The engines failed"),
+        (503, "No worker can serve the model right now (Retry-After)"),
+        (504, "The engines did not answer in time"),
+    ]
+}
+
+
+def _body(schema: dict[str, Any]) -> RequestBody:
+    return RequestBody(content={"application/json": OpenAPIMediaType(schema=schema)}, required=True)  # type: ignore[arg-type]
+
+
+_STREAM_OR_JSON = OpenAPIResponse(
+    description="The engine's answer: JSON, or Server-Sent Events when `stream` is true",
+    content={"application/json": OpenAPIMediaType(schema={"type": "object"}),  # type: ignore[arg-type]
+             "text/event-stream": OpenAPIMediaType(schema={"type": "string"})},  # type: ignore[arg-type]
+)
+
+
+@dataclass
+class ChatOperation(Operation):
+    def __post_init__(self) -> None:
+        self.request_body = _body(_CHAT)
+        self.responses = {"200": _STREAM_OR_JSON, **_ERRORS}
+
+
+@dataclass
+class CompletionOperation(Operation):
+    def __post_init__(self) -> None:
+        self.request_body = _body(_COMPLETION)
+        self.responses = {"200": _STREAM_OR_JSON, **_ERRORS}
+
+
+@dataclass
+class ModelsOperation(Operation):
+    def __post_init__(self) -> None:
+        self.responses = {
+            "200": OpenAPIResponse(description="Models and adapters the ready fleet serves",
+                                   content={"application/json": OpenAPIMediaType(schema=_MODELS)}),  # type: ignore[arg-type]
+            "401": _ERRORS["401"],
+        }
