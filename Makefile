@@ -39,9 +39,9 @@ stop:
 test: venv vllm swift
 	FLEETGATE_REQUIRE_VLLM=1 FLEETGATE_REQUIRE_SWIFT=1 $(PY) -m pytest -q
 
-# Everything but the real-vLLM tests.
+# Everything but the real-vLLM and ms-swift tests.
 test-fast: venv
-	$(PY) -m pytest -q -m "not vllm"
+	$(PY) -m pytest -q -m "not vllm and not swift"
 
 lint: venv
 	$(VENV)/bin/ruff check .
