@@ -98,3 +98,21 @@ async def reset(client: httpx.AsyncClient, workers: list[WorkerRef], wait_s: flo
             await asyncio.sleep(0.2)
 
     return [wid for wid in await asyncio.gather(*(one(w) for w in workers)) if wid]
+
+
+async def wait_idle(client: httpx.AsyncClient, gateway: str, admin_token: str, wait_s: float = 6.0) -> bool:
+    """Wait until the gateway reports nothing in flight on any worker (its own and other
+    replicas' leased counts); False if that did not happen within wait_s."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while loop.time() < deadline:
+        try:
+            resp = await client.get(gateway + "/admin/workers",
+                                    headers={"authorization": f"Bearer {admin_token}"})  # fmt: skip
+            data = resp.json()["data"]
+            if all(not (w.get("load") or {}).get("inflight") for w in data):
+                return True
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        await asyncio.sleep(0.2)
+    return False

@@ -27,6 +27,7 @@ def summarise(
     outcomes: Sequence[Outcome],
     wall_s: float,
     engine_deltas: Mapping[str, Mapping[str, float]],
+    all_workers: Sequence[str] = (),
     **extra: Any,
 ) -> dict[str, Any]:
     ok = [o for o in outcomes if not o.error]
@@ -35,7 +36,8 @@ def summarise(
     ttfts = [o.ttft for o in outcomes if o.ttft is not None and (not o.error or o.error == "timeout")]
     e2es = [o.e2e for o in ok if o.e2e is not None]
     kinds = Counter(o.error for o in outcomes if o.error)
-    workers = Counter(o.worker for o in outcomes if o.worker)
+    workers = Counter({w: 0 for w in all_workers})
+    workers.update(o.worker for o in outcomes if o.worker)
     total = sum(workers.values()) or 1
 
     def engine_sum(key: str) -> float | None:

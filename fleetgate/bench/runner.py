@@ -1,9 +1,10 @@
 """One benchmark invocation: for each workload, one gateway per policy over the same fleet,
 the same requests (same seed) through each in turn, engines reset in between.
 
-Gateways are started afresh for every workload, so that no policy carries state (learned
-placement, session maps) from one workload into the next; the workers stay up, and
-`POST /sim/reset` empties their prefix caches and LoRA slots before every run.
+A gateway is started afresh for every run, so that no policy carries state (learned
+placement, session maps, in-flight counts shared through Redis) into another's run; the
+workers stay up, and `POST /sim/reset` empties their prefix caches and LoRA slots before
+every run, which then waits until the gateway sees no request in flight anywhere.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ class BenchOptions:
     policies: list[str] = field(default_factory=lambda: ["round_robin", "least_outstanding"])
     load: float = 0.8
     rate: float | None = None  # requests/s; overrides load x capacity
-    duration_s: float = 10.0
-    drain_s: float = 8.0
+    duration_s: float = 8.0
+    drain_s: float = 6.0
     settle_s: float = 0.5
     seed: int = 0
     pool: int = 256
@@ -89,10 +90,13 @@ async def measure(
     requests: Sequence[BenchRequest],
     opts: BenchOptions,
     progress: Progress | None,
+    admin_token: str | None = None,
 ) -> tuple[list[Any], float, dict[str, dict[str, float]], list[str]]:
     async with httpx.AsyncClient(timeout=10) as client:
         not_reset = await engines.reset(client, workers)
         await asyncio.sleep(opts.settle_s)
+        if admin_token:
+            await engines.wait_idle(client, gateway, admin_token)
         before = await engines.scrape(client, workers)
         outcomes, wall = await run_requests(
             gateway, requests, pool=opts.pool, drain_s=opts.drain_s, api_key=opts.api_key,
@@ -119,17 +123,21 @@ def run_fleet(spec: FleetSpec, cluster: Cluster, opts: BenchOptions, progress: P
         }
         if opts.dump_trace:
             write_trace(dump_path(opts.dump_trace, wl, len(workloads) > 1), planned["requests"])
-        gateways = cluster.start_gateways(policies)
-        try:
-            workers = asyncio.run(_workers(gateways[0].url, cluster.admin_token))
-            for gw in gateways:
-                progress.start_run(f"{wl}/{gw.policy}", len(planned["requests"]))
+        for policy in policies:
+            # A fresh gateway per run: no policy inherits another's state, and in-flight
+            # counts shared through Redis (leased per gateway) cannot leak between runs.
+            gateways = cluster.start_gateways([policy])
+            try:
+                gw = gateways[0]
+                workers = asyncio.run(_workers(gw.url, cluster.admin_token))
+                progress.start_run(f"{wl}/{policy}", len(planned["requests"]))
                 outcomes, wall, deltas, not_reset = asyncio.run(
-                    measure(gw.url, workers, planned["requests"], opts, progress)
+                    measure(gw.url, workers, planned["requests"], opts, progress, cluster.admin_token)
                 )
-                runs.append(summarise(wl, gw.policy, outcomes, wall, deltas, not_reset=not_reset))
-        finally:
-            cluster.stop_gateways(gateways)
+                runs.append(summarise(wl, policy, outcomes, wall, deltas, not_reset=not_reset,
+                                      all_workers=[w.id for w in workers]))  # fmt: skip
+            finally:
+                cluster.stop_gateways(gateways)
     return {"runs": runs, "plans": plans, "skipped_policies": unknown}
 
 
@@ -148,10 +156,11 @@ def run_attached(url: str, admin_token: str | None, spec: FleetSpec, opts: Bench
             write_trace(dump_path(opts.dump_trace, wl, len(workloads) > 1), planned["requests"])
         progress.start_run(f"{wl}/attached", len(planned["requests"]))
         outcomes, wall, deltas, not_reset = asyncio.run(
-            measure(url, workers, planned["requests"], opts, progress)
+            measure(url, workers, planned["requests"], opts, progress, admin_token)
         )
         policy = next((o.route.split(":")[0] for o in outcomes if o.route), "attached")
-        runs.append(summarise(wl, policy, outcomes, wall, deltas, not_reset=not_reset))
+        runs.append(summarise(wl, policy, outcomes, wall, deltas, not_reset=not_reset,
+                              all_workers=[w.id for w in workers]))  # fmt: skip
     return {"runs": runs, "plans": plans, "skipped_policies": []}
 
 

