@@ -24,6 +24,7 @@ from litestar.openapi import OpenAPIConfig
 
 from fleetgate.registry import Registry, connect
 from fleetgate.schema import WorkerView
+from gateway.adapters import AdapterPlacer
 from gateway.circuit import Breakers
 from gateway.errors import GatewayError, InvalidRequest, NotFound, Unauthorized
 from gateway.fleet import FleetWatcher
@@ -214,6 +215,58 @@ async def admin_remove(request: Request, state: State, worker_id: str) -> Respon
     return await _admin_write(gw, worker_id, "remove")
 
 
+class AdapterLoad(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    # Optional when the adapter is in the gateway's `adapters` config.
+    path: str | None = None
+
+
+def _registered(gw: Gateway, worker_id: str) -> WorkerView:
+    worker = gw.watcher.snapshot.by_id.get(worker_id)
+    if worker is None:
+        raise NotFound(f"No worker `{worker_id}` is registered.", param="id", code="worker_not_found")
+    if not worker.info.runtime_lora:
+        raise InvalidRequest(
+            f"Worker `{worker_id}` ({worker.info.engine}) cannot load adapters at runtime; "
+            "give them to its agent at start (--adapters).", code="adapters_fixed_at_start",
+        )
+    return worker
+
+
+@post("/admin/workers/{worker_id:str}/adapters", status_code=200)
+async def admin_load_adapter(request: Request, state: State, worker_id: str) -> Response:
+    """Load a LoRA adapter on a worker: body `{"name": ..., "path": ...}` (path optional if configured)."""
+    gw = _gw(state)
+    _check_admin(gw, request)
+    try:
+        load = msgspec.json.decode(await request.body(), type=AdapterLoad)
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"Body must be {{\"name\": ..., \"path\": ...}}: {exc}") from exc
+    if not load.name or "/" in load.name:
+        raise InvalidRequest("`name` must be a non-empty adapter name without '/'.", param="name")
+    worker = _registered(gw, worker_id)
+    try:
+        await gw.proxy.placer.load_on(worker, load.name, load.path)
+    except KeyError:
+        raise InvalidRequest(f"Adapter `{load.name}` is not configured; send its `path`.", param="path") from None
+    log.info("gateway.admin", action="load_adapter", worker=worker_id, adapter=load.name)
+    return Response(content=msgspec.json.encode({"id": worker_id, "adapter": load.name, "loaded": True}),
+                    media_type="application/json")
+
+
+@delete("/admin/workers/{worker_id:str}/adapters/{name:str}", status_code=200)
+async def admin_unload_adapter(request: Request, state: State, worker_id: str, name: str) -> Response:
+    gw = _gw(state)
+    _check_admin(gw, request)
+    worker = _registered(gw, worker_id)
+    if name not in worker.info.adapters:
+        raise NotFound(f"Worker `{worker_id}` has no adapter `{name}`.", param="name", code="adapter_not_found")
+    await gw.proxy.placer.unload_from(worker, name)
+    log.info("gateway.admin", action="unload_adapter", worker=worker_id, adapter=name)
+    return Response(content=msgspec.json.encode({"id": worker_id, "adapter": name, "loaded": False}),
+                    media_type="application/json")
+
+
 # -- errors -------------------------------------------------------------------
 
 
@@ -250,7 +303,9 @@ def create_app(settings: GatewaySettings) -> Litestar:
         registry = Registry(
             redis, settings.redis_prefix, settings.heartbeat_ttl_s, secret=settings.registration_secret
         )
-        watcher = FleetWatcher(registry, settings.refresh_interval_s)
+        watcher = FleetWatcher(
+            registry, settings.refresh_interval_s, {name: a.base for name, a in settings.adapters.items()}
+        )
         upstream = Upstream(settings.connect_timeout_s)
         await upstream.start()
         gateway_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -261,9 +316,11 @@ def create_app(settings: GatewaySettings) -> Litestar:
         )
         metrics = GatewayMetrics()
         metrics.watch_fleet(watcher, inflight)
+        placer = AdapterPlacer(dict(settings.adapters), watcher, registry, inflight)
         proxy = Proxy(
             settings, watcher, upstream, make_policy(settings.policy, settings.routing), inflight, breakers,
-            metrics, tokenizers={model: TokenCounter(path) for model, path in settings.tokenizers.items()},
+            metrics, placer,
+            tokenizers={model: TokenCounter(path) for model, path in settings.tokenizers.items()},
         )
         app.state["gw"] = Gateway(
             settings, registry, watcher, proxy, frozenset(_digest(k) for k in settings.api_keys),
@@ -275,6 +332,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
         try:
             yield
         finally:
+            await placer.close()
             await breakers.close()
             await inflight.stop()
             await watcher.stop()
@@ -287,7 +345,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
         route_handlers=[
             chat_completions, completions, list_models, get_model, health,
             admin_workers, admin_drain, admin_undrain, admin_remove,
-            metrics_endpoint, *UI_HANDLERS,
+            admin_load_adapter, admin_unload_adapter, metrics_endpoint, *UI_HANDLERS,
         ],
         lifespan=[lifespan],
         exception_handlers={

@@ -36,17 +36,27 @@ class FleetSnapshot:
     routes: Routes = field(default_factory=lambda: Routes({}))
 
     @classmethod
-    def build(cls, workers: list[WorkerView], version: int) -> FleetSnapshot:
+    def build(
+        cls, workers: list[WorkerView], version: int, loadable: Mapping[str, str] | None = None
+    ) -> FleetSnapshot:
+        """`loadable`: adapters (-> base model) the gateway can load onto runtime-LoRA workers."""
         models: dict[str, str] = {}
         created: dict[str, int] = {}
+        runtime_bases: set[str] = set()
         for w in workers:
             if w.state == "starting":
                 continue
             models.setdefault(w.info.model, "")
             created.setdefault(w.info.model, int(w.info.started_at))
+            if w.info.runtime_lora and w.info.max_loras > 0:
+                runtime_bases.add(w.info.model)
             for adapter in w.info.adapters:
                 models.setdefault(adapter, w.info.model)
                 created.setdefault(adapter, int(w.info.started_at))
+        for adapter, base in (loadable or {}).items():
+            if base in runtime_bases and adapter not in models:
+                models[adapter] = base
+                created[adapter] = created[base]
         data = [
             {
                 "id": name, "object": "model", "created": created[name],
@@ -66,8 +76,11 @@ class FleetSnapshot:
 
 
 class FleetWatcher:
-    def __init__(self, registry: Registry, refresh_interval_s: float = 1.0) -> None:
+    def __init__(
+        self, registry: Registry, refresh_interval_s: float = 1.0, loadable: Mapping[str, str] | None = None
+    ) -> None:
         self.registry = registry
+        self.loadable = dict(loadable or {})
         self.refresh_interval_s = refresh_interval_s
         self.snapshot = FleetSnapshot()
         self.degraded = True
@@ -115,7 +128,7 @@ class FleetWatcher:
             workers += [w for w in self.snapshot.workers if w.id not in present]
         self._version += 1
         old = self.snapshot
-        self.snapshot = FleetSnapshot.build(workers, self._version)
+        self.snapshot = FleetSnapshot.build(workers, self._version, self.loadable)
         if self.degraded:
             log.info("gateway.registry_connected", workers=len(workers))
         self.degraded = False

@@ -32,6 +32,7 @@ from tenacity import (
 )
 
 from fleetgate.schema import WorkerView
+from gateway.adapters import AdapterPlacer
 from gateway.circuit import Breakers
 from gateway.errors import (
     ContextLengthExceeded,
@@ -80,6 +81,7 @@ class Proxy:
     inflight: SharedInflight
     breakers: Breakers
     metrics: GatewayMetrics
+    placer: AdapterPlacer
     tokenizers: dict[str, TokenCounter] = field(default_factory=dict)
     seq: int = 0
     queued: int = 0
@@ -111,6 +113,8 @@ class Proxy:
         )
         attempt = _Attempt(self, path, body, probe.stream, facts, floor)
         try:
+            if facts.adapter and self.placer.known(probe.model):
+                await self.placer.ensure(probe.model)
             while True:
                 try:
                     result = await attempt.next()
@@ -130,6 +134,8 @@ class Proxy:
                                      200 if resp is not None else data[0])
         if attempt.count > 1:
             self.metrics.failover(probe.model)
+        if facts.adapter and self.placer.known(probe.model):
+            self.placer.routed(worker.id, probe.model)
         headers = {
             "x-fleetgate-worker": worker.id,
             "x-fleetgate-route": route,

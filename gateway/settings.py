@@ -13,6 +13,13 @@ from fleetgate.registry import DEFAULT_HEARTBEAT_TTL_S, DEFAULT_PREFIX
 from gateway.routing.base import FullAt
 
 
+class AdapterSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """A LoRA adapter the gateway may load onto workers: where it is and its base model."""
+
+    path: str
+    base: str
+
+
 class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 8000
@@ -29,6 +36,8 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     policy: str = "fleet"
     # Knobs of the `fleet` policy (gateway/routing/fleet.py: FleetOptions).
     routing: dict[str, float] = msgspec.field(default_factory=dict)
+    # LoRA adapters the gateway may place on runtime-loading workers: name -> path, base.
+    adapters: dict[str, AdapterSpec] = msgspec.field(default_factory=dict)
     # Base model name -> tokenizer.json, for exact prompt token counts (else estimated).
     tokenizers: dict[str, str] = msgspec.field(default_factory=dict)
     connect_timeout_s: float = 2.0

@@ -55,6 +55,8 @@ class AgentOptions(msgspec.Struct, kw_only=True):
     engine_log: str | None = None
     # An external engine that fails this many heartbeats in a row counts as dead.
     max_missed_scrapes: int = 5
+    # How often the engine's model list is re-read (adapters loaded or unloaded at runtime).
+    rediscover_s: float = 5.0
 
     @property
     def base_url(self) -> str:
@@ -79,6 +81,7 @@ class Agent:
         self.info: WorkerInfo | None = None
         self.load = Load()
         self._log_file: IO[bytes] | None = None
+        self._discovered_at = time.monotonic()
         self.log = log.bind(worker=options.worker_id, engine=options.engine)
 
     # -- lifecycle --------------------------------------------------------------
@@ -227,7 +230,9 @@ class Agent:
         model = self.opts.spec.served_name
         if base is not None and model not in ids:
             model = base["id"]
-        adapters = tuple(i for i in ids if i != model) or self.info.adapters
+        if not ids:  # the engine did not answer: keep what we knew
+            return self.info
+        adapters = tuple(i for i in ids if i != model)
         max_len = self.info.max_model_len
         if base is not None and isinstance(base.get("max_model_len"), int):
             max_len = base["max_model_len"]
@@ -296,6 +301,8 @@ class Agent:
         self._check_alive()
         if load is not None:
             self.load = load
+        if self.state == "ready" and time.monotonic() - self._discovered_at >= self.opts.rediscover_s:
+            await self._rediscover()
         reply = await self._beat(self.load)
         if reply == "stop" and not self.stopping.is_set():
             self.log.info("agent.stop_requested", reason="an operator drained this worker with stop=true")
@@ -305,6 +312,18 @@ class Agent:
                 raise RemovedByOperator
             self.log.warning("agent.reregister", reason="record missing in Redis")
             await self._register_quietly(self.state)
+
+    async def _rediscover(self) -> None:
+        """Adapters can be loaded and unloaded at runtime (by a gateway, or by hand): keep the
+        registry's list in step with what the engine really serves."""
+        assert self.info is not None
+        self._discovered_at = time.monotonic()
+        fresh = await self._discover()
+        if set(fresh.adapters) != set(self.info.adapters) and fresh.model == self.info.model:
+            self.log.info("agent.adapters_changed", adapters=list(fresh.adapters))
+            self.info = fresh
+            with contextlib.suppress(Exception):
+                await self.registry.update_info(fresh)
 
     async def _drain(self) -> None:
         """Stop new work, then wait until no gateway has a request in flight here and the

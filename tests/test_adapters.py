@@ -1,0 +1,113 @@
+"""Adapter placement end to end: the gateway loads LoRA adapters where they are needed,
+one load at a time, evicts cold ones when slots run out, and operators can load and unload."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import yaml
+
+from tests.conftest import Fleet, wait_until
+
+BASE = "base-model"
+
+
+def lora_loads(engine_url: str) -> float:
+    text = httpx.get(f"{engine_url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("fleetgate_sim:lora_api_loads_total"))
+
+
+def config(tmp_path: Path, names: list[str]) -> Path:
+    adapters = {}
+    for name in names:
+        folder = tmp_path / "adapters" / name
+        folder.mkdir(parents=True)
+        adapters[name] = {"path": str(folder), "base": BASE}
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump({"gateway": {"adapters": adapters}}))
+    return path
+
+
+def chat(url: str, model: str) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+
+
+def test_unplaced_adapter_is_loaded_once_then_served_from_where_it_is(
+    fleet_factory: Callable[[], Fleet], tmp_path: Path,
+) -> None:
+    """A configured adapter no worker holds: concurrent first requests cause one load, then it is resident."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway("--config", str(config(tmp_path, ["fin", "law"])))
+    for wid in ("a", "b"):
+        fleet.worker(wid, "--model", BASE, "--option", "time_scale=0.05", "--option", "enable_lora=true",
+                     "--option", "max_loras=2")
+    fleet.wait_ready(url, "a", "b")
+    models = {m["id"]: m["parent"] for m in httpx.get(f"{url}/v1/models").json()["data"]}
+    assert models == {BASE: None, "fin": BASE, "law": BASE}  # loadable adapters are listed
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda _: chat(url, "fin"), range(6)))
+    assert [r.status_code for r in results] == [200] * 6
+    workers = {r.headers["x-fleetgate-worker"] for r in results}
+    assert len(workers) == 1
+    [holder] = workers
+    engines = {wid: w["url"] for wid, w in fleet.workers(url).items()}
+    assert lora_loads(engines["a"]) + lora_loads(engines["b"]) == 1
+    assert "fin" in fleet.workers(url)[holder]["adapters"]
+    assert chat(url, "fin").headers["x-fleetgate-route"].endswith(("adapter-resident", "prefix-hit", "prefix-spill"))
+
+
+def test_full_worker_evicts_its_coldest_adapter(fleet_factory: Callable[[], Fleet], tmp_path: Path) -> None:
+    """With one adapter slot, loading a second adapter unloads the first (least recently used)."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway("--config", str(config(tmp_path, ["fin", "law"])))
+    fleet.worker("a", "--model", BASE, "--option", "time_scale=0.05", "--option", "enable_lora=true",
+                 "--option", "max_loras=1")
+    fleet.wait_ready(url, "a")
+    assert chat(url, "fin").status_code == 200
+    assert fleet.workers(url)["a"]["adapters"] == ["fin"]
+    assert chat(url, "law").status_code == 200
+    assert fleet.workers(url)["a"]["adapters"] == ["law"]
+    assert chat(url, "fin").status_code == 200  # and back again
+    engine = fleet.workers(url)["a"]["url"]
+    served = {m["id"] for m in httpx.get(f"{engine}/v1/models").json()["data"]}
+    assert served == {BASE, "fin"}
+
+
+def test_unknown_adapter_is_404_and_unloadable_base_is_503(fleet_factory: Callable[[], Fleet], tmp_path: Path) -> None:
+    """An adapter nobody configured is a 404; one whose base no runtime-LoRA worker serves is not listed."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway("--config", str(config(tmp_path, ["fin"])))
+    fleet.worker("a", "--model", "other-base", "--option", "time_scale=0.05")
+    fleet.wait_ready(url, "a")
+    assert chat(url, "nope").status_code == 404
+    assert chat(url, "fin").status_code == 404
+    assert "fin" not in {m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]}
+
+
+def test_admin_loads_and_unloads_adapters(fleet_factory: Callable[[], Fleet], tmp_path: Path) -> None:
+    """POST /admin/workers/{id}/adapters loads one (path given or configured); DELETE unloads it."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway("--config", str(config(tmp_path, ["fin"])))
+    fleet.worker("a", "--model", BASE, "--option", "time_scale=0.05", "--option", "enable_lora=true")
+    fleet.wait_ready(url, "a")
+    extra = tmp_path / "adapters" / "extra"
+    extra.mkdir()
+    with fleet.admin(url) as admin:
+        assert admin.post("/admin/workers/a/adapters", json={"name": "fin"}).status_code == 200
+        assert admin.post("/admin/workers/a/adapters", json={"name": "extra", "path": str(extra)}).status_code == 200
+        assert set(fleet.workers(url)["a"]["adapters"]) == {"fin", "extra"}
+        assert chat(url, "extra").headers["x-fleetgate-worker"] == "a"
+        assert admin.delete("/admin/workers/a/adapters/extra").status_code == 200
+        assert fleet.workers(url)["a"]["adapters"] == ["fin"]
+        bad = admin.post("/admin/workers/a/adapters", json={"name": "ghost"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "path"
+        assert admin.post("/admin/workers/a/adapters", content=b"{").status_code == 400
+        assert admin.delete("/admin/workers/a/adapters/ghost").status_code == 404
+        assert admin.post("/admin/workers/zz/adapters", json={"name": "fin"}).status_code == 404
+    # The agent's own view of the engine agrees a few seconds later.
+    wait_until(lambda: fleet.workers(url)["a"]["adapters"] == ["fin"], timeout=8)
