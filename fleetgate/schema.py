@@ -58,6 +58,8 @@ class Load(msgspec.Struct, kw_only=True, frozen=True):
     prefix_cache_queries: float = 0.0
     prefix_cache_hits: float = 0.0
     preemptions: float = 0.0
+    # Adapters with requests in the engine right now (vLLM's lora_requests_info).
+    lora_active: tuple[str, ...] = ()
     ts: float = 0.0
 
 

@@ -50,6 +50,7 @@ class AdapterPlacer:
         self.last_used: dict[tuple[str, str], float] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._replicated_at: dict[str, float] = {}
+        self._recent: dict[str, dict[str, float]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.session: aiohttp.ClientSession | None = None
 
@@ -74,10 +75,21 @@ class AdapterPlacer:
                 )
             await self._load(target, model)
 
+    def warm(self, model: str, within_s: float = 2.0) -> frozenset[str]:
+        """Workers this gateway sent `model` to in the last `within_s` seconds."""
+        holders = self._recent.get(model)
+        if not holders:
+            return frozenset()
+        cutoff = time.monotonic() - within_s
+        return frozenset(w for w, at in holders.items() if at >= cutoff)
+
     def routed(self, worker_id: str, model: str) -> None:
         """A request for adapter `model` went to `worker_id`: note it, and maybe add a replica."""
         now = time.monotonic()
         self.last_used[(worker_id, model)] = now
+        self._recent.setdefault(model, {})[worker_id] = now
+        if not self.known(model):
+            return
         if now - self._replicated_at.get(model, 0.0) < self.replicate_every_s:
             return
         routes = self.watcher.snapshot.routes.by_model.get(model)

@@ -94,7 +94,8 @@ class Proxy:
         self.seq += 1
         snapshot = self.watcher.snapshot
         session = request.headers.get("x-session-id") or probe.user
-        key, key_kind = affinity(probe, session) if self.policy.name == "fleet" else (None, None)
+        is_adapter = snapshot.models.get(probe.model, "") != ""
+        key, key_kind = affinity(probe, session, is_adapter) if self.policy.name == "fleet" else (None, None)
         base = snapshot.models.get(probe.model) or probe.model
         counter = self.tokenizers.get(base)
         if counter is not None:
@@ -107,7 +108,8 @@ class Proxy:
             max_tokens=probe.max_completion_tokens or probe.max_tokens,
             session=session,
             seq=self.seq,
-            adapter=snapshot.models.get(probe.model, "") != "",
+            adapter=is_adapter,
+            warm=self.placer.warm(probe.model) if is_adapter else frozenset(),
             affinity_key=key,
             affinity_kind=key_kind,
         )
@@ -134,7 +136,7 @@ class Proxy:
                                      200 if resp is not None else data[0])
         if attempt.count > 1:
             self.metrics.failover(probe.model)
-        if facts.adapter and self.placer.known(probe.model):
+        if facts.adapter:
             self.placer.routed(worker.id, probe.model)
         headers = {
             "x-fleetgate-worker": worker.id,

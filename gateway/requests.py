@@ -107,14 +107,18 @@ def estimate_tokens(probe: Probe) -> tuple[int, int]:
     return math.ceil(size / 4) + overhead, size // 8
 
 
-def affinity(probe: Probe, session: str | None) -> tuple[int | None, str | None]:
-    """The key requests share: a system prompt first, then a session, then the prompt's head.
+def affinity(probe: Probe, session: str | None, adapter: bool = False) -> tuple[int | None, str | None]:
+    """The key requests share: an adapter, else a system prompt, a session, the prompt's head.
 
-    A shared system prompt is the largest prefix many requests have in common, so it
-    beats the session; a session without one keeps a conversation (whose history is
-    its prefix) on one worker.
+    Requests for one LoRA adapter meet on one worker (bounded by load) so it stays in
+    that engine's adapter slots instead of being swapped in everywhere; its prefix
+    cache is separate per adapter anyway. A shared system prompt is the largest
+    prefix many requests have in common, so it beats the session; a session without
+    one keeps a conversation (whose history is its prefix) on one worker.
     """
     model = probe.model
+    if adapter:
+        return stable_hash(f"adapter\0{model}"), "adapter"
     messages = probe.messages
     if messages:
         first = messages[0]

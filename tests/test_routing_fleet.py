@@ -12,6 +12,7 @@ from fleetgate.hashing import stable_hash
 from fleetgate.schema import Load, WorkerInfo, WorkerView
 from gateway.routing import FleetOptions, RequestFacts, Routes, decide, make_policy
 from gateway.routing.fleet import FleetPolicy
+from gateway.routing.table import Slot
 
 
 def w(wid: str, *, capacity: int = 100, running: int = 0, waiting: int = 0, kv: float = 0.0,
@@ -146,15 +147,16 @@ def test_replicas_agree_given_the_same_snapshot(spec: list[tuple[int, int, float
 @settings(max_examples=200, deadline=None)
 @given(spec=loads, key=st.integers(0, 2**64 - 1))
 def test_affinity_never_exceeds_the_load_bound(spec: list[tuple[int, int, float, int]], key: int) -> None:
-    """A worker chosen for affinity carries at most (1 + balance) x its fair share + slack."""
+    """A worker chosen for affinity carries at most (1 + balance) x its fair share + slack,
+    measured in its KV-aware capacity."""
     fleet = build(spec)
     opts = FleetOptions()
     choice = decide(Routes.build(fleet), facts(key), {}, make_policy("fleet")).choices[0]
     if choice.reason.startswith("prefix"):
         total = sum(x.load.running + x.load.waiting for x in fleet) + 1
-        capacity = sum(x.info.capacity for x in fleet)
+        capacity = sum(Slot(x).capacity for x in fleet)
         chosen = choice.worker
-        limit = (1 + opts.balance) * total / capacity * chosen.info.capacity + opts.slack
+        limit = (1 + opts.balance) * total / capacity * Slot(chosen).capacity + opts.slack
         assert chosen.load.running + chosen.load.waiting + 1 <= limit
 
 
@@ -166,3 +168,32 @@ def test_a_worker_leaving_moves_only_its_own_keys(n: int, key: int) -> None:
     home = home_of(key, ids)
     other = next(i for i in ids if i != home)
     assert home_of(key, [i for i in ids if i != other]) == home
+
+
+def aw(wid: str, active: tuple[str, ...], max_loras: int = 2, running: int = 0) -> WorkerView:
+    return WorkerView(
+        info=WorkerInfo(id=wid, url=f"http://{wid}", engine="vllm", model="base", adapters=("fin", "law", "med"),
+                        capacity=100, runtime_lora=True, max_loras=max_loras),
+        state="ready", load=Load(running=running, lora_active=active), id_hash=stable_hash(wid),
+    )
+
+
+ADAPTER_CASES = [
+    # (what it shows, fleet, warm workers, expected first choice, reason)
+    ("an adapter goes where it is already in a slot",
+     (aw("a", ()), aw("b", ("fin",))), frozenset(), "b", "adapter-warm"),
+    ("recently routed here by this gateway counts as warm before the engine reports it",
+     (aw("a", ()), aw("b", ())), frozenset({"a"}), "a", "adapter-warm"),
+    ("a free slot beats evicting another adapter",
+     (aw("a", ("law", "med")), aw("b", ("law",))), frozenset(), "b", "adapter-resident"),
+    ("load still wins when the warm worker is far busier",
+     (aw("a", (), running=5), aw("b", ("fin",), running=95)), frozenset(), "a", "adapter-resident"),
+]
+
+
+@pytest.mark.parametrize(("why", "fleet", "warm", "first_id", "reason"), ADAPTER_CASES, ids=[c[0] for c in ADAPTER_CASES])
+def test_adapter_placement_table(why: str, fleet: tuple[WorkerView, ...], warm: frozenset[str],
+                                 first_id: str, reason: str) -> None:
+    f = RequestFacts("fin", adapter=True, warm=warm)
+    choice = decide(Routes.build(fleet), f, {}, POLICY).choices[0]
+    assert (choice.worker.id, choice.reason) == (first_id, reason)

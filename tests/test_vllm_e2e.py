@@ -7,6 +7,7 @@ FLEETGATE_REQUIRE_VLLM=1, which turns a missing setup into a failure instead of 
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from tests.conftest import ROOT, Fleet
 pytestmark = pytest.mark.vllm
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_WORKERS = ("vllm-a", "vllm-b")
 TINY = ROOT / ".cache" / "tiny"
 
 
@@ -34,22 +36,23 @@ def _require_setup() -> None:
 
 @pytest.fixture(scope="module")
 def vllm_fleet(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, str]]:
-    """The gateway, one real vLLM worker (with a LoRA) and one simulated worker of another model."""
+    """The gateway, two real vLLM workers (each with a LoRA) and one simulated worker of another model."""
     _require_setup()
     fleet = Fleet(redis_url, f"fgtest-{uuid.uuid4().hex[:10]}", tmp_path_factory.mktemp("vllm"))
     try:
         _, url = fleet.gateway()
-        fleet.worker(
-            "vllm-cpu", "--model", str(TINY / "model"), "--served-model-name", "tiny",
-            "--adapters", f"lo={TINY / 'lora'}", "--max-model-len", "2048",
-            "--option", f"python={VLLM_PYTHON}", "--option", "enforce_eager=true",
-            "--option", "max_loras=2", "--option", "max_lora_rank=8",
-            "--option", "env={VLLM_CPU_KVCACHE_SPACE: 1, VLLM_ENABLE_V1_MULTIPROCESSING: 0, "
-            "HF_HUB_OFFLINE: 1, TRANSFORMERS_OFFLINE: 1}",
-            engine="vllm",
-        )
+        for worker_id in VLLM_WORKERS:
+            fleet.worker(
+                worker_id, "--model", str(TINY / "model"), "--served-model-name", "tiny",
+                "--adapters", f"lo={TINY / 'lora'}", "--max-model-len", "2048",
+                "--option", f"python={VLLM_PYTHON}", "--option", "enforce_eager=true",
+                "--option", "max_loras=2", "--option", "max_lora_rank=8", "--option", "max_num_seqs=16",
+                "--option", "env={VLLM_CPU_KVCACHE_SPACE: 1, VLLM_ENABLE_V1_MULTIPROCESSING: 0, "
+                "HF_HUB_OFFLINE: 1, TRANSFORMERS_OFFLINE: 1}",
+                engine="vllm",
+            )
         fleet.worker("sim", "--model", "other-model", "--option", "time_scale=0.05")
-        fleet.wait_ready(url, "vllm-cpu", "sim", timeout=420)
+        fleet.wait_ready(url, *VLLM_WORKERS, "sim", timeout=420)
         yield fleet, url
     finally:
         fleet.close()
@@ -58,7 +61,7 @@ def vllm_fleet(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
 def test_real_vllm_registers_its_model_adapter_and_context(vllm_fleet: tuple[Fleet, str]) -> None:
     """The agent reads what the real engine serves: model, adapter and max_model_len."""
     fleet, url = vllm_fleet
-    worker = fleet.workers(url)["vllm-cpu"]
+    worker = fleet.workers(url)["vllm-a"]
     assert worker["engine"] == "vllm" and worker["model"] == "tiny"
     assert worker["adapters"] == ["lo"] and worker["max_model_len"] == 2048
     models = {m["id"]: m for m in httpx.get(f"{url}/v1/models").json()["data"]}
@@ -67,14 +70,14 @@ def test_real_vllm_registers_its_model_adapter_and_context(vllm_fleet: tuple[Fle
 
 @pytest.mark.parametrize("model", ["tiny", "lo"])
 def test_openai_client_through_gateway_to_real_vllm(vllm_fleet: tuple[Fleet, str], model: str) -> None:
-    """Base model and LoRA adapter, whole and streamed, answered by the real vLLM worker."""
+    """Base model and LoRA adapter, whole and streamed, answered by a real vLLM worker."""
     _, url = vllm_fleet
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": "Hello there"}]
     raw = client.chat.completions.with_raw_response.create(
         model=model, messages=messages, max_tokens=8, extra_body={"ignore_eos": True},  # type: ignore[arg-type]
     )
-    assert raw.headers["x-fleetgate-worker"] == "vllm-cpu"
+    assert raw.headers["x-fleetgate-worker"] in VLLM_WORKERS
     completion = raw.parse()
     assert completion.model == model
     assert completion.usage is not None and completion.usage.completion_tokens == 8
@@ -83,7 +86,7 @@ def test_openai_client_through_gateway_to_real_vllm(vllm_fleet: tuple[Fleet, str
         model=model, messages=messages, max_tokens=8, stream=True,  # type: ignore[arg-type]
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
     ) as resp:
-        assert resp.headers["x-fleetgate-worker"] == "vllm-cpu"
+        assert resp.headers["x-fleetgate-worker"] in VLLM_WORKERS
         chunks = list(resp.parse())
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content is not None) >= 8
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
@@ -104,3 +107,43 @@ def test_requests_for_other_models_go_to_the_simulated_worker(vllm_fleet: tuple[
     _, url = vllm_fleet
     resp = httpx.post(f"{url}/v1/completions", json={"model": "other-model", "prompt": "x", "max_tokens": 3})
     assert resp.status_code == 200 and resp.headers["x-fleetgate-worker"] == "sim"
+
+
+def _prefix_hits(fleet: Fleet, url: str) -> float:
+    total = 0.0
+    for worker_id in VLLM_WORKERS:
+        text = httpx.get(fleet.workers(url)[worker_id]["url"] + "/metrics").text
+        total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith("vllm:prefix_cache_hits_total{"))
+    return total
+
+
+def _shared_prefix(i: int, tag: str) -> str:
+    words = [f"{tag}{i}w{j % 97} clause {j} of the policy manual" for j in range(90)]
+    return f"You are assistant number {i}. " + " ".join(words)
+
+
+def test_fleet_policy_gets_more_real_prefix_cache_hits_than_round_robin(vllm_fleet: tuple[Fleet, str]) -> None:
+    """Same prefix-heavy traffic through round-robin and through `fleet`: vLLM's own
+    prefix_cache_hits_total grows more with `fleet`, because requests sharing a prefix meet."""
+    fleet, url = vllm_fleet
+    _, rr_url = fleet.gateway("--policy", "round_robin")
+    _, fleet_url = fleet.gateway("--policy", "fleet")
+    client = httpx.Client(timeout=60)
+
+    def run(gateway: str, tag: str) -> float:
+        before = _prefix_hits(fleet, url)
+        for i in range(6):  # six system prompts, each sent four times in a row
+            for turn in range(4):
+                body = {"model": "tiny", "max_tokens": 1, "messages": [
+                    {"role": "system", "content": _shared_prefix(i, tag)},
+                    {"role": "user", "content": f"question {turn}"}]}
+                resp = client.post(f"{gateway}/v1/chat/completions", json=body)
+                assert resp.status_code == 200, resp.text
+        time.sleep(0.5)  # counters are read from the engines directly; let the last step land
+        return _prefix_hits(fleet, url) - before
+
+    rr_hits = run(rr_url, "rr")
+    fleet_hits = run(fleet_url, "fl")
+    print(f"real vLLM prefix_cache_hits_total: round_robin +{rr_hits:.0f}, fleet +{fleet_hits:.0f} tokens")
+    assert fleet_hits > rr_hits

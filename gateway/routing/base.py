@@ -34,6 +34,9 @@ class RequestFacts:
     # requests with the same key are sent to the same worker while its load allows.
     affinity_key: int | None = None
     affinity_kind: str | None = None
+    # For an adapter: workers this gateway sent it to in the last few seconds (it is
+    # likely still in their adapter slots even if the engines' reports lag).
+    warm: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

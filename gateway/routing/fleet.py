@@ -9,9 +9,10 @@
 2. Affinity: requests that share a prefix (or a session) go to the same worker,
    found on a consistent-hash ring so every gateway replica agrees without talking
    and a worker leaving moves only its own keys. The load is bounded: the home is
-   skipped while it carries more than (1 + balance) x its fair share (+ slack), and
-   the next worker on the key's ring takes the overflow, so a hot prefix gets a
-   second replica instead of a queue.
+   skipped while it carries more than (1 + balance) x its fair share (+ slack) or its
+   engine already queues requests, and the next worker on the key's ring takes the
+   overflow, so a hot prefix gets a second replica instead of a queue. Capacity is
+   KV-aware: a worker whose cache fills before its batch does counts as smaller.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ class FleetOptions(msgspec.Struct, kw_only=True, frozen=True):
     waiting_weight: float = 1.0
     # Workers tried along a key's ring before falling back to least load.
     max_probes: int = 4
+    # A home whose engine queues more than this is skipped: the queue, not the cache, decides.
+    home_max_waiting: int = 0
+    # Extra cost of sending an adapter where it is not in a slot: with a free slot (a
+    # load), and with every slot taken (a load that evicts another adapter).
+    lora_load_cost: float = 0.15
+    lora_swap_cost: float = 0.6
 
 
 class FleetPolicy:
@@ -68,8 +75,10 @@ class FleetPolicy:
             busy[s.id] = b
             total_busy += b
             total_capacity += s.capacity
-        default_reason = "adapter-resident" if facts.adapter else "least-load"
+        if facts.adapter:
+            return self._rank_adapter(scored, facts, limit)
         key = facts.affinity_key
+        default_reason = "least-load"
         if key is None or len(candidates) == 1:
             return [Choice(x[2], default_reason) for x in heapq.nsmallest(limit, scored)]
         share = total_busy / total_capacity
@@ -80,7 +89,7 @@ class FleetPolicy:
             if home_busy is None:  # drained, already tried, or too short for this prompt
                 continue
             bound = (1.0 + opts.balance) * share * s.capacity + opts.slack
-            if home_busy + 1 <= bound and not (s.waiting > 0 and s.kv >= kv_high):
+            if home_busy + 1 <= bound and s.waiting <= opts.home_max_waiting:
                 reason = f"{kind}-hit" if probes == 0 else f"{kind}-spill"
                 rest = heapq.nsmallest(limit, (x for x in scored if x[2] is not s))
                 return [Choice(s, reason), *(Choice(x[2], default_reason) for x in rest[: limit - 1])]
@@ -88,3 +97,21 @@ class FleetPolicy:
             if probes >= opts.max_probes:
                 break
         return [Choice(x[2], "least-load-overflow") for x in heapq.nsmallest(limit, scored)]
+
+    def _rank_adapter(
+        self, scored: list[tuple[float, str, Slot]], facts: RequestFacts, limit: int
+    ) -> list[Choice]:
+        """Adapter requests go where the adapter is warm (in a slot), unless load says otherwise:
+        every other worker would first have to load it, and evict another when its slots are full."""
+        opts = self.opts
+        model = facts.model
+        warm = facts.warm
+        ranked: list[tuple[float, str, Slot, str]] = []
+        for c, wid, s in scored:
+            if model in s.lora_active or wid in warm:
+                ranked.append((c, wid, s, "adapter-warm"))
+            elif len(s.lora_active) < max(s.max_loras, 1):
+                ranked.append((c + opts.lora_load_cost, wid, s, "adapter-resident"))
+            else:
+                ranked.append((c + opts.lora_swap_cost, wid, s, "adapter-resident"))
+        return [Choice(x[2], x[3]) for x in heapq.nsmallest(limit, ranked)]

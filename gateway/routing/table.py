@@ -23,7 +23,8 @@ class Slot:
     """One worker, as routing reads it (plain attributes: no property calls on the hot path)."""
 
     __slots__ = (
-        "capacity", "engine_busy", "id", "id_hash", "kv", "max_len", "routable", "view", "waiting",
+        "capacity", "engine_busy", "id", "id_hash", "kv", "lora_active", "max_len", "max_loras",
+        "routable", "view", "waiting",
     )
 
     def __init__(self, view: WorkerView) -> None:
@@ -31,12 +32,19 @@ class Slot:
         self.view = view
         self.id = view.info.id
         self.id_hash = view.id_hash or stable_hash(self.id)
-        self.capacity = max(view.info.capacity, 1)
+        # Sequences the engine can really run: its batch size, or fewer when its KV cache
+        # fills first (running / KV share in use, once the cache is busy enough to tell).
+        capacity = max(view.info.capacity, 1)
+        if load.running > 0 and load.kv_cache_usage > 0.5:
+            capacity = min(capacity, max(1, int(load.running / load.kv_cache_usage)))
+        self.capacity = capacity
         self.max_len = view.info.max_model_len
         self.routable = view.routable
         self.engine_busy = load.running + load.waiting
         self.waiting = load.waiting
         self.kv = load.kv_cache_usage
+        self.lora_active = frozenset(load.lora_active)
+        self.max_loras = view.info.max_loras
 
 
 @dataclass(frozen=True, slots=True)

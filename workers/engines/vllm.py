@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import ClassVar
 
@@ -53,7 +54,23 @@ def parse_vllm_metrics(text: str) -> Load:
         ),
         prefix_cache_hits=total(s, "vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
         preemptions=total(s, "vllm:num_preemptions_total"),
+        lora_active=_active_loras(s.get("vllm:lora_requests_info", [])),
     )
+
+
+def _active_loras(samples: list[tuple[Mapping[str, str], float]]) -> tuple[str, ...]:
+    """Adapters in the engine now: the newest lora_requests_info series (its value is a
+    timestamp; vLLM keeps every label set it ever exported)."""
+    if not samples:
+        return ()
+    labels, _ = max(samples, key=lambda sample: sample[1])
+    names = {
+        name
+        for key in ("running_lora_adapters", "waiting_lora_adapters")
+        for name in labels.get(key, "").split(",")
+        if name
+    }
+    return tuple(sorted(names))
 
 
 async def load_lora(client: httpx.AsyncClient, base_url: str, name: str, path: str) -> None:
