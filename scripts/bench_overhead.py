@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps(as_json(report), indent=1))
             log(f"wrote {args.json}")
         if args.hold:
-            log("holding the stack up; Ctrl-C to stop")
+            gw = stack.targets["fleetgate"]
+            log(f"holding the stack up; Ctrl-C to stop. gateway {gw.urls[0]} pid {gw.pid} "
+                f"api key {gw.api_key}; direct {' '.join(stack.targets['direct'].urls)}")
             try:
                 while True:
                     time.sleep(3600)

@@ -43,8 +43,11 @@ def find_router(explicit: str | None) -> str | None:
     """The vllm-router executable: --router, else .venv-router's, else one on PATH."""
     if explicit:
         return explicit if Path(explicit).exists() or shutil.which(explicit) else None
-    local = ROOT / ".venv-router" / "bin" / "vllm-router"
-    return str(local) if local.exists() else shutil.which("vllm-router")
+    for root in (ROOT, Path.cwd()):
+        local = root / ".venv-router" / "bin" / "vllm-router"
+        if local.exists():
+            return str(local)
+    return shutil.which("vllm-router")
 
 
 def _wait(what: str, check: Callable[[], bool], procs: list[Proc], timeout: float = 60.0) -> None:
