@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -66,6 +67,8 @@ def log(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the stack's processes are stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     run_dir = args.run_dir or ROOT / ".run" / "overhead" / time.strftime("%Y%m%d-%H%M%S")
     router = None if args.no_router or args.soak else find_router(args.router)
     notes = []
