@@ -68,9 +68,14 @@ def _bearer(request: Request) -> str:
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
-def _check_client(gw: Gateway, request: Request) -> None:
-    if gw.api_key_digests and _digest(_bearer(request)) not in gw.api_key_digests:
+def _check_client(gw: Gateway, request: Request) -> str:
+    """Check the client's API key; returns a key id for logs (a digest prefix, never the key)."""
+    if not gw.api_key_digests:
+        return ""
+    digest = _digest(_bearer(request))
+    if digest not in gw.api_key_digests:
         raise Unauthorized("Missing or invalid API key: send `Authorization: Bearer <key>`.")
+    return digest[:4].hex()
 
 
 def _check_admin(gw: Gateway, request: Request) -> None:
@@ -89,15 +94,15 @@ def _check_admin(gw: Gateway, request: Request) -> None:
 @post("/v1/chat/completions", status_code=200, operation_class=ChatOperation)
 async def chat_completions(request: Request, state: State) -> Response:
     gw = _gw(state)
-    _check_client(gw, request)
-    return await gw.proxy.handle(request, "/v1/chat/completions", "chat")
+    key_id = _check_client(gw, request)
+    return await gw.proxy.handle(request, "/v1/chat/completions", "chat", key_id)
 
 
 @post("/v1/completions", status_code=200, operation_class=CompletionOperation)
 async def completions(request: Request, state: State) -> Response:
     gw = _gw(state)
-    _check_client(gw, request)
-    return await gw.proxy.handle(request, "/v1/completions", "completion")
+    key_id = _check_client(gw, request)
+    return await gw.proxy.handle(request, "/v1/completions", "completion", key_id)
 
 
 @get("/v1/models", operation_class=ModelsOperation)
@@ -271,9 +276,11 @@ async def admin_unload_adapter(request: Request, state: State, worker_id: str, n
 
 
 def _gateway_error(request: Request, exc: GatewayError) -> Response:
-    return Response(
-        content=exc.body(), status_code=exc.status, media_type="application/json", headers=exc.headers()
-    )
+    headers = exc.headers()
+    request_id = request.scope.get("state", {}).get("request_id")
+    if request_id:
+        headers["x-request-id"] = request_id
+    return Response(content=exc.body(), status_code=exc.status, media_type="application/json", headers=headers)
 
 
 def _http_error(request: Request, exc: HTTPException) -> Response:

@@ -86,9 +86,10 @@ class Proxy:
     seq: int = 0
     queued: int = 0
 
-    async def handle(self, request: Request, path: str, kind: str) -> Response:
+    async def handle(self, request: Request, path: str, kind: str, key_id: str = "") -> Response:
         started = time.perf_counter()
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request.state.request_id = request_id  # for the error handler's x-request-id
         body = await request.body()
         probe = parse_request(body, kind)
         self.seq += 1
@@ -127,7 +128,7 @@ class Proxy:
                     result = await self._retry(attempt, first_failure)
                     break
         except GatewayError as exc:
-            self._failed_request(request_id, probe.model, probe.stream, attempt, exc, started)
+            self._failed_request(request_id, key_id, probe.model, probe.stream, attempt, exc, started)
             raise
         choice, resp, data = result
         worker = choice.worker
@@ -144,8 +145,8 @@ class Proxy:
             "x-request-id": request_id,
         }
         fields = {
-            "request_id": request_id, "model": probe.model, "worker": worker.id,
-            "route": choice.reason, "attempts": attempt.count, "stream": probe.stream,
+            "request_id": request_id, "key_id": key_id, "model": probe.model, "adapter": facts.adapter,
+            "worker": worker.id, "route": choice.reason, "attempts": attempt.count, "stream": probe.stream,
         }
         if resp is not None:
             tracker = StreamTracker(kind, resumable_request(body, kind))
@@ -165,15 +166,16 @@ class Proxy:
         return Response(content=payload, status_code=status, media_type="application/json", headers=headers)
 
     def _failed_request(
-        self, request_id: str, model: str, stream: bool, attempt: _Attempt, exc: GatewayError, started: float
+        self, request_id: str, key_id: str, model: str, stream: bool, attempt: _Attempt, exc: GatewayError,
+        started: float,
     ) -> None:
         elapsed = time.perf_counter() - started
         self.metrics.request_done(model, "", exc.status, stream, elapsed)
         if exc.status in (429, 503):
             self.metrics.shed(model, exc.status)
         self.metrics.record_decision(request_id, model, "", type(exc).__name__, attempt.count, exc.status)
-        log.info("gateway.request", request_id=request_id, model=model, stream=stream, status=exc.status,
-                 error=exc.code, attempts=attempt.count, ms=round(elapsed * 1000, 2))
+        log.info("gateway.request", request_id=request_id, key_id=key_id, model=model, stream=stream,
+                 status=exc.status, error=exc.code, attempts=attempt.count, ms=round(elapsed * 1000, 2))
 
     async def _wait_for_room(self, attempt: _Attempt) -> None:
         """Hold a request while every eligible worker is full; bounded in count and time."""

@@ -115,6 +115,7 @@ def test_unknown_model_is_an_openai_404(shared_fleet: tuple[Fleet, str]) -> None
     _, url = shared_fleet
     resp = chat(url, model="no-such-model")
     assert resp.status_code == 404
+    assert len(resp.headers["x-request-id"]) == 32  # errors carry the request id too
     err = resp.json()["error"]
     assert err["code"] == "model_not_found" and err["param"] == "model" and "no-such-model" in err["message"]
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
