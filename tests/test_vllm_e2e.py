@@ -6,7 +6,9 @@ FLEETGATE_REQUIRE_VLLM=1, which turns a missing setup into a failure instead of 
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ROOT, Fleet
+from tests.conftest import ROOT, Fleet, children
 
 pytestmark = pytest.mark.vllm
 
@@ -147,3 +149,40 @@ def test_fleet_policy_gets_more_real_prefix_cache_hits_than_round_robin(vllm_fle
     fleet_hits = run(fleet_url, "fl")
     print(f"real vLLM prefix_cache_hits_total: round_robin +{rr_hits:.0f}, fleet +{fleet_hits:.0f} tokens")
     assert fleet_hits > rr_hits
+
+
+def test_zz_real_vllm_worker_killed_mid_stream_is_resumed_on_the_other(vllm_fleet: tuple[Fleet, str]) -> None:
+    """Chaos on real engines (runs last: it kills a worker): SIGKILL the vLLM serving a stream;
+    the stream is continued on the other vLLM (continue_final_message) and concurrent
+    requests all succeed."""
+    fleet, url = vllm_fleet
+    body = {"model": "tiny", "max_tokens": 64, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "Tell me a long story."}]}
+    events: list[dict[str, object]] = []
+    done = False
+    statuses: list[int] = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as resp:
+        victim = resp.headers["x-fleetgate-worker"]
+        agent = next(p for p in fleet.procs if p.log_path.name == f"{victim}.log")
+        for line in resp.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                if len(events) == 8:
+                    for pid in children(agent.pid):
+                        os.killpg(pid, signal.SIGKILL)  # the engine and its EngineCore
+                    plain = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+                    statuses = [httpx.post(f"{url}/v1/chat/completions", json=plain, timeout=60).status_code
+                                for _ in range(4)]
+    assert done and not any("error" in e for e in events)
+    assert len({e["id"] for e in events}) == 1
+    finishes = [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]  # type: ignore[union-attr]
+    assert finishes == ["length"]
+    usage = events[-1]["usage"]
+    assert usage["completion_tokens"] >= 60  # type: ignore[index]
+    assert statuses == [200] * 4
+    gateway_log = next(p for p in fleet.procs if "gateway" in p.log_path.name).output()
+    assert "gateway.stream_resumed" in gateway_log
+    print(f"real vLLM mid-stream failover: {victim} killed after 8 events; completion_tokens={usage['completion_tokens']}")  # type: ignore[index]
