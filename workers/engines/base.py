@@ -8,6 +8,8 @@ interface only.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, Protocol
 
@@ -119,3 +121,20 @@ def flag_args(options: Mapping[str, Any], known: Iterable[str]) -> list[str]:
         else:
             argv.extend([flag, str(value)])
     return argv
+
+
+def engine_python(spec: EngineSpec, env_var: str) -> str:
+    """The interpreter that has the engine installed: option `python`, else `env_var`, else ours.
+
+    Engines usually live in venvs of their own (their pins clash with each other's)."""
+    return str(spec.options.get("python") or os.environ.get(env_var) or sys.executable)
+
+
+def engine_environment(spec: EngineSpec, **fixed: str) -> dict[str, str]:
+    """`fixed` variables, the GPUs the engine may use, then the profile's `env` option."""
+    env = dict(fixed)
+    if spec.gpu_ids:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpu_ids)
+    for key, value in (spec.options.get("env") or {}).items():
+        env[str(key)] = str(value)
+    return env

@@ -10,14 +10,21 @@ the `enable_metrics` option passes. The names are the same either way.
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import ClassVar
 
 import httpx
 
 from fleetgate.schema import Load
-from workers.engines.base import AdapterError, EngineSpec, flag_args, metric_samples, peak, total
+from workers.engines.base import (
+    AdapterError,
+    EngineSpec,
+    engine_environment,
+    engine_python,
+    flag_args,
+    metric_samples,
+    peak,
+    total,
+)
 
 # Flags taken from the profile / command line, in the order they are emitted.
 _FLAGS = (
@@ -69,7 +76,7 @@ class LmdeployEngine:
     metrics_path: ClassVar[str | None] = "/metrics"
 
     def command(self, spec: EngineSpec) -> list[str]:
-        python = spec.options.get("python") or os.environ.get("FLEETGATE_LMDEPLOY_PYTHON") or sys.executable
+        python = engine_python(spec, "FLEETGATE_LMDEPLOY_PYTHON")
         chosen = backend(spec)
         if spec.adapters and chosen != "pytorch":
             raise ValueError(f"LMDeploy serves LoRA adapters only with --backend pytorch, not {chosen}")
@@ -93,12 +100,7 @@ class LmdeployEngine:
         return argv
 
     def environment(self, spec: EngineSpec) -> dict[str, str]:
-        env: dict[str, str] = {}
-        if spec.gpu_ids:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpu_ids)
-        for key, value in (spec.options.get("env") or {}).items():
-            env[str(key)] = str(value)
-        return env
+        return engine_environment(spec)
 
     def capacity(self, spec: EngineSpec) -> int:
         return int(spec.options.get("max_batch_size") or DEFAULT_MAX_BATCH_SIZE)

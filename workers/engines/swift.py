@@ -15,14 +15,13 @@ Two of swift's habits are handled here rather than left to the agent:
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import httpx
 
 from fleetgate.schema import Load
-from workers.engines.base import AdapterError, EngineSpec
+from workers.engines.base import AdapterError, EngineSpec, engine_environment, engine_python
 
 # `python -c LAUNCH <swift deploy flags>`: swift 4.6's DeployArguments calls
 # find_free_port(port), which moves to the next free port; make it keep the one asked for.
@@ -79,7 +78,7 @@ class SwiftEngine:
     metrics_path: ClassVar[str | None] = None
 
     def command(self, spec: EngineSpec) -> list[str]:
-        python = spec.options.get("python") or os.environ.get("FLEETGATE_SWIFT_PYTHON") or sys.executable
+        python = engine_python(spec, "FLEETGATE_SWIFT_PYTHON")
         backend = str(spec.options.get("infer_backend") or "transformers")
         if backend not in ("transformers", "vllm", "lmdeploy"):
             raise ValueError(f"swift infer_backend must be transformers, vllm or lmdeploy, not {backend!r}")
@@ -116,12 +115,7 @@ class SwiftEngine:
 
     def environment(self, spec: EngineSpec) -> dict[str, str]:
         # A local folder never reaches a hub; this keeps a mistyped one from trying.
-        env = {"HF_HUB_OFFLINE": "1"}
-        if spec.gpu_ids:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpu_ids)
-        for key, value in (spec.options.get("env") or {}).items():
-            env[str(key)] = str(value)
-        return env
+        return engine_environment(spec, HF_HUB_OFFLINE="1")
 
     def capacity(self, spec: EngineSpec) -> int:
         # Serial (one request at a time) unless max_batch_size says otherwise.

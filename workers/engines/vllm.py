@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import ClassVar
@@ -11,7 +9,16 @@ from typing import ClassVar
 import httpx
 
 from fleetgate.schema import Load
-from workers.engines.base import AdapterError, EngineSpec, flag_args, metric_samples, peak, total
+from workers.engines.base import (
+    AdapterError,
+    EngineSpec,
+    engine_environment,
+    engine_python,
+    flag_args,
+    metric_samples,
+    peak,
+    total,
+)
 
 # Flags taken from the profile / command line, in the order they are emitted.
 _FLAGS = (
@@ -98,7 +105,7 @@ class VllmEngine:
         return bool(spec.adapters) or bool(spec.options.get("enable_lora"))
 
     def command(self, spec: EngineSpec) -> list[str]:
-        python = spec.options.get("python") or os.environ.get("FLEETGATE_VLLM_PYTHON") or sys.executable
+        python = engine_python(spec, "FLEETGATE_VLLM_PYTHON")
         options = dict(spec.options)
         options["max_num_seqs"] = self.capacity(spec)
         if self._lora(spec):
@@ -126,12 +133,7 @@ class VllmEngine:
         return argv
 
     def environment(self, spec: EngineSpec) -> dict[str, str]:
-        env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_NO_USAGE_STATS": "1"}
-        if spec.gpu_ids:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpu_ids)
-        for key, value in (spec.options.get("env") or {}).items():
-            env[str(key)] = str(value)
-        return env
+        return engine_environment(spec, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", VLLM_NO_USAGE_STATS="1")
 
     def capacity(self, spec: EngineSpec) -> int:
         return int(spec.options.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
