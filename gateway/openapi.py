@@ -29,33 +29,28 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(msgspec.Struct, kw_only=True):
+class _Sampling(msgspec.Struct, kw_only=True):
+    """Fields both endpoints share (engines accept more; those pass through untouched)."""
+
     model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    user: str | None = None
 
 
-class CompletionRequest(msgspec.Struct, kw_only=True):
-    model: str
+class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[str]
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    user: str | None = None
 
 
 class ErrorDetail(msgspec.Struct):
