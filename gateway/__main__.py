@@ -11,7 +11,7 @@ import uvicorn
 import yaml
 
 from fleetgate.logs import configure_logging
-from gateway.app import create_app
+from gateway.app import create_asgi
 from gateway.settings import load_settings
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "gateway.yaml"
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"bad setting: {exc}")
     configure_logging(settings.log_level, settings.log_json)
     uvicorn.run(
-        create_app(settings),
+        create_asgi(settings),
         host=settings.host,
         port=settings.port,
         log_config=None,

@@ -7,7 +7,6 @@ session, puts them on `app.state`, and closes them in reverse order.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import socket
 import time
@@ -21,12 +20,15 @@ from litestar import Litestar, Request, Response, delete, get, post
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
+from litestar.response import Stream
 
 from fleetgate.registry import Registry, connect
 from fleetgate.schema import WorkerView
 from gateway.adapters import AdapterPlacer
+from gateway.auth import check_api_key, digest
 from gateway.circuit import Breakers
 from gateway.errors import GatewayError, InvalidRequest, NotFound, Unauthorized
+from gateway.fastpath import FastPath
 from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
 from gateway.metrics import GatewayMetrics, metrics_endpoint
@@ -40,6 +42,8 @@ from gateway.ui import admin_authorized
 from gateway.upstream import Upstream
 
 log = structlog.get_logger("gateway.app")
+
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
 @dataclass
@@ -58,24 +62,8 @@ def _gw(state: State) -> Gateway:
     return state["gw"]  # type: ignore[no-any-return]
 
 
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()
-
-
-def _bearer(request: Request) -> str:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else ""
-
-
 def _check_client(gw: Gateway, request: Request) -> str:
-    """Check the client's API key; returns a key id for logs (a digest prefix, never the key)."""
-    if not gw.api_key_digests:
-        return ""
-    digest = _digest(_bearer(request))
-    if digest not in gw.api_key_digests:
-        raise Unauthorized("Missing or invalid API key: send `Authorization: Bearer <key>`.")
-    return digest[:4].hex()
+    return check_api_key(gw.api_key_digests, request.headers.get("authorization", ""))
 
 
 def _check_admin(gw: Gateway, request: Request) -> None:
@@ -91,18 +79,27 @@ def _check_admin(gw: Gateway, request: Request) -> None:
 # -- OpenAI API ---------------------------------------------------------------
 
 
-@post("/v1/chat/completions", status_code=200, operation_class=ChatOperation)
-async def chat_completions(request: Request, state: State) -> Response:
+async def _proxied(request: Request, state: State, path: str, kind: str) -> Response:
+    # Served by gateway/fastpath.py in front of Litestar; this route is the same logic for
+    # when the fast path is off, and it documents the operation in the OpenAPI schema.
     gw = _gw(state)
     key_id = _check_client(gw, request)
-    return await gw.proxy.handle(request, "/v1/chat/completions", "chat", key_id)
+    reply = await gw.proxy.serve(await request.body(), request.headers.get, path, kind, key_id)
+    if reply.stream is not None:
+        return Stream(reply.stream, status_code=reply.status, media_type="text/event-stream",
+                      headers={**dict(reply.headers), **SSE_HEADERS})
+    return Response(content=reply.body, status_code=reply.status, media_type="application/json",
+                    headers=dict(reply.headers))
+
+
+@post("/v1/chat/completions", status_code=200, operation_class=ChatOperation)
+async def chat_completions(request: Request, state: State) -> Response:
+    return await _proxied(request, state, "/v1/chat/completions", "chat")
 
 
 @post("/v1/completions", status_code=200, operation_class=CompletionOperation)
 async def completions(request: Request, state: State) -> Response:
-    gw = _gw(state)
-    key_id = _check_client(gw, request)
-    return await gw.proxy.handle(request, "/v1/completions", "completion", key_id)
+    return await _proxied(request, state, "/v1/completions", "completion")
 
 
 @get("/v1/models", operation_class=ModelsOperation)
@@ -276,11 +273,9 @@ async def admin_unload_adapter(request: Request, state: State, worker_id: str, n
 
 
 def _gateway_error(request: Request, exc: GatewayError) -> Response:
-    headers = exc.headers()
-    request_id = request.scope.get("state", {}).get("request_id")
-    if request_id:
-        headers["x-request-id"] = request_id
-    return Response(content=exc.body(), status_code=exc.status, media_type="application/json", headers=headers)
+    return Response(
+        content=exc.body(), status_code=exc.status, media_type="application/json", headers=exc.headers()
+    )
 
 
 def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -330,7 +325,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
             tokenizers={model: TokenCounter(path) for model, path in settings.tokenizers.items()},
         )
         app.state["gw"] = Gateway(
-            settings, registry, watcher, proxy, frozenset(_digest(k) for k in settings.api_keys),
+            settings, registry, watcher, proxy, frozenset(digest(k) for k in settings.api_keys),
             metrics,
         )
         await watcher.start()
@@ -365,3 +360,9 @@ def create_app(settings: GatewaySettings) -> Litestar:
         logging_config=None,
         request_max_body_size=settings.max_body_bytes,
     )
+
+
+def create_asgi(settings: GatewaySettings) -> FastPath | Litestar:
+    """The app to serve: the fast data path in front of `create_app(settings)`."""
+    app = create_app(settings)
+    return FastPath(app) if settings.fast_path else app

@@ -47,6 +47,8 @@ class GatewayError(Exception):
         if code is not None:
             self.code = code
         self.retry_after = retry_after
+        # Set once the request has an id, so every answer carries x-request-id.
+        self.request_id: str | None = None
 
     def body(self) -> bytes:
         return msgspec.json.encode(
@@ -54,9 +56,12 @@ class GatewayError(Exception):
         )
 
     def headers(self) -> dict[str, str]:
-        if self.retry_after is None:
-            return {}
-        return {"retry-after": str(max(1, round(self.retry_after)))}
+        out: dict[str, str] = {}
+        if self.retry_after is not None:
+            out["retry-after"] = str(max(1, round(self.retry_after)))
+        if self.request_id:
+            out["x-request-id"] = self.request_id
+        return out
 
 
 class InvalidRequest(GatewayError):

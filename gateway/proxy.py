@@ -15,14 +15,12 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import NoReturn
 
 import aiohttp
 import structlog
-from litestar import Request, Response
-from litestar.response import Stream
 from tenacity import (
     AsyncRetrying,
     retry_if_exception_type,
@@ -55,7 +53,16 @@ from gateway.upstream import RETRYABLE_STATUS, Upstream, openai_error_body, sse_
 log = structlog.get_logger("gateway.proxy")
 
 _FORWARD_HEADERS = {"content-type": "application/json"}
-_SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+@dataclass(slots=True)
+class Reply:
+    """What the gateway answers: a whole JSON body, or an SSE stream."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes = b""
+    stream: AsyncIterator[bytes] | None = None
 
 
 class _Retryable(Exception):
@@ -85,16 +92,36 @@ class Proxy:
     tokenizers: dict[str, TokenCounter] = field(default_factory=dict)
     seq: int = 0
     queued: int = 0
+    # Request ids: a random per-process prefix and a counter (no syscall per request).
+    _id_prefix: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
 
-    async def handle(self, request: Request, path: str, kind: str, key_id: str = "") -> Response:
+    def _next_id(self) -> str:
+        return f"{self._id_prefix}{self.seq:016x}"
+
+    async def serve(
+        self, body: bytes, header: Callable[[str], str | None], path: str, kind: str, key_id: str = ""
+    ) -> Reply:
+        """Route and forward one OpenAI request. `header(name)` reads a request header.
+
+        Raises GatewayError (with its `request_id` set) for every answer the gateway
+        gives itself; engine answers, errors included, come back as a Reply.
+        """
         started = time.perf_counter()
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        request.state.request_id = request_id  # for the error handler's x-request-id
-        body = await request.body()
-        probe = parse_request(body, kind)
         self.seq += 1
+        request_id = header("x-request-id") or self._next_id()
+        try:
+            return await self._serve(body, header, path, kind, key_id, request_id, started)
+        except GatewayError as exc:
+            exc.request_id = request_id
+            raise
+
+    async def _serve(
+        self, body: bytes, header: Callable[[str], str | None], path: str, kind: str, key_id: str,
+        request_id: str, started: float,
+    ) -> Reply:
+        probe = parse_request(body, kind)
         snapshot = self.watcher.snapshot
-        session = request.headers.get("x-session-id") or probe.user
+        session = header("x-session-id") or probe.user
         is_adapter = snapshot.models.get(probe.model, "") != ""
         key, key_kind = affinity(probe, session, is_adapter) if self.policy.name == "fleet" else (None, None)
         base = snapshot.models.get(probe.model) or probe.model
@@ -139,23 +166,18 @@ class Proxy:
             self.metrics.failover(probe.model)
         if facts.adapter:
             self.placer.routed(worker.id, probe.model)
-        headers = {
-            "x-fleetgate-worker": worker.id,
-            "x-fleetgate-route": route,
-            "x-request-id": request_id,
-        }
+        headers = [
+            ("x-fleetgate-worker", worker.id),
+            ("x-fleetgate-route", route),
+            ("x-request-id", request_id),
+        ]
         fields = {
             "request_id": request_id, "key_id": key_id, "model": probe.model, "adapter": facts.adapter,
             "worker": worker.id, "route": choice.reason, "attempts": attempt.count, "stream": probe.stream,
         }
         if resp is not None:
-            tracker = StreamTracker(kind, resumable_request(body, kind))
-            return Stream(
-                self._relay(attempt, choice, resp, tracker, started, fields),
-                status_code=200,
-                media_type="text/event-stream",
-                headers={**headers, **_SSE_HEADERS},
-            )
+            tracker = StreamTracker(kind, lambda: resumable_request(body, kind))
+            return Reply(200, headers, stream=self._relay(attempt, choice, resp, tracker, started, fields))
         status, payload = data
         elapsed = time.perf_counter() - started
         prompt_tokens, completion_tokens = usage_of(payload) if status == 200 else (0, 0)
@@ -163,7 +185,7 @@ class Proxy:
                                   prompt_tokens, completion_tokens)
         log.info("gateway.request", **fields, status=status, ms=round(elapsed * 1000, 2),
                  prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
-        return Response(content=payload, status_code=status, media_type="application/json", headers=headers)
+        return Reply(status, headers, body=payload)
 
     def _failed_request(
         self, request_id: str, key_id: str, model: str, stream: bool, attempt: _Attempt, exc: GatewayError,
@@ -243,20 +265,22 @@ class Proxy:
                     async with asyncio.timeout(attempt.first_byte_timeout()) as deadline:
                         async for data in resp.content.iter_any():
                             deadline.reschedule(loop.time() + settings.stall_timeout_s)
-                            buffer += data
-                            while (cut := buffer.find(b"\n\n")) >= 0:
-                                event, buffer = buffer[:cut], buffer[cut + 2:]
-                                out = tracker.on_event(event.strip(b"\r\n"))
-                                if out is not None:
-                                    if first_chunk_ms is None:
-                                        first_chunk_ms = round((time.perf_counter() - started) * 1000, 2)
-                                    if b'"usage"' in out:
-                                        usage = usage_of(out)
-                                        if usage[1]:
-                                            tokens = usage
-                                    yield out
-                                if tracker.done:
-                                    break
+                            *events, buffer = (buffer + data).split(b"\n\n")
+                            if not events:
+                                continue
+                            # What arrived in one read leaves in one write.
+                            out = [x for e in events if (x := tracker.on_event(e.strip(b"\r\n"))) is not None]
+                            if not out:
+                                continue
+                            if first_chunk_ms is None:
+                                first_chunk_ms = round((time.perf_counter() - started) * 1000, 2)
+                            joined = b"".join(out)
+                            if b'"usage":{' in joined or b'"usage": {' in joined:
+                                for piece in out:
+                                    usage = usage_of(piece)
+                                    if usage[1]:
+                                        tokens = usage
+                            yield joined
                             if tracker.done:
                                 break
                     if tracker.done:
@@ -272,6 +296,7 @@ class Proxy:
                     resp.close()
                     self.inflight.done(worker.id)
                     counted = False
+                    tracker.analyse()
                     log.warning("gateway.stream_broke", worker=worker.id, reason=reason,
                                 sent_chunks=tracker.content_chunks, request_id=fields["request_id"])
                     if not tracker.resumable or resumes >= settings.max_resumes:
@@ -279,7 +304,7 @@ class Proxy:
                         yield sse_error("The engine serving this stream failed and the stream cannot be "
                                         "resumed elsewhere; the answer is incomplete.")
                         return
-                    body = continuation_body(attempt.body, attempt.kind, tracker.sent_text,
+                    body = continuation_body(attempt.body, attempt.kind, tracker.text,
                                              tracker.content_chunks, worker.info.engine)
                     if body is None:
                         yield tracker.final_length_chunk()

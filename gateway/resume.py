@@ -1,8 +1,8 @@
 """Mid-stream failover: follow an SSE stream closely enough to continue it on another worker.
 
-`StreamTracker` reads every event the client is sent (decoding only the fields it
-needs) and remembers the text so far, the response id and whether the request can
-be resumed faithfully. When the engine dies or stalls, `continuation_body` builds the
+`StreamTracker` keeps every event the client is sent and, only when a stream
+breaks, decodes them for the text so far, the response id and whether the request
+can be resumed faithfully. When the engine dies or stalls, `continuation_body` builds the
 request that makes another engine carry on from that text, and the tracker rewrites
 the new engine's events so the client sees one stream: the same id, no repeated
 role chunk, one finish_reason, usage summed.
@@ -10,6 +10,7 @@ role chunk, one finish_reason, usage summed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -61,21 +62,24 @@ def resumable_request(body: bytes, kind: str) -> bool:
 
 
 class StreamTracker:
-    def __init__(self, kind: str, resumable: bool) -> None:
+    """Follows one stream. The common case (nothing breaks) costs a list append and two byte
+    searches per event: events are only decoded when the stream must be resumed."""
+
+    def __init__(self, kind: str, resumable: Callable[[], bool]) -> None:
         self.kind = kind
-        self.resumable = resumable
-        self.text: list[str] = []
-        self.content_chunks = 0
-        self.response_id = ""
-        self.created = 0
+        # Asked only when the stream breaks (it decodes the whole request body).
+        self._resumable = resumable
+        self.resumable = True
+        # The data payloads the client was sent, as sent.
+        self.sent: list[bytes] = []
         self.finished = False
         self.done = False
         self.segment = 0
-        self._usage_before: dict[str, int] = {}
-
-    @property
-    def sent_text(self) -> str:
-        return "".join(self.text)
+        self.text = ""
+        self.content_chunks = 0
+        self.response_id = ""
+        self.created = 0
+        self._usage_before = 0
 
     def on_event(self, event: bytes) -> bytes | None:
         """The bytes to send the client for one SSE event (None: drop it)."""
@@ -85,38 +89,54 @@ class StreamTracker:
         if payload == b"[DONE]":
             self.done = True
             return DONE
+        if self.segment == 0:
+            self.sent.append(payload)
+            if b'"finish_reason":"' in payload or b'"finish_reason": "' in payload:
+                self.finished = True
+            return event + b"\n\n"
+        return self._rewrite(payload)
+
+    def analyse(self) -> None:
+        """Decode what was sent: the text so far, its id, and whether it can be continued."""
+        self.resumable = self.resumable and self._resumable()
+        text: list[str] = []
+        chunks = 0
+        for payload in self.sent:
+            try:
+                chunk = _chunk.decode(payload)
+            except msgspec.DecodeError:
+                continue
+            if not self.response_id and chunk.id:
+                self.response_id, self.created = chunk.id, chunk.created
+            for choice in chunk.choices:
+                piece = choice.text if self.kind == "completion" else (
+                    choice.delta.content if choice.delta else None
+                )
+                if piece:
+                    text.append(piece)
+                    chunks += 1
+                if choice.delta is not None and choice.delta.tool_calls:
+                    # Half a tool call's arguments cannot be continued faithfully.
+                    self.resumable = False
+                if choice.finish_reason:
+                    self.finished = True
+        self.text = "".join(text)
+        self.content_chunks = chunks
+
+    def _rewrite(self, payload: bytes) -> bytes | None:
         try:
             chunk = _chunk.decode(payload)
         except msgspec.DecodeError:
-            return event + b"\n\n"
-        if self.segment == 0:
-            if not self.response_id:
-                self.response_id, self.created = chunk.id, chunk.created
-            self._follow(chunk)
-            return event + b"\n\n"
-        return self._rewrite(payload, chunk)
-
-    def _follow(self, chunk: _Chunk) -> bool:
-        """Record what the client got; True if this chunk carries new text or a finish."""
+            return None
         carries = False
         for choice in chunk.choices:
             piece = choice.text if self.kind == "completion" else (
                 choice.delta.content if choice.delta else None
             )
-            if piece:
-                self.text.append(piece)
-                self.content_chunks += 1
+            if piece or choice.finish_reason:
                 carries = True
-            if choice.delta is not None and choice.delta.tool_calls:
-                # Half a tool call's arguments cannot be continued faithfully.
-                self.resumable = False
             if choice.finish_reason:
                 self.finished = True
-                carries = True
-        return carries
-
-    def _rewrite(self, payload: bytes, chunk: _Chunk) -> bytes | None:
-        carries = self._follow(chunk)
         if chunk.choices and not carries:
             return None  # the new engine's opening role chunk (or an empty delta): already sent
         data = msgspec.json.decode(payload)
@@ -126,20 +146,23 @@ class StreamTracker:
         usage = data.get("usage")
         if isinstance(usage, dict) and usage:
             data["usage"] = self._merge_usage(usage)
-        return b"data: " + msgspec.json.encode(data) + b"\n\n"
+        out = msgspec.json.encode(data)
+        self.sent.append(out)
+        return b"data: " + out + b"\n\n"
 
     def _merge_usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         # The continuation's prompt held the text already sent, which the first engine
         # generated: count those tokens (about one per streamed chunk) as completion.
-        before = self._usage_before.get("completion_tokens", 0)
+        before = self._usage_before
         completion = int(usage.get("completion_tokens") or 0) + before
         prompt = max(0, int(usage.get("prompt_tokens") or 0) - before)
         return {**usage, "prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
     def start_segment(self) -> None:
+        """The stream goes on elsewhere: events from now on are rewritten to fit the first ones."""
         self.segment += 1
-        self._usage_before = {"completion_tokens": self.content_chunks}
+        self._usage_before = self.content_chunks
 
     def final_length_chunk(self) -> bytes:
         """A closing chunk for a stream that already used all its max_tokens."""

@@ -62,6 +62,9 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     shed_kv: float = 0.98
     queue_max: int = 512
     queue_timeout_s: float = 10.0
+    # Serve the OpenAI POST routes with a raw ASGI handler in front of Litestar (same logic,
+    # a third less CPU per request).
+    fast_path: bool = True
     # Largest request body accepted (413 above it).
     max_body_bytes: int = 32 * 1024 * 1024
     log_level: str = "info"

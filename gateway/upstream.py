@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import aiohttp
 import msgspec
+from yarl import URL
 
 from gateway.errors import UpstreamError, UpstreamTimeout
 
@@ -24,6 +25,7 @@ class Upstream:
         # Streams time their reads themselves (first event, then stalls): see proxy._relay.
         self._stream = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=None)
         self._plain: dict[float, aiohttp.ClientTimeout] = {}
+        self._urls: dict[str, URL] = {}
         self.session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -32,7 +34,8 @@ class Upstream:
             ttl_dns_cache=300,
         )
         self.session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",),
+            connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
         )
 
     async def close(self) -> None:
@@ -54,9 +57,14 @@ class Upstream:
     ) -> aiohttp.ClientResponse:
         """Send a request and return once the engine's response headers arrived."""
         assert self.session is not None
+        parsed = self._urls.get(url)
+        if parsed is None:  # parsing a URL costs more than the rest of the call's setup
+            parsed = URL(url)
+            if len(self._urls) < 4096:
+                self._urls[url] = parsed
         try:
             return await self.session.post(
-                url, data=body, headers=headers,
+                parsed, data=body, headers=headers,
                 timeout=self._stream if stream else self._plain_timeout(first_byte_s),
             )
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:

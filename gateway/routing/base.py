@@ -7,9 +7,10 @@ the gateway tries them in that order.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 from gateway.routing.table import ModelRoutes, Routes, Slot
 
@@ -17,6 +18,15 @@ Verdict = Literal["ok", "unknown_model", "no_worker", "context_length", "saturat
 
 # How many ranked workers a decision returns: the first choice plus retries.
 DEFAULT_LIMIT = 3
+
+_T = TypeVar("_T", bound="tuple[Any, ...]")
+
+
+def best(keyed: list[_T], limit: int) -> list[_T]:
+    """The `limit` smallest, in order (min() for the usual single choice: no heap)."""
+    if not keyed:
+        return []
+    return [min(keyed)] if limit == 1 else heapq.nsmallest(limit, keyed)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,12 +17,11 @@
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Mapping, Sequence
 
 import msgspec
 
-from gateway.routing.base import Choice, RequestFacts
+from gateway.routing.base import Choice, RequestFacts, best
 from gateway.routing.table import ModelRoutes, Slot
 
 
@@ -80,7 +79,7 @@ class FleetPolicy:
         key = facts.affinity_key
         default_reason = "least-load"
         if key is None or len(candidates) == 1:
-            return [Choice(x[2], default_reason) for x in heapq.nsmallest(limit, scored)]
+            return [Choice(x[2], default_reason) for x in best(scored, limit)]
         share = total_busy / total_capacity
         kind = facts.affinity_kind or "prefix"
         probes = 0
@@ -91,12 +90,12 @@ class FleetPolicy:
             bound = (1.0 + opts.balance) * share * s.capacity + opts.slack
             if home_busy + 1 <= bound and s.waiting <= opts.home_max_waiting:
                 reason = f"{kind}-hit" if probes == 0 else f"{kind}-spill"
-                rest = heapq.nsmallest(limit, (x for x in scored if x[2] is not s))
+                rest = best([x for x in scored if x[2] is not s], limit - 1) if limit > 1 else []
                 return [Choice(s, reason), *(Choice(x[2], default_reason) for x in rest[: limit - 1])]
             probes += 1
             if probes >= opts.max_probes:
                 break
-        return [Choice(x[2], "least-load-overflow") for x in heapq.nsmallest(limit, scored)]
+        return [Choice(x[2], "least-load-overflow") for x in best(scored, limit)]
 
     def _rank_adapter(
         self, scored: list[tuple[float, str, Slot]], facts: RequestFacts, limit: int
@@ -114,4 +113,4 @@ class FleetPolicy:
                 ranked.append((c + opts.lora_load_cost, wid, s, "adapter-resident"))
             else:
                 ranked.append((c + opts.lora_swap_cost, wid, s, "adapter-resident"))
-        return [Choice(x[2], x[3]) for x in heapq.nsmallest(limit, ranked)]
+        return [Choice(x[2], x[3]) for x in best(ranked, limit)]

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Mapping, Sequence
 
-from gateway.routing.base import Choice, RequestFacts
+from gateway.routing.base import Choice, RequestFacts, best
 from gateway.routing.table import ModelRoutes, Slot
 
 
@@ -22,4 +21,4 @@ class LeastOutstanding:
         keyed = [
             ((n := get(s.id, 0) + s.waiting), n / s.capacity, s.id, s) for s in candidates
         ]
-        return [Choice(k[3], "least-load") for k in heapq.nsmallest(limit, keyed)]
+        return [Choice(k[3], "least-load") for k in best(keyed, limit)]

@@ -6,11 +6,10 @@ random state.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Mapping, Sequence
 
 from fleetgate.hashing import mix
-from gateway.routing.base import Choice, RequestFacts
+from gateway.routing.base import Choice, RequestFacts, best
 from gateway.routing.table import ModelRoutes, Slot
 
 
@@ -23,4 +22,4 @@ class RandomPick:
     ) -> list[Choice]:
         seq = facts.seq
         keyed = [(mix(seq, s.id_hash), s.id, s) for s in candidates]
-        return [Choice(k[2], "random") for k in heapq.nsmallest(limit, keyed)]
+        return [Choice(k[2], "random") for k in best(keyed, limit)]
