@@ -40,8 +40,8 @@ class FleetOptions(msgspec.Struct, kw_only=True, frozen=True):
     home_max_waiting: int = 0
     # Extra cost of sending an adapter where it is not in a slot: with a free slot (a
     # load), and with every slot taken (a load that evicts another adapter).
-    lora_load_cost: float = 0.15
-    lora_swap_cost: float = 0.6
+    lora_load_cost: float = 0.3
+    lora_swap_cost: float = 1.5
 
 
 class FleetPolicy:
@@ -107,7 +107,7 @@ class FleetPolicy:
         warm = facts.warm
         ranked: list[tuple[float, str, Slot, str]] = []
         for c, wid, s in scored:
-            if model in s.lora_active or wid in warm:
+            if s.adapters_fit or model in s.lora_active or wid in warm:
                 ranked.append((c, wid, s, "adapter-warm"))
             elif len(s.lora_active) < max(s.max_loras, 1):
                 ranked.append((c + opts.lora_load_cost, wid, s, "adapter-resident"))

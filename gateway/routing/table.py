@@ -15,16 +15,18 @@ from dataclasses import dataclass
 from fleetgate.hashing import mix, stable_hash
 from fleetgate.schema import WorkerView
 
-# Points per worker on a model's ring: enough to spread keys evenly over a few workers.
+# Points on a model's ring for its largest worker (smaller ones get fewer, at least
+# MIN_VNODES): enough to spread keys evenly over a few workers.
 VNODES = 40
+MIN_VNODES = 4
 
 
 class Slot:
     """One worker, as routing reads it (plain attributes: no property calls on the hot path)."""
 
     __slots__ = (
-        "capacity", "engine_busy", "id", "id_hash", "kv", "lora_active", "max_len", "max_loras",
-        "routable", "view", "waiting",
+        "adapters_fit", "capacity", "engine_busy", "id", "id_hash", "kv", "lora_active", "max_len",
+        "max_loras", "routable", "view", "waiting",
     )
 
     def __init__(self, view: WorkerView) -> None:
@@ -45,6 +47,8 @@ class Slot:
         self.kv = load.kv_cache_usage
         self.lora_active = frozenset(load.lora_active)
         self.max_loras = view.info.max_loras
+        # All its adapters fit in its slots at once: none is ever swapped out.
+        self.adapters_fit = 0 < len(view.info.adapters) <= view.info.max_loras
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +62,13 @@ class ModelRoutes:
     @classmethod
     def build(cls, slots: Sequence[Slot]) -> ModelRoutes:
         ordered = tuple(sorted(slots, key=lambda s: s.id))
+        # A worker's share of the keys follows its size (its configured batch, which does
+        # not move between snapshots, so neither do the keys): a small card is home to fewer.
+        largest = max((s.view.info.capacity for s in ordered), default=1) or 1
         points: list[tuple[int, int]] = []
         for index, slot in enumerate(ordered):
-            points.extend((mix(slot.id_hash, v), index) for v in range(VNODES))
+            vnodes = max(MIN_VNODES, round(VNODES * slot.view.info.capacity / largest))
+            points.extend((mix(slot.id_hash, v), index) for v in range(vnodes))
         points.sort()
         return cls(ordered, tuple(p for p, _ in points), tuple(i for _, i in points))
 
