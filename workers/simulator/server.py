@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 import time
@@ -280,6 +281,39 @@ async def reset(request: web.Request) -> web.Response:
     return _json({"ok": True, "adapters": sorted(sim.adapters)})
 
 
+# Timing fields /sim/profile may change at run time; capacities are fixed at start.
+TIMING_FIELDS = (
+    "base_step_s", "decode_per_seq_s", "prefill_per_token_s", "lora_load_s",
+    "lora_step_factor", "frontend_per_request_s", "frontend_per_token_s",
+)  # fmt: skip
+
+
+async def get_profile(request: web.Request) -> web.Response:
+    return _json(dataclasses.asdict(request.app[SIM].scheduler.profile))
+
+
+async def set_profile(request: web.Request) -> web.Response:
+    """Replace timing fields of the running profile (the calibration script refits between
+    measurements): {"base_step_s": 0.003, ...}; the next step uses them."""
+    sim = request.app[SIM]
+    body = await _body(request)
+    if not isinstance(body, dict) or not body:
+        raise SimError(400, "bad_request", "a JSON object of profile fields is expected")
+    unknown = sorted(set(body) - set(TIMING_FIELDS))
+    if unknown:
+        raise SimError(
+            400, "bad_request", f"unknown or fixed profile field(s) {unknown}; timing fields: "
+            f"{', '.join(TIMING_FIELDS)}",
+        )  # fmt: skip
+    values: dict[str, Any] = {}
+    for key, raw in body.items():
+        if isinstance(raw, bool) or not isinstance(raw, int | float) or raw < 0:
+            raise SimError(400, "bad_request", f"{key} must be a number >= 0")
+        values[key] = float(raw)
+    sim.scheduler.profile = dataclasses.replace(sim.scheduler.profile, **values)
+    return _json(dataclasses.asdict(sim.scheduler.profile))
+
+
 async def state(request: web.Request) -> web.Response:
     sim = request.app[SIM]
     snap = sim.scheduler.snapshot()
@@ -308,6 +342,8 @@ def create_app(config: SimConfig) -> web.Application:
     app.router.add_get("/sim/faults", get_faults)
     app.router.add_post("/sim/faults", set_faults)
     app.router.add_post("/sim/reset", reset)
+    app.router.add_get("/sim/profile", get_profile)
+    app.router.add_post("/sim/profile", set_profile)
     if sim.flavor.runtime_lora and config.enable_lora:
         app.router.add_post("/v1/load_lora_adapter", load_lora)
         app.router.add_post("/v1/unload_lora_adapter", unload_lora)
