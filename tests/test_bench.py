@@ -191,3 +191,27 @@ def test_smoke_run(tmp_path: Path) -> None:
     assert result["skipped_policies"] == ["no_such_policy"]
     assert [row["policy"] for row in result["ratios"]] == ["round_robin", "least_outstanding"]
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_attach_mode_measures_a_running_gateway(fleet_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--attach: the benchmark measures a gateway it did not start and writes its report."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ADMIN_TOKEN, ROOT
+
+    fleet = fleet_factory()
+    _, url = fleet.gateway()
+    fleet.worker("w", "--model", "bench-7b", "--max-model-len", "32768", "--option", "time_scale=0.02")
+    fleet.wait_ready(url, "w")
+    out = tmp_path / "attached.json"
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_fleet.py", "--attach", url, "--admin-token", ADMIN_TOKEN,
+         "--workloads", "prefix", "--rate", "5", "--duration", "2", "--drain", "5", "--out", str(out),
+         "--png", str(tmp_path / "attached.png")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["runs"] and report["runs"][0]["requests"] > 0

@@ -151,7 +151,9 @@ def run_attached(url: str, admin_token: str | None, spec: FleetSpec, opts: Bench
     workers = asyncio.run(_workers(url, admin_token)) if admin_token else []
     for wl in workloads:
         planned = plan(spec, wl, opts)
-        plans[wl] = {k: v for k, v in planned.items() if k != "requests"}
+        plans[wl] = {k: v for k, v in planned.items() if k != "requests"} | {
+            "requests": len(planned["requests"])
+        }
         if opts.dump_trace:
             write_trace(dump_path(opts.dump_trace, wl, len(workloads) > 1), planned["requests"])
         progress.start_run(f"{wl}/attached", len(planned["requests"]))
