@@ -78,7 +78,7 @@ TOLERANCE = 0.25
 DISTURBED = 0.5
 REPS = 3
 BUDGET_S = 200  # no re-runs of disturbed groups after this much time
-FIT_BUDGET_S = 100  # no re-runs of disturbed fit-pass runs after this much time
+FIT_BUDGET_S = 90  # no re-runs of disturbed fit-pass runs after this much time
 QUIET_CORES = 0.4  # before each pair, wait for other load under this ...
 QUIET_WAIT_S = 8.0  # ... but no longer than this
 TICK = os.sysconf("SC_CLK_TCK")
@@ -447,6 +447,10 @@ def table(
     return "\n".join(lines), ok
 
 
+class _Busy(Exception):
+    """The machine is too busy for a measurement that means anything."""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -478,10 +482,9 @@ def main() -> int:
         say(f"vLLM up (processes {vllm.tree}); warm-up, then the fit pass ...")
         for clients in (1, 4, 16):  # the first batches of each size are slow
             asyncio.run(closed_loop(vllm, (clients, 1, OUT), 1, vocab))
-        # Only undisturbed runs feed the fit; a disturbed one is measured again (a few
-        # times at most: a fit from disturbed runs is used only when nothing else came).
+        # Only undisturbed runs feed the fit; a disturbed one is measured again (twice at
+        # most, and not after FIT_BUDGET_S: then the machine is too busy to calibrate).
         fit_runs: dict[str, list[dict[str, float]]] = {"admit": [], **{g: [] for g in GROUPS}}
-        disturbed: dict[str, list[dict[str, float]]] = {name: [] for name in fit_runs}
         for rep in range(REPS):
             for name, shape in (("admit", ADMIT), *GROUPS.items()):
                 for attempt in range(3):
@@ -491,14 +494,12 @@ def main() -> int:
                     if r["other_cores"] <= QUIET_CORES:
                         fit_runs[name].append(r)
                         break
-                    disturbed[name].append(r)
-                    if late:
-                        break
+                    if time.monotonic() - started > FIT_BUDGET_S:
+                        raise _Busy(f"the fit pass's {name} runs are disturbed")
                     say(f"  fit pass: {name} disturbed (other load {r['other_cores']:.2f} cores)")
         for name, runs in fit_runs.items():
             if not runs:
-                print(f"warning: no undisturbed {name} run in the fit pass; fitting disturbed ones")
-                runs += disturbed[name]
+                raise _Busy(f"no undisturbed {name} run in the fit pass")
         fit_medians = {name: _median_figures(runs) for name, runs in fit_runs.items()}
         v_prefix = asyncio.run(prefix_counts(vllm, vocab))
         other = statistics.median(r["other_cores"] for runs in fit_runs.values() for r in runs)
@@ -585,7 +586,7 @@ def main() -> int:
         say(f"comparison: vLLM and sim alternating, {REPS} pairs per group ...")
         for _ in range(REPS):
             for name in GROUPS:
-                while not pair(name) and within_budget():
+                while within_budget() and not pair(name):
                     pass
         for name in GROUPS:
             extra = 0
@@ -600,6 +601,10 @@ def main() -> int:
                     f"note: {name} spread {spread:.0%} (vLLM) > {DISTURBED:.0%}: measuring it again"
                 )
                 extra += pair(name)
+    except _Busy as exc:
+        print(f"\nBUSY: {exc} (other processes used more than {QUIET_CORES} cores): the machine "
+              "is too busy to calibrate; run again when it is quiet")  # fmt: skip
+        return 2
     finally:
         vllm.stop()
         if sim:
