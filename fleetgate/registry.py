@@ -73,11 +73,40 @@ def sign(secret: str, info: bytes) -> str:
 
 
 def connect(url: str, **kwargs: Any) -> aioredis.Redis:
-    """Open an asyncio Redis client for ``url`` (``redis://``, ``rediss://`` or ``unix://``)."""
+    """Open an asyncio Redis client for ``url``.
+
+    ``redis://``, ``rediss://`` and ``unix://`` as redis-py reads them, and Sentinel as
+    ``redis+sentinel://[:password@]host1:26379,host2:26379/<master name>[/<db>]``: the
+    client asks the sentinels for the current master and follows a failover.
+    """
     kwargs.setdefault("socket_connect_timeout", 2.0)
     kwargs.setdefault("socket_timeout", 5.0)
     kwargs.setdefault("health_check_interval", 10)
+    if url.startswith("redis+sentinel://"):
+        return _sentinel_master(url, **kwargs)
     return aioredis.from_url(url, **kwargs)
+
+
+def _sentinel_master(url: str, **kwargs: Any) -> aioredis.Redis:
+    from redis.asyncio.sentinel import Sentinel
+
+    rest = url.removeprefix("redis+sentinel://")
+    password = None
+    if "@" in rest:
+        auth, rest = rest.rsplit("@", 1)
+        password = auth.partition(":")[2] or None
+    hosts, _, path = rest.partition("/")
+    parts = [p for p in path.split("/") if p]
+    if not parts:
+        raise ValueError("a Sentinel URL names the master: redis+sentinel://host:26379/<master>[/<db>]")
+    nodes = []
+    for node in hosts.split(","):
+        host, _, port = node.rpartition(":")
+        nodes.append((host or node, int(port) if port.isdigit() else 26379))
+    db = int(parts[1]) if len(parts) > 1 else 0
+    sentinel = Sentinel(nodes, socket_timeout=kwargs.get("socket_timeout"),
+                        sentinel_kwargs={"password": password} if password else None)
+    return sentinel.master_for(parts[0], db=db, password=password, **kwargs)
 
 
 class Keys:
