@@ -24,7 +24,7 @@ import yaml
 from fleetgate.logs import configure_logging
 from fleetgate.redis_server import free_port
 from fleetgate.schema import GpuInfo
-from workers.agent import AgentOptions, _die_with_parent, default_worker_id, run_agent
+from workers.agent import AgentOptions, default_worker_id, die_with_parent, run_agent
 from workers.engines import Engine, EngineSpec, get_engine
 from workers.gpu import DEFAULT_PROFILES, CardProfile, load_profiles, profile_for, query_gpus
 
@@ -231,7 +231,7 @@ def run_instances(argv: list[str], args: argparse.Namespace) -> int:
             break
         child = [sys.executable, "-m", "workers", *argv,
                  "--port", str(args.port), "--id", group, "--instance", str(k)]
-        procs.append(subprocess.Popen(child, preexec_fn=_die_with_parent))
+        procs.append(subprocess.Popen(child, preexec_fn=die_with_parent))
         if k + 1 < len(plans):
             _wait_healthy(procs[-1], opts.url + engine.health_path, args.health_timeout, lambda: stopping)
     codes = [proc.wait() for proc in procs]

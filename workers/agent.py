@@ -149,7 +149,7 @@ class Agent:
         self.log.info("agent.engine_starting", argv=argv)
         self.proc = await asyncio.create_subprocess_exec(
             *argv, env=env, stdout=out, stderr=asyncio.subprocess.STDOUT if out else None,
-            stdin=asyncio.subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
+            stdin=asyncio.subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
         )
 
     def _check_alive(self) -> None:
@@ -357,7 +357,7 @@ class Agent:
                          inflight=inflight)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the engine's child process: get SIGTERM if the agent dies (Linux), so a crashed
     agent never leaves an engine holding a GPU that nobody tracks."""
     if sys.platform != "linux":
