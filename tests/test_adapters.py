@@ -111,3 +111,18 @@ def test_admin_loads_and_unloads_adapters(fleet_factory: Callable[[], Fleet], tm
         assert admin.post("/admin/workers/zz/adapters", json={"name": "fin"}).status_code == 404
     # The agent's own view of the engine agrees a few seconds later.
     wait_until(lambda: fleet.workers(url)["a"]["adapters"] == ["fin"], timeout=8)
+
+
+def test_busy_adapter_gets_a_second_replica(fleet_factory: Callable[[], Fleet], tmp_path: Path) -> None:
+    """When every worker holding an adapter is busy, the gateway loads it on another worker too."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway("--config", str(config(tmp_path, ["fin"])))
+    for wid in ("a", "b"):
+        fleet.worker(wid, "--model", BASE, "--option", "time_scale=0.5", "--option", "enable_lora=true",
+                     "--option", "max_num_seqs=2")
+    fleet.wait_ready(url, "a", "b")
+    body = {"model": "fin", "prompt": "x", "max_tokens": 40, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: httpx.post(f"{url}/v1/completions", json=body, timeout=60), range(4)))
+    assert [r.status_code for r in results] == [200] * 4
+    wait_until(lambda: all("fin" in w["adapters"] for w in fleet.workers(url).values()), timeout=10)
