@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -114,48 +114,42 @@ def test_agent_registers_again_after_redis_loses_its_record(fleet_factory: Calla
     wait_until(lambda: fleet.workers(url).get("w", {}).get("state") == "ready", timeout=5)
 
 
-def test_external_engine_is_attached_not_started_and_dropped_when_it_dies(
-    fleet_factory: Callable[[], Fleet], tmp_path: Path,
-) -> None:
+@pytest.fixture
+def external(fleet_factory: Callable[[], Fleet], tmp_path: Path) -> Iterator[tuple[Fleet, str, Proc, Proc, str]]:
+    """A simulator started by the test (not by fleetgate) and an agent attached to it."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway()
+    port = free_port()
+    engine_url = f"http://127.0.0.1:{port}"
+    engine = Proc([sys.executable, "-m", "workers.simulator", "--port", str(port),
+                   "--served-model-name", "ext-model", "--time-scale", "0.05"], tmp_path / "engine.log")
+    try:
+        wait_until(lambda: _up(f"{engine_url}/health"), timeout=20)
+        agent = fleet.worker("ext", "--url", engine_url, engine="external")
+        fleet.wait_ready(url, "ext")
+        yield fleet, url, engine, agent, engine_url
+    finally:
+        engine.stop()
+
+
+def test_external_engine_is_attached_not_started_and_dropped_when_it_dies(external) -> None:  # type: ignore[no-untyped-def]
     """--engine external: the agent registers a running engine, and deregisters it when it dies."""
-    fleet = fleet_factory()
-    _, url = fleet.gateway()
-    port = free_port()
-    engine = Proc([sys.executable, "-m", "workers.simulator", "--port", str(port),
-                   "--served-model-name", "ext-model", "--time-scale", "0.05"], tmp_path / "engine.log")
-    try:
-        wait_until(lambda: _up(f"http://127.0.0.1:{port}/health"), timeout=20)
-        agent = fleet.worker("ext", "--url", f"http://127.0.0.1:{port}", engine="external")
-        fleet.wait_ready(url, "ext")
-        worker = fleet.workers(url)["ext"]
-        assert worker["engine"] == "external:vllm" and worker["model"] == "ext-model"
-        resp = httpx.post(f"{url}/v1/completions", json={"model": "ext-model", "prompt": "x", "max_tokens": 2})
-        assert resp.status_code == 200 and resp.headers["x-fleetgate-worker"] == "ext"
-        engine.kill_group()
-        assert agent.popen.wait(20) == 1
-        assert "ext" not in fleet.workers(url)
-    finally:
-        engine.stop()
+    fleet, url, engine, agent, _ = external
+    worker = fleet.workers(url)["ext"]
+    assert worker["engine"] == "external:vllm" and worker["model"] == "ext-model"
+    resp = httpx.post(f"{url}/v1/completions", json={"model": "ext-model", "prompt": "x", "max_tokens": 2})
+    assert resp.status_code == 200 and resp.headers["x-fleetgate-worker"] == "ext"
+    engine.kill_group()
+    assert agent.popen.wait(20) == 1
+    assert "ext" not in fleet.workers(url)
 
 
-def test_sigterm_to_external_agent_leaves_the_engine_running(
-    fleet_factory: Callable[[], Fleet], tmp_path: Path,
-) -> None:
+def test_sigterm_to_external_agent_leaves_the_engine_running(external) -> None:  # type: ignore[no-untyped-def]
     """Stopping an agent that attached an external engine never stops that engine."""
-    fleet = fleet_factory()
-    _, url = fleet.gateway()
-    port = free_port()
-    engine = Proc([sys.executable, "-m", "workers.simulator", "--port", str(port),
-                   "--served-model-name", "ext-model", "--time-scale", "0.05"], tmp_path / "engine.log")
-    try:
-        wait_until(lambda: _up(f"http://127.0.0.1:{port}/health"), timeout=20)
-        agent = fleet.worker("ext", "--url", f"http://127.0.0.1:{port}", engine="external")
-        fleet.wait_ready(url, "ext")
-        agent.send(signal.SIGTERM)
-        assert agent.popen.wait(20) == 0
-        assert _up(f"http://127.0.0.1:{port}/health")
-    finally:
-        engine.stop()
+    _, _, _, agent, engine_url = external
+    agent.send(signal.SIGTERM)
+    assert agent.popen.wait(20) == 0
+    assert _up(f"{engine_url}/health")
 
 
 def _up(url: str) -> bool:

@@ -7,12 +7,10 @@ FLEETGATE_REQUIRE_SWIFT=1, which turns a missing setup into a failure instead of
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import httpx
 import openai
@@ -21,7 +19,7 @@ from openai.types.chat import ChatCompletionChunk
 
 from fleetgate.registry import Registry, connect
 from fleetgate.schema import WorkerView
-from tests.conftest import ROOT, Fleet, wait_until
+from tests.conftest import ROOT, Fleet, require_setup, wait_until
 
 pytestmark = pytest.mark.swift
 
@@ -31,12 +29,7 @@ MAX_LEN = 1024
 
 
 def _require_setup() -> None:
-    missing = [p for p in (SWIFT_PYTHON, TINY / "model" / "config.json", TINY / "lora") if not Path(p).exists()]
-    if missing:
-        message = f"real ms-swift set-up missing ({', '.join(map(str, missing))}); run `make swift`"
-        if os.environ.get("FLEETGATE_REQUIRE_SWIFT") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+    require_setup("ms-swift", [SWIFT_PYTHON, TINY / "model" / "config.json", TINY / "lora"], "swift", "FLEETGATE_REQUIRE_SWIFT")
 
 
 def _swift_worker(fleet: Fleet, worker_id: str, *extra: str) -> None:

@@ -12,13 +12,12 @@ import signal
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import ROOT, Fleet, children
+from tests.conftest import ROOT, Fleet, children, require_setup
 
 pytestmark = pytest.mark.vllm
 
@@ -28,12 +27,7 @@ TINY = ROOT / ".cache" / "tiny"
 
 
 def _require_setup() -> None:
-    missing = [p for p in (VLLM_PYTHON, TINY / "model" / "config.json", TINY / "lora") if not Path(p).exists()]
-    if missing:
-        message = f"real vLLM set-up missing ({', '.join(map(str, missing))}); run `make vllm`"
-        if os.environ.get("FLEETGATE_REQUIRE_VLLM") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+    require_setup("vLLM", [VLLM_PYTHON, TINY / "model" / "config.json", TINY / "lora"], "vllm", "FLEETGATE_REQUIRE_VLLM")
 
 
 @pytest.fixture(scope="module")
