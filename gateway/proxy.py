@@ -39,7 +39,6 @@ from gateway.errors import (
     NoWorkerAvailable,
     Overloaded,
     UpstreamError,
-    UpstreamTimeout,
 )
 from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
@@ -465,4 +464,4 @@ class _Attempt:
         raise _Retryable(error)
 
 
-__all__ = ["Proxy", "UpstreamTimeout"]
+__all__ = ["Proxy", "Reply"]
