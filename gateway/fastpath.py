@@ -102,11 +102,19 @@ async def _stream(reply: Reply, headers: list[tuple[bytes, bytes]], receive: Rec
     assert reply.stream is not None
     task = asyncio.current_task()
     assert task is not None
+    finishing = False
+    client_left = False
 
     async def watch() -> None:
+        nonlocal client_left
         while (await receive())["type"] != "http.disconnect":
             pass
-        task.cancel()
+        # The server also answers "disconnect" once the response is complete: only a
+        # hang-up before that may cancel the relay (cancelling a finished request would
+        # break the keep-alive connection it came on).
+        if not finishing:
+            client_left = True
+            task.cancel()
 
     watcher = asyncio.create_task(watch())
     stream = reply.stream
@@ -114,12 +122,15 @@ async def _stream(reply: Reply, headers: list[tuple[bytes, bytes]], receive: Rec
         await send({"type": "http.response.start", "status": reply.status, "headers": headers})
         async for chunk in stream:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        finishing = True
         await send({"type": "http.response.body", "body": b""})
     except asyncio.CancelledError:
-        if watcher.done():  # the client left: end quietly, the generator's cleanup ran
+        if client_left:  # the generator's cleanup closed the engine's request; end quietly
+            task.uncancel()
             return
         raise
     finally:
+        finishing = True
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await watcher

@@ -336,3 +336,25 @@ def test_replicas_share_in_flight_counts_through_redis(fleet_factory: Callable[[
         wait_until(lambda: fleet.workers(url2)["w"]["load"]["inflight"] == 3, timeout=5)
         assert all(f.result().status_code == 200 for f in futures)
     wait_until(lambda: fleet.workers(url2)["w"]["load"]["inflight"] == 0, timeout=5)
+
+
+def test_keep_alive_connections_survive_many_concurrent_streams(shared_fleet: tuple[Fleet, str]) -> None:
+    """Many streams over a small pool of keep-alive connections, then plain requests on the same
+    connections: every request gets its answer (a finished stream must leave its connection usable)."""
+    _, url = shared_fleet
+    stream_body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "ignore_eos": True, "stream": True}
+    plain_body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    limits = httpx.Limits(max_connections=8, max_keepalive_connections=8)
+    with httpx.Client(base_url=url, timeout=10, limits=limits) as client:
+
+        def one_stream(_: int) -> bool:
+            with client.stream("POST", "/v1/completions", json=stream_body) as resp:
+                return resp.read().endswith(b"data: [DONE]\n\n")
+
+        def one_plain(_: int) -> int:
+            return client.post("/v1/completions", json=plain_body).status_code
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            for _ in range(3):
+                assert all(pool.map(one_stream, range(120)))
+                assert list(pool.map(one_plain, range(40))) == [200] * 40
