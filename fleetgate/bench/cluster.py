@@ -59,7 +59,8 @@ class Proc:
         self._log.close()
 
 
-def _wait(what: str, check: Callable[[], bool], timeout: float, procs: list[Proc]) -> None:
+def wait_for(what: str, check: Callable[[], bool], procs: list[Proc], timeout: float = 60.0) -> None:
+    """Poll `check` until it holds; fail at once, with their log tails, if a process exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for p in procs:
@@ -68,7 +69,7 @@ def _wait(what: str, check: Callable[[], bool], timeout: float, procs: list[Proc
         try:
             if check():
                 return
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):
             pass
         time.sleep(0.2)
     tails = "\n".join(f"--- {p.name}\n{p.tail(800)}" for p in procs)
@@ -156,7 +157,7 @@ class Cluster:
         self.gateways.extend(started)
         n = len(self.spec.workers)
         for gw in started:
-            _wait(f"{gw.proc.name} with {n} ready workers", lambda gw=gw: _ready(gw.url, n),  # type: ignore[misc]
+            wait_for(f"{gw.proc.name} with {n} ready workers", lambda gw=gw: _ready(gw.url, n),  # type: ignore[misc]
                   timeout=90, procs=[gw.proc, *self.workers])  # fmt: skip
         return started
 

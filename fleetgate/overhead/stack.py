@@ -12,15 +12,13 @@ import os
 import secrets
 import shutil
 import sys
-import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from fleetgate.bench.cluster import Proc, StartupError
+from fleetgate.bench.cluster import Proc, wait_for
 from fleetgate.redis_server import EmbeddedRedis, free_port, ping
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,22 +46,6 @@ def find_router(explicit: str | None) -> str | None:
         if local.exists():
             return str(local)
     return shutil.which("vllm-router")
-
-
-def _wait(what: str, check: Callable[[], bool], procs: list[Proc], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in procs:
-            if not p.alive():
-                raise StartupError(f"{p.name} exited while waiting for {what}:\n{p.tail()}")
-        try:
-            if check():
-                return
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.2)
-    tails = "\n".join(f"--- {p.name}\n{p.tail(800)}" for p in procs)
-    raise StartupError(f"timed out after {timeout:.0f} s waiting for {what}\n{tails}")
 
 
 @dataclass
@@ -122,7 +104,7 @@ class Stack:
             url = f"http://127.0.0.1:{port}"
             stub_urls.append(url)
             stub = self._spawn(f"stub{n}", [py, "-m", "fleetgate.overhead.stub", "--port", str(port)])
-            _wait(f"stub{n}", lambda url=url: httpx.get(url + "/health").status_code == 200, [stub])  # type: ignore[misc]
+            wait_for(f"stub{n}", lambda url=url: httpx.get(url + "/health").status_code == 200, [stub])  # type: ignore[misc]
             self._spawn(f"agent-stub{n}", [
                 py, "-m", "workers", "--engine", "external", "--url", url, "--flavor", "vllm",
                 "--id", f"stub{n}", "--redis-url", self.redis_url, "--redis-prefix", prefix,
@@ -135,7 +117,7 @@ class Stack:
             py, "-m", "gateway", "--port", str(port), "--redis-url", self.redis_url,
             "--redis-prefix", prefix, "--policy", "fleet",
         ], {"FLEETGATE_API_KEYS": self.api_key, "FLEETGATE_ADMIN_TOKEN": secrets.token_hex(8)})
-        _wait(f"the gateway with {self.stubs} ready workers",
+        wait_for(f"the gateway with {self.stubs} ready workers",
               lambda: httpx.get(gw_url + "/health").json().get("ready_workers", 0) >= self.stubs,
               self.procs, timeout=90)
         self.targets["fleetgate"] = Target("fleetgate", [gw_url], gateway.popen.pid, self.api_key)
@@ -147,7 +129,7 @@ class Stack:
                 "--policy", self.router_policy, "--log-level", "warning",
                 "--prometheus-port", str(free_port()), "--log-dir", str(self.run_dir / "router-logs"),
             ])
-            _wait("vllm-router", lambda: httpx.get(r_url + "/v1/models").status_code == 200, [router])
+            wait_for("vllm-router", lambda: httpx.get(r_url + "/v1/models").status_code == 200, [router])
             self.targets["vllm-router"] = Target("vllm-router", [r_url], router.popen.pid)
 
     def close(self) -> None:

@@ -123,6 +123,11 @@ def flag_args(options: Mapping[str, Any], known: Iterable[str]) -> list[str]:
     return argv
 
 
+def lora_enabled(spec: EngineSpec) -> bool:
+    """LoRA is on when adapters are given at start or the profile asks for runtime loading."""
+    return bool(spec.adapters) or bool(spec.options.get("enable_lora"))
+
+
 def engine_python(spec: EngineSpec, env_var: str) -> str:
     """The interpreter that has the engine installed: option `python`, else `env_var`, else ours.
 

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import httpx
 
 from fleetgate.schema import Load
-from workers.engines.base import EngineSpec, flag_args
+from workers.engines.base import EngineSpec, flag_args, lora_enabled
 from workers.engines.lmdeploy import parse_lmdeploy_metrics
 from workers.engines.vllm import load_lora, parse_vllm_metrics, unload_lora
 from workers.simulator.profiles import PROFILES, profile_for_gpu
@@ -60,9 +60,6 @@ class SimEngine:
     health_path: ClassVar[str] = "/health"
     metrics_path: ClassVar[str | None] = "/metrics"
 
-    def _lora(self, spec: EngineSpec) -> bool:
-        return bool(spec.adapters) or bool(spec.options.get("enable_lora"))
-
     def command(self, spec: EngineSpec) -> list[str]:
         argv = [
             sys.executable, "-m", "workers.simulator",
@@ -74,7 +71,7 @@ class SimEngine:
             "--profile", sim_profile(spec),
             *flag_args(spec.options, _FLAGS),
         ]  # fmt: skip
-        if self._lora(spec):
+        if lora_enabled(spec):
             argv += ["--enable-lora", "--max-loras", str(self.max_loras(spec))]
             if spec.adapters:
                 argv.append("--lora-modules")
@@ -92,7 +89,7 @@ class SimEngine:
         return int(value) if value else PROFILES[sim_profile(spec)].max_num_seqs
 
     def max_loras(self, spec: EngineSpec) -> int:
-        if not self._lora(spec):
+        if not lora_enabled(spec):
             return 0
         return int(spec.options.get("max_loras") or max(4, len(spec.adapters)))
 

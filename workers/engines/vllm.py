@@ -15,6 +15,7 @@ from workers.engines.base import (
     engine_environment,
     engine_python,
     flag_args,
+    lora_enabled,
     metric_samples,
     peak,
     total,
@@ -101,14 +102,11 @@ class VllmEngine:
     health_path: ClassVar[str] = "/health"
     metrics_path: ClassVar[str | None] = "/metrics"
 
-    def _lora(self, spec: EngineSpec) -> bool:
-        return bool(spec.adapters) or bool(spec.options.get("enable_lora"))
-
     def command(self, spec: EngineSpec) -> list[str]:
         python = engine_python(spec, "FLEETGATE_VLLM_PYTHON")
         options = dict(spec.options)
         options["max_num_seqs"] = self.capacity(spec)
-        if self._lora(spec):
+        if lora_enabled(spec):
             options.setdefault("max_loras", max(4, len(spec.adapters)))
             options.setdefault("max_lora_rank", 64)
         else:
@@ -124,7 +122,7 @@ class VllmEngine:
             "--max-model-len", str(spec.max_model_len),
             *flag_args(options, _FLAGS),
         ]
-        if self._lora(spec):
+        if lora_enabled(spec):
             argv.append("--enable-lora")
             if spec.adapters:
                 argv.append("--lora-modules")
@@ -139,7 +137,7 @@ class VllmEngine:
         return int(spec.options.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
 
     def max_loras(self, spec: EngineSpec) -> int:
-        if not self._lora(spec):
+        if not lora_enabled(spec):
             return 0
         return int(spec.options.get("max_loras") or max(4, len(spec.adapters)))
 
