@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import OrderedDict
 
 import aiohttp
 import msgspec
@@ -50,7 +51,9 @@ class AdapterPlacer:
         self.last_used: dict[tuple[str, str], float] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._replicated_at: dict[str, float] = {}
-        self._recent: dict[str, dict[str, float]] = {}
+        # Per worker, the adapters this gateway sent there, least recently first: the
+        # engine keeps the last `max_loras` of them in its slots (vLLM evicts LRU).
+        self._slots: dict[str, OrderedDict[str, float]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.session: aiohttp.ClientSession | None = None
 
@@ -75,19 +78,36 @@ class AdapterPlacer:
                 )
             await self._load(target, model)
 
-    def warm(self, model: str, within_s: float = 2.0) -> frozenset[str]:
-        """Workers this gateway sent `model` to in the last `within_s` seconds."""
-        holders = self._recent.get(model)
-        if not holders:
-            return frozenset()
+    def residency(self, model: str, within_s: float = 60.0) -> tuple[frozenset[str], frozenset[str]]:
+        """(workers where `model` is likely in a LoRA slot, workers whose slots are likely all
+        taken), from what this gateway sent where in the last `within_s` seconds. The
+        engines' own reports (running and waiting adapters) come on top, in the policy."""
         cutoff = time.monotonic() - within_s
-        return frozenset(w for w, at in holders.items() if at >= cutoff)
+        warm, full = [], []
+        by_id = self.watcher.snapshot.by_id
+        for worker_id, slots in self._slots.items():
+            at = slots.get(model)
+            if at is not None and at >= cutoff:
+                warm.append(worker_id)
+                continue
+            view = by_id.get(worker_id)
+            if view is not None and view.info.max_loras > 0:
+                recent = sum(1 for t in slots.values() if t >= cutoff)
+                if recent >= view.info.max_loras:
+                    full.append(worker_id)
+        return frozenset(warm), frozenset(full)
 
     def routed(self, worker_id: str, model: str) -> None:
         """A request for adapter `model` went to `worker_id`: note it, and maybe add a replica."""
         now = time.monotonic()
         self.last_used[(worker_id, model)] = now
-        self._recent.setdefault(model, {})[worker_id] = now
+        slots = self._slots.setdefault(worker_id, OrderedDict())
+        slots[model] = now
+        slots.move_to_end(model)
+        view = self.watcher.snapshot.by_id.get(worker_id)
+        keep = view.info.max_loras if view is not None and view.info.max_loras > 0 else 16
+        while len(slots) > keep:
+            slots.popitem(last=False)
         if not self.known(model):
             return
         if now - self._replicated_at.get(model, 0.0) < self.replicate_every_s:

@@ -129,6 +129,7 @@ class Proxy:
             estimate = floor = counter.count(probe)
         else:
             estimate, floor = estimate_tokens(probe)
+        warm, full = self.placer.residency(probe.model) if is_adapter else (frozenset(), frozenset())
         facts = RequestFacts(
             model=probe.model,
             prompt_tokens=estimate,
@@ -136,7 +137,8 @@ class Proxy:
             session=session,
             seq=self.seq,
             adapter=is_adapter,
-            warm=self.placer.warm(probe.model) if is_adapter else frozenset(),
+            warm=warm,
+            full=full,
             affinity_key=key,
             affinity_kind=key_kind,
         )

@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     for wl, p in result["plans"].items():
         cap, rate = p.get("capacity_rps"), p.get("rate_rps")
         print(f"{wl}: {p['requests']} requests at {rate} req/s"
-              + (f" (estimated fleet capacity {cap} req/s)" if cap else ""))  # fmt: skip
+              + (f" (estimated fleet capacity {cap} req/s)" if cap else "")
+              + (f"; no routing can do fewer than {p['lora_floor']} LoRA loads" if p.get("lora_floor") else ""))  # fmt: skip
     print()
     print(format_table(result["runs"]))
     text = format_ratios(result["ratios"])

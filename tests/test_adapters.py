@@ -126,3 +126,35 @@ def test_busy_adapter_gets_a_second_replica(fleet_factory: Callable[[], Fleet], 
         results = list(pool.map(lambda _: httpx.post(f"{url}/v1/completions", json=body, timeout=60), range(4)))
     assert [r.status_code for r in results] == [200] * 4
     wait_until(lambda: all("fin" in w["adapters"] for w in fleet.workers(url).values()), timeout=10)
+
+
+def test_adapters_fill_one_workers_slots_before_evicting(fleet_factory: Callable[[], Fleet], tmp_path: Path) -> None:
+    """The gateway remembers which adapters it put in each worker's slots (vLLM shows only the
+    ones running): once a worker's slots are taken, a new adapter goes to a worker with a free
+    slot instead of evicting one, and each adapter keeps going where it is resident."""
+    folders = []
+    for name in ("fin", "law", "med"):
+        (tmp_path / name).mkdir()
+        folders.append(f"{name}={tmp_path / name}")
+    fleet = fleet_factory()
+    _, url = fleet.gateway()
+    for wid in ("a", "b"):
+        fleet.worker(wid, "--model", BASE, "--adapters", ",".join(folders), "--option", "time_scale=0.05",
+                     "--option", "max_loras=2")
+    fleet.wait_ready(url, "a", "b")
+    placed = {}
+    for name in ("fin", "law", "med"):
+        r = chat(url, name)
+        assert r.status_code == 200
+        placed[name] = r.headers["x-fleetgate-worker"]
+    # Idle workers tie on load: the first two adapters fill one worker's two slots, the third
+    # takes the other worker's free slot rather than evicting.
+    assert placed["fin"] == placed["law"] != placed["med"]
+    for name in ("fin", "law", "med", "fin"):
+        r = chat(url, name)
+        assert (r.headers["x-fleetgate-worker"], r.headers["x-fleetgate-route"]) == (placed[name], "fleet:adapter-warm")
+    engines = {wid: w["url"] for wid, w in fleet.workers(url).items()}
+    text = "".join(httpx.get(f"{u}/metrics").text for u in engines.values())
+    loads = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("fleetgate_sim:lora_loads_total"))
+    assert loads == 3  # one per adapter, no swap

@@ -179,21 +179,24 @@ def aw(wid: str, active: tuple[str, ...], max_loras: int = 2, running: int = 0) 
 
 
 ADAPTER_CASES = [
-    # (what it shows, fleet, warm workers, expected first choice, reason)
+    # (what it shows, fleet, warm workers, full workers, expected first choice, reason)
     ("an adapter goes where it is already in a slot",
-     (aw("a", ()), aw("b", ("fin",))), frozenset(), "b", "adapter-warm"),
+     (aw("a", ()), aw("b", ("fin",))), frozenset(), frozenset(), "b", "adapter-warm"),
     ("recently routed here by this gateway counts as warm before the engine reports it",
-     (aw("a", ()), aw("b", ())), frozenset({"a"}), "a", "adapter-warm"),
+     (aw("a", ()), aw("b", ())), frozenset({"a"}), frozenset(), "a", "adapter-warm"),
     ("a free slot beats evicting another adapter",
-     (aw("a", ("law", "med")), aw("b", ("law",))), frozenset(), "b", "adapter-resident"),
+     (aw("a", ("law", "med")), aw("b", ("law",))), frozenset(), frozenset(), "b", "adapter-resident"),
+    ("slots this gateway filled count as taken though the engine shows none in use",
+     (aw("a", ()), aw("b", ("law",))), frozenset(), frozenset({"a"}), "b", "adapter-resident"),
     ("load still wins when the warm worker is far busier",
-     (aw("a", (), running=5), aw("b", ("fin",), running=95)), frozenset(), "a", "adapter-resident"),
+     (aw("a", (), running=5), aw("b", ("fin",), running=95)), frozenset(), frozenset(), "a", "adapter-resident"),
 ]
 
 
-@pytest.mark.parametrize(("why", "fleet", "warm", "first_id", "reason"), ADAPTER_CASES, ids=[c[0] for c in ADAPTER_CASES])
+@pytest.mark.parametrize(("why", "fleet", "warm", "full", "first_id", "reason"), ADAPTER_CASES,
+                         ids=[c[0] for c in ADAPTER_CASES])  # fmt: skip
 def test_adapter_placement_table(why: str, fleet: tuple[WorkerView, ...], warm: frozenset[str],
-                                 first_id: str, reason: str) -> None:
-    f = RequestFacts("fin", adapter=True, warm=warm)
+                                 full: frozenset[str], first_id: str, reason: str) -> None:  # fmt: skip
+    f = RequestFacts("fin", adapter=True, warm=warm, full=full)
     choice = decide(Routes.build(fleet), f, {}, POLICY).choices[0]
     assert (choice.worker.id, choice.reason) == (first_id, reason)

@@ -682,6 +682,15 @@ def test_lora_slots(slots: int, ops: list[tuple[str, tuple[str, ...]]], results:
     assert lru.resident == resident
 
 
+def test_pinned_adapters_never_load_nor_take_a_slot() -> None:
+    """LMDeploy's start-time adapters: resident from the start, never evicted, never counted
+    as a load, and the runtime slots stay for the others."""
+    lru = LoraSlots(1, pinned=("p", "q"))
+    assert lru.resident == ["p", "q"]
+    assert [lru.acquire(n, set()) for n in ["p", "q", "a", "p", "b"]] == [False, False, True, False, True]
+    assert lru.resident == ["p", "q", "b"]
+
+
 def test_lora_swaps_counted_and_timed() -> None:
     """Alternating three adapters over two slots loads on every miss; each load adds
     lora_load_s to its step, and a running adapter's slot is not taken."""

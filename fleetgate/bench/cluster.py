@@ -150,7 +150,8 @@ class Cluster:
             port = free_port()
             argv = [sys.executable, "-m", "gateway", "--port", str(port),
                     "--redis-url", self.redis_url, "--redis-prefix", self.prefix,
-                    "--policy", policy, "--log-level", "warning"]  # fmt: skip
+                    "--policy", policy,
+                    "--log-level", os.environ.get("FLEETGATE_BENCH_LOG_LEVEL", "warning")]  # fmt: skip
             proc = Proc(f"gateway-{policy}", argv, self.run_dir / f"gateway-{policy}-{port}.log",
                         {"FLEETGATE_ADMIN_TOKEN": self.admin_token})  # fmt: skip
             started.append(Gateway(proc, f"http://127.0.0.1:{port}", policy))

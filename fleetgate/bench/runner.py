@@ -23,6 +23,7 @@ import httpx
 from fleetgate.bench import engines
 from fleetgate.bench.cluster import Cluster
 from fleetgate.bench.fleet import FleetSpec, capacity
+from fleetgate.bench.floor import Host, adapter_load_floor
 from fleetgate.bench.loadgen import run_requests
 from fleetgate.bench.progress import Progress
 from fleetgate.bench.report import ratios, summarise
@@ -68,14 +69,27 @@ def plan(spec: FleetSpec, workload: str, opts: BenchOptions) -> dict[str, Any]:
         assert opts.trace is not None
         reqs = read_trace(opts.trace)
         span = max((r.at for r in reqs), default=0.0)
-        return {"requests": reqs, "capacity_rps": None, "rate_rps": len(reqs) / span if span else None}
+        return {"requests": reqs, "capacity_rps": None, "rate_rps": len(reqs) / span if span else None,
+                "lora_floor": lora_floor(spec, reqs)}
     drafts = contents(workload, opts.seed, spec.facts, spec.workloads.get(workload))
     sample = list(itertools.islice(drafts, 300))
     cap = capacity(spec, sample)
     rate = opts.rate if opts.rate else opts.load * cap
     arrivals = bursty_arrivals(rate, opts.duration_s, opts.seed)
     reqs = build(itertools.chain(sample, drafts), arrivals)
-    return {"requests": reqs, "capacity_rps": round(cap, 3), "rate_rps": round(rate, 3)}
+    return {"requests": reqs, "capacity_rps": round(cap, 3), "rate_rps": round(rate, 3),
+            "lora_floor": lora_floor(spec, reqs)}
+
+
+def lora_floor(spec: FleetSpec, requests: Sequence[BenchRequest]) -> int | None:
+    """The fewest adapter loads any routing could do for these requests on this fleet
+    (fleetgate/bench/floor.py); None when no request names an adapter."""
+    names = [r.model for r in requests if r.model in spec.adapters]
+    if not names:
+        return None
+    hosts = [Host(w.id, frozenset(w.adapters), w.option("max_loras"), pinned=w.flavor == "lmdeploy")
+             for w in spec.workers]  # fmt: skip
+    return adapter_load_floor(names, hosts)
 
 
 def dump_path(base: Path, workload: str, many: bool) -> Path:

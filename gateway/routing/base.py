@@ -44,9 +44,11 @@ class RequestFacts:
     # requests with the same key are sent to the same worker while its load allows.
     affinity_key: int | None = None
     affinity_kind: str | None = None
-    # For an adapter: workers this gateway sent it to in the last few seconds (it is
-    # likely still in their adapter slots even if the engines' reports lag).
+    # For an adapter: workers where it is likely in a LoRA slot (this gateway sent it
+    # there recently, and not more than the worker's slots of other adapters since),
+    # and workers whose slots are likely all taken (a load there evicts another adapter).
     warm: frozenset[str] = frozenset()
+    full: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

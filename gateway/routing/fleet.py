@@ -104,12 +104,12 @@ class FleetPolicy:
         every other worker would first have to load it, and evict another when its slots are full."""
         opts = self.opts
         model = facts.model
-        warm = facts.warm
+        warm, full = facts.warm, facts.full
         ranked: list[tuple[float, str, Slot, str]] = []
         for c, wid, s in scored:
             if s.adapters_fit or model in s.lora_active or wid in warm:
                 ranked.append((c, wid, s, "adapter-warm"))
-            elif len(s.lora_active) < max(s.max_loras, 1):
+            elif wid not in full and len(s.lora_active) < max(s.max_loras, 1):
                 ranked.append((c + opts.lora_load_cost, wid, s, "adapter-resident"))
             else:
                 ranked.append((c + opts.lora_swap_cost, wid, s, "adapter-resident"))

@@ -97,6 +97,8 @@ class Limits:
     block_size: int
     max_loras: int
     time_scale: float
+    # Adapters in GPU memory from start to end (LMDeploy's start-time adapters).
+    pinned_loras: tuple[str, ...] = ()
 
 
 @dataclass
@@ -111,7 +113,7 @@ class Scheduler:
         self.profile = profile
         self.hooks = hooks
         self.pool = BlockPool(limits.num_gpu_blocks)
-        self.loras = LoraSlots(limits.max_loras)
+        self.loras = LoraSlots(limits.max_loras, limits.pinned_loras)
         self.running: list[Seq] = []
         self.waiting: deque[Seq] = deque()
         self.preemptions = 0
@@ -176,7 +178,7 @@ class Scheduler:
         if self.running or self.waiting or self.admitting:
             raise RuntimeError("the engine is busy")
         self.pool = BlockPool(self.limits.num_gpu_blocks)
-        self.loras = LoraSlots(self.limits.max_loras)
+        self.loras = LoraSlots(self.limits.max_loras, self.limits.pinned_loras)
         self.preemptions = 0
         self.steps = 0
 

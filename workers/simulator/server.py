@@ -35,6 +35,9 @@ class Simulator:
         self.config = config
         self.flavor = make_flavor(config)
         self.metrics = self.flavor.make_metrics(config)
+        # vLLM loads an adapter's weights into a slot on first use (and swaps them, LRU);
+        # LMDeploy loads every adapter it is started with at start-up, for good.
+        pinned = () if self.flavor.runtime_lora else tuple(config.lora_modules)
         self.block_size = config.resolved("block_size")
         limits = Limits(
             max_num_seqs=config.resolved("max_num_seqs"),
@@ -43,6 +46,7 @@ class Simulator:
             block_size=self.block_size,
             max_loras=config.lora_slots,
             time_scale=config.time_scale,
+            pinned_loras=pinned,
         )
         self.scheduler = Scheduler(limits, config.timing, self.metrics)
         self.adapters: dict[str, str] = dict(config.lora_modules)
