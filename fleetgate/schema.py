@@ -38,6 +38,10 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     host: str = ""
     # Sequences the engine runs at once; the gateway normalises load by it.
     capacity: int = 256
+    # How fast one of those sequences runs, relative to an H100-class card with a 7B model
+    # (from the card's timing profile: a T4 is ~0.25). The gateway weighs load by
+    # capacity x speed, so a small batch on a slow card is not mistaken for a fast one.
+    speed: float = 1.0
     # Whether adapters can be loaded at runtime (vLLM yes, LMDeploy/ms-swift no).
     runtime_lora: bool = False
     max_loras: int = 0

@@ -152,6 +152,7 @@ def _worker_json(w: WorkerView, inflight: int) -> dict[str, object]:
         "adapters": list(info.adapters),
         "max_model_len": info.max_model_len,
         "capacity": info.capacity,
+        "speed": info.speed,
         "gpu": msgspec.to_builtins(info.gpu) if info.gpu else None,
         "host": info.host,
         "load": {

@@ -184,3 +184,22 @@ def test_recorded_file_flag_equals_environment(tmp_path: Path) -> None:
         env={k: v for k, v in os.environ.items() if k != "FLEETGATE_NVIDIA_SMI_FILE"},
     ).stdout
     assert commands(out) == commands(dry_run("t4", "--gpu", "0").stdout)
+
+
+@pytest.mark.parametrize(
+    ("gpu", "options", "low", "high"),
+    [
+        ("NVIDIA H100 80GB HBM3", {}, 1.0, 1.0),  # the reference card
+        ("Tesla T4", {}, 0.15, 0.35),  # a memory-tight card: a fraction of an H100
+        ("NVIDIA L40S", {}, 0.4, 0.8),
+        ("Tesla T4", {"time_scale": 0.5}, 0.3, 0.7),  # a simulator run twice as fast
+    ],
+)
+def test_workers_register_their_cards_speed(gpu: str, options: dict[str, float], low: float, high: float) -> None:
+    """WorkerInfo.speed, what the gateway weighs a worker's batch by, follows the card's timing profile."""
+    from fleetgate.schema import GpuInfo
+    from workers.engines import EngineSpec
+    from workers.engines.sim import card_speed
+
+    spec = EngineSpec(model="m", served_name="m", port=1, gpu=GpuInfo(name=gpu), options=dict(options))
+    assert low <= card_speed(spec) <= high

@@ -16,10 +16,10 @@ from gateway.routing.table import Slot
 
 
 def w(wid: str, *, capacity: int = 100, running: int = 0, waiting: int = 0, kv: float = 0.0,
-      adapters: tuple[str, ...] = ()) -> WorkerView:
+      adapters: tuple[str, ...] = (), speed: float = 1.0) -> WorkerView:
     return WorkerView(
         info=WorkerInfo(id=wid, url=f"http://{wid}", engine="sim", model="base", capacity=capacity,
-                        adapters=adapters),
+                        adapters=adapters, speed=speed),
         state="ready",
         load=Load(running=running, waiting=waiting, kv_cache_usage=kv),
         id_hash=stable_hash(wid),
@@ -95,6 +95,17 @@ def test_without_affinity_the_least_loaded_by_capacity_wins() -> None:
     assert first(fleet, facts(None)) == ("big", "least-load")
 
 
+def test_a_slow_card_counts_for_less_than_its_batch() -> None:
+    """Capacity is batch x speed: a T4-class card (speed 0.25) with 4 of 64 seats taken is
+    busier than an H100-class one with 12 of 64, and is home to fewer prefixes."""
+    fleet = (w("fast", capacity=64, running=12), w("slow", capacity=64, running=4, speed=0.25))
+    assert first(fleet, facts(None)) == ("fast", "least-load")
+    assert first((w("fast", capacity=64, running=12), w("slow", capacity=64, running=4)), facts(None))[0] == "slow"
+    idle = (w("fast", capacity=64), w("slow", capacity=64, speed=0.25))
+    homes = Counter(first(idle, facts(stable_hash(f"p{i}")))[0] for i in range(400))
+    assert homes["slow"] < homes["fast"] / 2
+
+
 def test_kv_pressure_and_queue_outweigh_a_low_running_count() -> None:
     """A worker with a queue and a nearly full KV cache is avoided even if it runs fewer requests."""
     fleet = (w("pressed", running=5, waiting=8, kv=0.98), w("calm", running=30, kv=0.4))
@@ -154,9 +165,9 @@ def test_affinity_never_exceeds_the_load_bound(spec: list[tuple[int, int, float,
     choice = decide(Routes.build(fleet), facts(key), {}, make_policy("fleet")).choices[0]
     if choice.reason.startswith("prefix"):
         total = sum(x.load.running + x.load.waiting for x in fleet) + 1
-        capacity = sum(Slot(x).capacity for x in fleet)
+        capacity = sum(Slot(x).weight for x in fleet)
         chosen = choice.worker
-        limit = (1 + opts.balance) * total / capacity * Slot(chosen).capacity + opts.slack
+        limit = (1 + opts.balance) * total / capacity * Slot(chosen).weight + opts.slack
         assert chosen.load.running + chosen.load.waiting + 1 <= limit
 
 

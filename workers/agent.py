@@ -34,6 +34,7 @@ from fleetgate.registry import (
 )
 from fleetgate.schema import Load, WorkerInfo, WorkerState
 from workers.engines import Engine, EngineSpec
+from workers.engines.sim import card_speed
 
 log = structlog.get_logger("workers.agent")
 
@@ -191,6 +192,7 @@ class Agent:
             gpu=spec.gpu,
             host=socket.gethostname(),
             capacity=self.engine.capacity(spec),
+            speed=card_speed(spec),
             runtime_lora=self.engine.runtime_lora,
             max_loras=self.engine.max_loras(spec),
             reports_load=self.engine.reports_load,

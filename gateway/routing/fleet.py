@@ -1,7 +1,8 @@
 """The default policy: affinity where it pays, least expected wait everywhere else.
 
 1. Load: each worker's cost is its outstanding work normalised by its batch size
-   (a large card is not equal to a small one), plus the engine's own queue and a
+   times its card's speed (a large card is not equal to a small one, nor a fast one
+   to a slow one), plus the engine's own queue and a
    penalty once its KV cache nears full. Outstanding work is the larger of what the
    gateways have in flight there (fresh) and what the engine last reported (a
    second old): under KV pressure the queue, not the prefix-cache hit rate, is what
@@ -28,7 +29,8 @@ from gateway.routing.table import ModelRoutes, Slot
 class FleetOptions(msgspec.Struct, kw_only=True, frozen=True):
     # How far above its fair share of the fleet's load an affinity home may go.
     balance: float = 0.25
-    # Requests a home may always take beyond its share (keeps affinity at low load).
+    # Requests a home may always take beyond its share (keeps affinity at low load); a
+    # card slower than the reference gets that much less.
     slack: float = 2.0
     # KV-cache use above which a worker with a queue counts as saturated.
     kv_high: float = 0.9
@@ -62,18 +64,18 @@ class FleetPolicy:
         scored: list[tuple[float, str, Slot]] = []
         busy: dict[str, int] = {}
         total_busy = 1
-        total_capacity = 0
+        total_capacity = 0.0
         for s in candidates:
             b = get(s.id, 0)
             if s.engine_busy > b:
                 b = s.engine_busy
-            c = (b + waiting_weight * s.waiting) / s.capacity
+            c = (b + waiting_weight * s.waiting) / s.weight
             if s.kv > kv_high:
                 c += kv_scale * (s.kv - kv_high)
             scored.append((c, s.id, s))
             busy[s.id] = b
             total_busy += b
-            total_capacity += s.capacity
+            total_capacity += s.weight
         if facts.adapter:
             return self._rank_adapter(scored, facts, limit)
         key = facts.affinity_key
@@ -87,7 +89,7 @@ class FleetPolicy:
             home_busy = busy.get(s.id)
             if home_busy is None:  # drained, already tried, or too short for this prompt
                 continue
-            bound = (1.0 + opts.balance) * share * s.capacity + opts.slack
+            bound = (1.0 + opts.balance) * share * s.weight + opts.slack * min(1.0, s.speed)
             if home_busy + 1 <= bound and s.waiting <= opts.home_max_waiting:
                 reason = f"{kind}-hit" if probes == 0 else f"{kind}-spill"
                 rest = best([x for x in scored if x[2] is not s], limit - 1) if limit > 1 else []

@@ -26,7 +26,7 @@ class Slot:
 
     __slots__ = (
         "adapters_fit", "capacity", "engine_busy", "id", "id_hash", "kv", "lora_active", "max_len",
-        "max_loras", "routable", "view", "waiting",
+        "max_loras", "routable", "speed", "view", "waiting", "weight",
     )
 
     def __init__(self, view: WorkerView) -> None:
@@ -40,6 +40,9 @@ class Slot:
         if load.running > 0 and load.kv_cache_usage > 0.5:
             capacity = min(capacity, max(1, int(load.running / load.kv_cache_usage)))
         self.capacity = capacity
+        # What the worker can carry, in reference-card sequences: its batch times its speed.
+        self.speed = view.info.speed if view.info.speed > 0 else 1.0
+        self.weight = capacity * self.speed
         self.max_len = view.info.max_model_len
         self.routable = view.routable
         self.engine_busy = load.running + load.waiting
@@ -62,12 +65,14 @@ class ModelRoutes:
     @classmethod
     def build(cls, slots: Sequence[Slot]) -> ModelRoutes:
         ordered = tuple(sorted(slots, key=lambda s: s.id))
-        # A worker's share of the keys follows its size (its configured batch, which does
-        # not move between snapshots, so neither do the keys): a small card is home to fewer.
-        largest = max((s.view.info.capacity for s in ordered), default=1) or 1
+        # A worker's share of the keys follows its size (its configured batch times its
+        # card's speed, neither of which moves between snapshots, so neither do the keys):
+        # a small or slow card is home to fewer.
+        size = {s.id: max(s.view.info.capacity, 1) * s.speed for s in ordered}
+        largest = max(size.values(), default=1.0)
         points: list[tuple[int, int]] = []
         for index, slot in enumerate(ordered):
-            vnodes = max(MIN_VNODES, round(VNODES * slot.view.info.capacity / largest))
+            vnodes = max(MIN_VNODES, round(VNODES * size[slot.id] / largest))
             points.extend((mix(slot.id_hash, v), index) for v in range(vnodes))
         points.sort()
         return cls(ordered, tuple(p for p, _ in points), tuple(i for _, i in points))

@@ -17,7 +17,7 @@ from fleetgate.schema import Load
 from workers.engines.base import EngineSpec, flag_args, lora_enabled
 from workers.engines.lmdeploy import parse_lmdeploy_metrics
 from workers.engines.vllm import load_lora, parse_vllm_metrics, unload_lora
-from workers.simulator.profiles import PROFILES, profile_for_gpu
+from workers.simulator.profiles import PROFILES, profile_for_gpu, relative_speed
 
 # Options passed through as `--flag value`, in this order.
 _FLAGS = (
@@ -42,6 +42,14 @@ def sim_profile(spec: EngineSpec) -> str:
                 return f"{name}-7b"
             return profile_for_gpu(name)
     return profile_for_gpu(spec.gpu.name) if spec.gpu else "l40s-7b"
+
+
+def card_speed(spec: EngineSpec) -> float:
+    """The card's speed for routing (WorkerInfo.speed), from its timing profile, whatever
+    the engine; a simulator's `time_scale` (simulated seconds per real second) scales it."""
+    speed = relative_speed(PROFILES[sim_profile(spec)])
+    scale = float(spec.options.get("time_scale") or 1.0)
+    return round(speed / scale, 3) if scale > 0 else speed
 
 
 def _faults(value: Any) -> Iterable[str]:

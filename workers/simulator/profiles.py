@@ -146,6 +146,16 @@ def _build() -> dict[str, Profile]:
 PROFILES: Mapping[str, Profile] = MappingProxyType(_build())
 
 
+def relative_speed(profile: Profile, reference: str = "h100-7b") -> float:
+    """How fast a typical request runs on `profile` against `reference`: the time of a
+    1000-token prompt and 100 output tokens in a batch of 16, reference over this one."""
+
+    def cost(p: Profile) -> float:
+        return 1000 * p.prefill_per_token_s + 100 * (p.base_step_s / 16 + p.decode_per_seq_s)
+
+    return round(cost(PROFILES[reference]) / cost(profile), 3)
+
+
 def profile_for_gpu(gpu_name: str, model_size: str = "7b") -> str:
     """The profile whose card name appears in an nvidia-smi GPU name ("NVIDIA H200" -> h200-7b)."""
     compact = gpu_name.lower().replace(" ", "").replace("-", "")
