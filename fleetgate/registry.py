@@ -27,7 +27,8 @@ Layout (``P`` is the key prefix, ``v1`` the schema version)::
 The prefix is wrapped in a hash tag so every key lands in one Redis Cluster slot:
 multi-key pipelines and the Lua scripts below work unchanged on a cluster.
 Every write is atomic (MULTI pipelines or single-key Lua scripts), and writes to
-an existing worker never recreate a key that has expired.
+an existing worker never recreate a key that has expired. Events are published
+after the write they announce.
 """
 
 from __future__ import annotations
@@ -75,16 +76,40 @@ def sign(secret: str, info: bytes) -> str:
 def connect(url: str, **kwargs: Any) -> aioredis.Redis:
     """Open an asyncio Redis client for ``url``.
 
-    ``redis://``, ``rediss://`` and ``unix://`` as redis-py reads them, and Sentinel as
+    ``redis://``, ``rediss://`` and ``unix://`` as redis-py reads them; Sentinel as
     ``redis+sentinel://[:password@]host1:26379,host2:26379/<master name>[/<db>]``: the
-    client asks the sentinels for the current master and follows a failover.
+    client asks the sentinels for the current master and follows a failover; Redis
+    Cluster as ``redis+cluster://[:password@]host1:7000,host2:7001`` (any reachable nodes:
+    the client learns the rest and follows slot moves and failovers). Every key lives in
+    one slot (the prefix is a hash tag), so a cluster gives failover, not sharding.
     """
     kwargs.setdefault("socket_connect_timeout", 2.0)
     kwargs.setdefault("socket_timeout", 5.0)
     kwargs.setdefault("health_check_interval", 10)
     if url.startswith("redis+sentinel://"):
         return _sentinel_master(url, **kwargs)
+    if url.startswith("redis+cluster://"):
+        return _cluster(url, **kwargs)
     return aioredis.from_url(url, **kwargs)
+
+
+def _cluster(url: str, **kwargs: Any) -> aioredis.Redis:
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    rest = url.removeprefix("redis+cluster://").rstrip("/")
+    password = None
+    if "@" in rest:
+        auth, rest = rest.rsplit("@", 1)
+        password = auth.partition(":")[2] or None
+    hosts, _, db = rest.partition("/")
+    if db not in ("", "0"):
+        raise ValueError("Redis Cluster has only database 0: redis+cluster://host:7000,host:7001")
+    nodes = []
+    for node in hosts.split(","):
+        host, _, port = node.rpartition(":")
+        nodes.append(ClusterNode(host or node, int(port) if port.isdigit() else 6379))
+    # A cluster client is not a Redis subclass, but offers every command the registry uses.
+    return RedisCluster(startup_nodes=nodes, password=password, **kwargs)  # type: ignore[return-value]
 
 
 def _sentinel_master(url: str, **kwargs: Any) -> aioredis.Redis:
@@ -204,8 +229,8 @@ class Registry:
             pipe.pexpire(key, self.ttl_ms)
             pipe.sadd(self.keys.workers, info.id)
             pipe.delete(self.keys.removed(info.id))
-            pipe.publish(self.keys.events, info.id)
             await pipe.execute()
+        await self._announce(info.id)
 
     async def heartbeat(self, worker_id: str, load: Load) -> HeartbeatReply:
         """Refresh a worker's TTL and load.
@@ -249,8 +274,8 @@ class Registry:
             pipe.srem(self.keys.workers, worker_id)
             if by_operator:
                 pipe.set(self.keys.removed(worker_id), "1", ex=REMOVED_TTL_S)
-            pipe.publish(self.keys.events, worker_id)
             results = await pipe.execute()
+        await self._announce(worker_id)
         return bool(results[0])
 
     async def was_removed(self, worker_id: str) -> bool:
@@ -292,16 +317,12 @@ class Registry:
     # -- circuit breakers (written by gateways, read by every gateway) ----------------
 
     async def open_circuit(self, worker_id: str, reason: str, cooldown_s: float) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(self.keys.circuit(worker_id), reason, px=max(1, int(cooldown_s * 1000)))
-            pipe.publish(self.keys.events, worker_id)
-            await pipe.execute()
+        await self.redis.set(self.keys.circuit(worker_id), reason, px=max(1, int(cooldown_s * 1000)))
+        await self._announce(worker_id)
 
     async def close_circuit(self, worker_id: str) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(self.keys.circuit(worker_id))
-            pipe.publish(self.keys.events, worker_id)
-            await pipe.execute()
+        await self.redis.delete(self.keys.circuit(worker_id))
+        await self._announce(worker_id)
 
     # -- in-flight counts shared by gateway replicas --------------------------------
 
@@ -355,11 +376,26 @@ class Registry:
             pipe.srem(self.keys.gateways, gateway_id)
             await pipe.execute()
 
-    def pubsub(self) -> aioredis.client.PubSub:
-        return self.redis.pubsub(ignore_subscribe_messages=True)
+    async def subscribe(self) -> aioredis.client.PubSub:
+        """A pub/sub connection listening on the events channel (its data: worker ids)."""
+        # A cluster client learns the slot map on its first command; pub/sub needs it first.
+        await self.redis.initialize()
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(self.keys.events)
+        except BaseException:
+            await pubsub.aclose()
+            raise
+        return pubsub
 
     async def _set_fields(self, worker_id: str, *pairs: str | bytes) -> bool:
         ok = await self._update(keys=[self.keys.worker(worker_id)], args=[0, *pairs])
         if ok:
-            await self.redis.publish(self.keys.events, worker_id)
+            await self._announce(worker_id)
         return bool(ok)
+
+    async def _announce(self, worker_id: str) -> None:
+        """Tell every reader that something about `worker_id` changed. Sent after the write
+        it announces (never inside a MULTI: Redis Cluster clients refuse PUBLISH there), so
+        a reader that hears it reads the new state."""
+        await self.redis.publish(self.keys.events, worker_id)

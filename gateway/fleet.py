@@ -158,9 +158,9 @@ class FleetWatcher:
     async def _listen_loop(self) -> None:
         backoff = 0.1
         while True:
-            pubsub = self.registry.pubsub()
+            pubsub = None
             try:
-                await pubsub.subscribe(self.registry.keys.events)
+                pubsub = await self.registry.subscribe()
                 backoff = 0.1
                 async for _message in pubsub.listen():
                     self._wake.set()
@@ -170,8 +170,9 @@ class FleetWatcher:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
             finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):
+                        await pubsub.aclose()
 
 
 def _log_changes(old: FleetSnapshot, new: FleetSnapshot) -> None:

@@ -84,8 +84,7 @@ async def test_admin_writes_to_unknown_worker_report_not_found(registry: Registr
 
 async def test_changes_are_published_on_the_events_channel(registry: Registry) -> None:
     """Register, state change, drain and removal each publish the worker's id."""
-    pubsub = registry.pubsub()
-    await pubsub.subscribe(registry.keys.events)
+    pubsub = await registry.subscribe()
     await registry.register(info(), "starting")
     await registry.set_state("w1", "ready")
     await registry.set_admin_drain("w1", True)
