@@ -23,6 +23,8 @@ Layout (``P`` is the key prefix, ``v1`` the schema version)::
     {P}:v1:inflight:<gw>  HASH  worker id -> requests gateway <gw> has in flight there,
                           rewritten whole every ~100 ms, PEXPIRE lease: a gateway that crashes
                           leaks nothing, its counts vanish with the lease
+    {P}:v1:rate:<key id>  STRING per-client rate limit (GCRA): the theoretical arrival time, in
+                          ms of Redis's clock, of the client's next request; PX until then
 
 The prefix is wrapped in a hash tag so every key lands in one Redis Cluster slot:
 multi-key pipelines and the Lua scripts below work unchanged on a cluster.
@@ -63,6 +65,24 @@ for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 if tonumber(ARGV[1]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
 if redis.call('HGET', KEYS[1], 'stop') == '1' then return 2 end
 return 1
+"""
+
+# Generic cell rate algorithm: one key per client, shared by every gateway, Redis's clock.
+# KEYS[1] = rate key; ARGV[1] = ms between requests at the steady rate; ARGV[2] = burst.
+# Returns {allowed (0/1), remaining requests now, ms until the next one is allowed}.
+_TAKE = """
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local interval = tonumber(ARGV[1])
+local tolerance = interval * (tonumber(ARGV[2]) - 1)
+local tat = tonumber(redis.call('GET', KEYS[1]) or now)
+if tat < now then tat = now end
+if tat - now > tolerance then
+  return {0, 0, tat - now - tolerance}
+end
+local next_tat = tat + interval
+redis.call('SET', KEYS[1], string.format('%d', next_tat), 'PX', string.format('%d', next_tat - now))
+return {1, math.floor((tolerance - (next_tat - now)) / interval) + 1, 0}
 """
 
 HeartbeatReply = Literal["ok", "missing", "stop"]
@@ -147,6 +167,7 @@ class Keys:
         self.gateways = f"{base}:gateways"
         self.epoch = f"{base}:epoch"
         self._inflight = f"{base}:inflight:"
+        self._rate = f"{base}:rate:"
 
     def worker(self, worker_id: str) -> str:
         return self._worker + worker_id
@@ -159,6 +180,9 @@ class Keys:
 
     def inflight(self, gateway_id: str) -> str:
         return self._inflight + gateway_id
+
+    def rate(self, client_id: str) -> str:
+        return self._rate + client_id
 
 
 def decode_worker(
@@ -212,6 +236,7 @@ class Registry:
         self.keys = Keys(prefix)
         self.ttl_ms = int(heartbeat_ttl_s * 1000)
         self._update = redis.register_script(_UPDATE_IF_EXISTS)
+        self._take = redis.register_script(_TAKE)
 
     # -- agent side ---------------------------------------------------------
 
@@ -375,6 +400,17 @@ class Registry:
             pipe.delete(self.keys.inflight(gateway_id))
             pipe.srem(self.keys.gateways, gateway_id)
             await pipe.execute()
+
+    # -- rate limits shared by gateway replicas ---------------------------------------
+
+    async def take(self, client_id: str, per_minute: float, burst: int) -> tuple[bool, int, float]:
+        """One request of `client_id` against its limit: (allowed, requests left now,
+        seconds until the next one is allowed when refused)."""
+        interval_ms = max(1, round(60_000 / per_minute))
+        allowed, remaining, wait_ms = await self._take(
+            keys=[self.keys.rate(client_id)], args=[interval_ms, max(1, burst)]
+        )
+        return bool(allowed), int(remaining), int(wait_ms) / 1000
 
     async def subscribe(self) -> aioredis.client.PubSub:
         """A pub/sub connection listening on the events channel (its data: worker ids)."""

@@ -34,6 +34,7 @@ from gateway.inflight import SharedInflight
 from gateway.metrics import GatewayMetrics, metrics_endpoint
 from gateway.openapi import ChatOperation, CompletionOperation, ModelsOperation
 from gateway.proxy import Proxy
+from gateway.ratelimit import RateLimiter, client_id
 from gateway.requests import TokenCounter
 from gateway.routing import make_policy
 from gateway.settings import GatewaySettings
@@ -56,6 +57,7 @@ class Gateway:
     proxy: Proxy
     api_key_digests: frozenset[bytes]
     metrics: GatewayMetrics
+    limiter: RateLimiter
 
 
 def _gw(state: State) -> Gateway:
@@ -84,7 +86,11 @@ async def _proxied(request: Request, state: State, path: str, kind: str) -> Resp
     # when the fast path is off, and it documents the operation in the OpenAPI schema.
     gw = _gw(state)
     key_id = _check_client(gw, request)
+    limits: list[tuple[str, str]] = []
+    if gw.limiter.enabled:
+        limits = await gw.limiter.admit(client_id(key_id, request.client.host if request.client else None))
     reply = await gw.proxy.serve(await request.body(), request.headers.get, path, kind, key_id)
+    reply.headers.extend(limits)
     if reply.stream is not None:
         return Stream(reply.stream, status_code=reply.status, media_type="text/event-stream",
                       headers={**dict(reply.headers), **SSE_HEADERS})
@@ -327,7 +333,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
         )
         app.state["gw"] = Gateway(
             settings, registry, watcher, proxy, frozenset(digest(k) for k in settings.api_keys),
-            metrics,
+            metrics, RateLimiter(registry, settings.rate_limit_rpm, settings.rate_limit_burst),
         )
         await watcher.start()
         inflight.start()

@@ -7,6 +7,7 @@
     ├── NotFound                     404 invalid_request_error / not_found
     │   └── ModelNotFound            404 invalid_request_error / model_not_found
     ├── Overloaded                   429 rate_limit_error / fleet_overloaded (+ Retry-After)
+    ├── RateLimited                  429 requests / rate_limit_exceeded (+ Retry-After, x-ratelimit-*)
     ├── NoWorkerAvailable            503 service_unavailable / no_worker_available (+ Retry-After)
     ├── UpstreamError                502 upstream_error / engine_error
     └── UpstreamTimeout              504 upstream_error / engine_timeout
@@ -94,6 +95,21 @@ class Overloaded(GatewayError):
     status = 429
     type = "rate_limit_error"
     code = "fleet_overloaded"
+
+
+class RateLimited(GatewayError):
+    """One client (API key) sent more than its share: OpenAI's own shape for a request limit."""
+
+    status = 429
+    type = "requests"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after: float, limit_headers: dict[str, str]) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.limit_headers = limit_headers
+
+    def headers(self) -> dict[str, str]:
+        return {**super().headers(), **self.limit_headers}
 
 
 class NoWorkerAvailable(GatewayError):

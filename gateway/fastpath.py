@@ -20,6 +20,7 @@ from litestar import Litestar
 from gateway.auth import check_api_key
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.proxy import Reply
+from gateway.ratelimit import client_id
 
 log = structlog.get_logger("gateway.fastpath")
 
@@ -77,8 +78,15 @@ class FastPath:
             return None
 
         key_id = check_api_key(gw.api_key_digests, header("authorization") or "")
+        limits = None
+        if gw.limiter.enabled:
+            client = scope.get("client")
+            limits = await gw.limiter.admit(client_id(key_id, client[0] if client else None))
         body = await _read_body(receive, gw.settings.max_body_bytes)
-        return await gw.proxy.serve(body, header, scope["path"], kind, key_id)
+        reply: Reply = await gw.proxy.serve(body, header, scope["path"], kind, key_id)
+        if limits:
+            reply.headers.extend(limits)
+        return reply
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes:

@@ -33,6 +33,11 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     registration_secret: str = ""
     # Client keys for /v1; empty means the data plane is open (say so in the docs).
     api_keys: tuple[str, ...] = ()
+    # Requests per minute each client may send to the inference routes, shared by every
+    # gateway through Redis (0: no limit). A client is its API key, or its address when
+    # no keys are configured. `rate_limit_burst` requests may come at once (0: 10 s worth).
+    rate_limit_rpm: float = 0.0
+    rate_limit_burst: int = 0
     policy: str = "fleet"
     # Knobs of the `fleet` policy (gateway/routing/fleet.py: FleetOptions).
     routing: dict[str, float] = msgspec.field(default_factory=dict)
@@ -97,6 +102,7 @@ _ENV = {
     "FLEETGATE_ADMIN_TOKEN": "admin_token",
     "FLEETGATE_REGISTRATION_SECRET": "registration_secret",
     "FLEETGATE_POLICY": "policy",
+    "FLEETGATE_RATE_LIMIT_RPM": "rate_limit_rpm",
     "FLEETGATE_LOG_LEVEL": "log_level",
 }
 

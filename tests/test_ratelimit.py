@@ -1,0 +1,92 @@
+"""Per-client rate limits: a GCRA cell per client in the real Redis, shared by gateway replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+
+import httpx
+import openai
+import pytest
+
+from fleetgate.registry import Registry, connect
+from tests.conftest import Fleet
+
+MODEL = "base-model"
+FAST = ("--model", MODEL, "--option", "time_scale=0.02")
+
+
+@pytest.mark.parametrize(
+    ("per_minute", "burst"),
+    [
+        (600, 3),  # a burst of 3, then the fourth waits ~100 ms
+        (60, 1),  # no burst: one, then a second's wait
+        (6000, 10),
+    ],
+)
+def test_gcra_cell_allows_the_burst_then_refuses(redis_url: str, per_minute: float, burst: int) -> None:
+    async def go() -> None:
+        client = connect(redis_url)
+        registry = Registry(client, f"rl-{uuid.uuid4().hex[:8]}")
+        results = [await registry.take("key:a", per_minute, burst) for _ in range(burst + 1)]
+        assert [ok for ok, _, _ in results] == [True] * burst + [False]
+        assert [left for _, left, _ in results[:-1]] == list(range(burst - 1, -1, -1))
+        interval = 60 / per_minute
+        wait = results[-1][2]
+        assert 0 < wait <= interval + 0.01
+        # Another client has its own cell.
+        assert (await registry.take("key:b", per_minute, burst))[0]
+        await asyncio.sleep(wait + 0.02)
+        assert (await registry.take("key:a", per_minute, burst))[0]
+        await client.aclose()
+
+    asyncio.run(go())
+
+
+def test_gateways_share_each_keys_limit(fleet_factory: Callable[[], Fleet]) -> None:
+    """Two replicas, one limit per API key: the third request of a burst of two gets OpenAI's
+    429 (type `requests`, code `rate_limit_exceeded`) with Retry-After and x-ratelimit-*
+    headers, whichever replica it reaches; another key is not affected."""
+    fleet = fleet_factory()
+    env = {"FLEETGATE_API_KEYS": "sk-one,sk-two"}
+    limits = ("--set", "rate_limit_rpm=6", "--set", "rate_limit_burst=2")
+    _, url1 = fleet.gateway(*limits, env=env)
+    _, url2 = fleet.gateway(*limits, "--set", "fast_path=false", env=env)  # both code paths
+    fleet.worker("w", *FAST)
+    fleet.wait_ready(url1, "w")
+    fleet.wait_ready(url2, "w")
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    one = {"authorization": "Bearer sk-one"}
+    first = httpx.post(f"{url1}/v1/completions", json=body, headers=one)
+    second = httpx.post(f"{url2}/v1/completions", json=body, headers=one)
+    assert (first.status_code, second.status_code) == (200, 200)
+    assert first.headers["x-ratelimit-limit-requests"] == "6"
+    assert [r.headers["x-ratelimit-remaining-requests"] for r in (first, second)] == ["1", "0"]
+    third = httpx.post(f"{url1}/v1/completions", json=body, headers=one)
+    assert third.status_code == 429
+    assert third.json()["error"]["type"] == "requests"
+    assert third.json()["error"]["code"] == "rate_limit_exceeded"
+    assert 1 <= int(third.headers["retry-after"]) <= 10
+    assert third.headers["x-ratelimit-remaining-requests"] == "0"
+    # The official client sees its own RateLimitError; the other key still gets through.
+    client = openai.OpenAI(base_url=f"{url2}/v1", api_key="sk-one", max_retries=0)
+    with pytest.raises(openai.RateLimitError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    other = openai.OpenAI(base_url=f"{url2}/v1", api_key="sk-two", max_retries=0)
+    assert other.completions.create(model=MODEL, prompt="x", max_tokens=2).choices
+    # Streams are limited the same way.
+    stream = httpx.post(f"{url1}/v1/chat/completions", headers=one,
+                        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True})
+    assert stream.status_code == 429
+
+
+def test_no_limit_by_default_and_no_headers(fleet_factory: Callable[[], Fleet]) -> None:
+    fleet = fleet_factory()
+    _, url = fleet.gateway()
+    fleet.worker("w", *FAST)
+    fleet.wait_ready(url, "w")
+    replies = [httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+               for _ in range(5)]
+    assert [r.status_code for r in replies] == [200] * 5
+    assert "x-ratelimit-limit-requests" not in replies[0].headers
