@@ -1,7 +1,9 @@
 """The closed-loop load generator, in a process of its own: `python -m fleetgate.overhead.loadgen`.
 
 It reads one job per line on stdin (JSON, see `Job`) and answers each with one line
-of JSON on stdout (`Result`). A job runs `concurrency` clients, each sending its next
+of JSON on stdout: the `Result`, or, when the job names a `result_path`, the result
+goes to that file and the line only says so (a result holds every latency, a megabyte
+or more: a file keeps the pipe to the orchestrator down to a few bytes a job). A job runs `concurrency` clients, each sending its next
 request as soon as the last one finished, over one aiohttp session whose pool holds
 `concurrency` connections, round-robin over `urls`. Requests finishing inside the
 measured window (after `warmup_s`, for `duration_s`) make the figures; `total` counts
@@ -41,6 +43,8 @@ class Job(msgspec.Struct, kw_only=True):
     chunk_delay_ms: float | None = None
     delay_ms: float | None = None
     record_chunks: bool = False
+    # Write the Result to this file and answer with a short line.
+    result_path: str = ""
 
 
 class Result(msgspec.Struct, kw_only=True):
@@ -189,8 +193,13 @@ def main() -> None:
         if not line.strip():
             continue
         try:
-            result = _run(msgspec.json.decode(line, type=Job))
-            sys.stdout.buffer.write(encode(result) + b"\n")
+            job = msgspec.json.decode(line, type=Job)
+            result = encode(_run(job))
+            if job.result_path:
+                with open(job.result_path, "wb") as fh:
+                    fh.write(result)
+                result = encode({"result_path": job.result_path, "bytes": len(result)})
+            sys.stdout.buffer.write(result + b"\n")
         except Exception as exc:  # the orchestrator reports it; the process stays up
             sys.stdout.write(json.dumps({"fatal": repr(exc)}) + "\n")
         sys.stdout.flush()

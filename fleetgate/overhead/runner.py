@@ -10,12 +10,15 @@ divided by every request the run sent (warm-up and drain included).
 from __future__ import annotations
 
 import math
+import select
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -27,25 +30,40 @@ MODES = ("plain", "stream")
 
 
 class LoadGen:
-    """The load generator's process: one job in, one result out, over pipes."""
+    """The load generator's process: one job in, one short line out, over pipes; each
+    result (every latency of the job) comes back in a file of its own."""
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fleetgate.overhead.loadgen"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, cwd=ROOT, start_new_session=True,
         )
+        self._dir = tempfile.TemporaryDirectory(prefix="fleetgate-loadgen-")
+        self._jobs = 0
 
     def run(self, job: Job) -> Result:
         assert self.proc.stdin is not None and self.proc.stdout is not None
+        self._jobs += 1
+        path = Path(self._dir.name) / f"result-{self._jobs}.json"
+        job = msgspec.structs.replace(job, result_path=str(path))
         self.proc.stdin.write(msgspec.json.encode(job) + b"\n")
         self.proc.stdin.flush()
+        # A job runs for its duration (or its request count); never wait forever on it.
+        budget = job.warmup_s + job.duration_s + (60.0 if not job.requests else 60.0 + job.requests)
+        ready, _, _ = select.select([self.proc.stdout], [], [], budget + 60.0)
+        if not ready:
+            raise RuntimeError(f"the load generator said nothing for {budget + 60:.0f} s (job: {job})")
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError("the load generator exited")
         data = msgspec.json.decode(line)
         if "fatal" in data:
             raise RuntimeError(f"load generator: {data['fatal']}")
-        return msgspec.convert(data, Result)
+        raw = path.read_bytes()
+        path.unlink()
+        if len(raw) != data["bytes"]:
+            raise RuntimeError(f"load generator result {path}: {len(raw)} bytes, expected {data['bytes']}")
+        return msgspec.json.decode(raw, type=Result)
 
     def close(self) -> None:
         if self.proc.stdin:
@@ -55,6 +73,7 @@ class LoadGen:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5)
+        self._dir.cleanup()
 
 
 def pct(values: list[float], q: float) -> float:
