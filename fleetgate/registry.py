@@ -113,45 +113,43 @@ def connect(url: str, **kwargs: Any) -> aioredis.Redis:
     return aioredis.from_url(url, **kwargs)
 
 
-def _cluster(url: str, **kwargs: Any) -> aioredis.Redis:
-    from redis.asyncio.cluster import ClusterNode, RedisCluster
-
-    rest = url.removeprefix("redis+cluster://").rstrip("/")
-    password = None
-    if "@" in rest:
-        auth, rest = rest.rsplit("@", 1)
-        password = auth.partition(":")[2] or None
-    hosts, _, db = rest.partition("/")
-    if db not in ("", "0"):
-        raise ValueError("Redis Cluster has only database 0: redis+cluster://host:7000,host:7001")
-    nodes = []
-    for node in hosts.split(","):
-        host, _, port = node.rpartition(":")
-        nodes.append(ClusterNode(host or node, int(port) if port.isdigit() else 6379))
-    # A cluster client is not a Redis subclass, but offers every command the registry uses.
-    return RedisCluster(startup_nodes=nodes, password=password, **kwargs)  # type: ignore[return-value]
-
-
-def _sentinel_master(url: str, **kwargs: Any) -> aioredis.Redis:
-    from redis.asyncio.sentinel import Sentinel
-
-    rest = url.removeprefix("redis+sentinel://")
+def _nodes(url: str, scheme: str, default_port: int) -> tuple[str | None, list[tuple[str, int]], list[str]]:
+    """`scheme[:password@]host:port,host:port[/a/b]` -> (password, [(host, port)], [a, b])."""
+    rest = url.removeprefix(scheme)
     password = None
     if "@" in rest:
         auth, rest = rest.rsplit("@", 1)
         password = auth.partition(":")[2] or None
     hosts, _, path = rest.partition("/")
-    parts = [p for p in path.split("/") if p]
-    if not parts:
-        raise ValueError("a Sentinel URL names the master: redis+sentinel://host:26379/<master>[/<db>]")
     nodes = []
     for node in hosts.split(","):
         host, _, port = node.rpartition(":")
-        nodes.append((host or node, int(port) if port.isdigit() else 26379))
+        nodes.append((host or node, int(port) if port.isdigit() else default_port))
+    return password, nodes, [p for p in path.split("/") if p]
+
+
+def _sentinel_master(url: str, **kwargs: Any) -> aioredis.Redis:
+    from redis.asyncio.sentinel import Sentinel
+
+    password, nodes, parts = _nodes(url, "redis+sentinel://", 26379)
+    if not parts:
+        raise ValueError("a Sentinel URL names the master: redis+sentinel://host:26379/<master>[/<db>]")
     db = int(parts[1]) if len(parts) > 1 else 0
     sentinel = Sentinel(nodes, socket_timeout=kwargs.get("socket_timeout"),
                         sentinel_kwargs={"password": password} if password else None)
     return sentinel.master_for(parts[0], db=db, password=password, **kwargs)
+
+
+def _cluster(url: str, **kwargs: Any) -> aioredis.Redis:
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    password, nodes, parts = _nodes(url, "redis+cluster://", 6379)
+    if parts not in ([], ["0"]):
+        raise ValueError("Redis Cluster has only database 0: redis+cluster://host:7000,host:7001")
+    # A cluster client is not a Redis subclass, but offers every command the registry uses.
+    return RedisCluster(  # type: ignore[return-value]
+        startup_nodes=[ClusterNode(host, port) for host, port in nodes], password=password, **kwargs
+    )
 
 
 class Keys:
