@@ -150,7 +150,7 @@ def fleet_table(workers: list[dict[str, Any]]) -> Table:
     table = Table(box=None, header_style="bold", pad_edge=False)
     for name, justify in (
         ("ID", "left"), ("STATE", "left"), ("ENGINE", "left"), ("MODEL", "left"),
-        ("ADAPTERS", "left"), ("GPU", "left"), ("HOST", "left"), ("RUN/WAIT", "right"),
+        ("ADAPTERS", "left"), ("GPU", "left"), ("BATCHxSPEED", "right"), ("HOST", "left"), ("RUN/WAIT", "right"),
         ("KV", "right"), ("INFLIGHT", "right"), *((("CIRCUIT", "left"),) if with_circuit else ()),
         ("HEARTBEAT", "right"),
     ):
@@ -162,7 +162,7 @@ def fleet_table(workers: list[dict[str, Any]]) -> Table:
         table.add_row(
             str(w["id"]), f"[{_STATE_STYLE.get(state, 'white')}]{state}[/]", str(w.get("engine", "")),
             str(w.get("model", "")), ", ".join(w.get("adapters") or []) or "-", _gpu(w),
-            str(w.get("host") or "-"), f"{load.get('running', 0)}/{load.get('waiting', 0)}",
+            f"{w.get('capacity', '?')}x{float(w.get('speed', 1.0)):g}", str(w.get("host") or "-"), f"{load.get('running', 0)}/{load.get('waiting', 0)}",
             f"{float(load.get('kv_cache_usage', 0)) * 100:.0f}%", str(load.get("inflight", 0)),
             *((_circuit(w) or "-",) if with_circuit else ()),
             f"{age:.1f}s" if isinstance(age, int | float) else "-",

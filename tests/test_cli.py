@@ -46,6 +46,7 @@ def test_status_shows_the_fleet(live: tuple[Fleet, str]) -> None:
     code, out, _ = run("status", url=url)
     assert code == 0, out
     assert "c-big" in out and "c-small" in out and "fin" in out and "2 workers (2 ready)" in out
+    assert "x0.24" in out and "x1 " in out  # batch x speed: a T4 runs at a quarter of an H100
     code, out, _ = run("status", "--json", url=url)
     assert code == 0
     assert {w["id"]: w["state"] for w in json.loads(out)} == {"c-big": "ready", "c-small": "ready"}
