@@ -101,7 +101,7 @@ _ERRORS = {
         (401, "Missing or invalid API key"),
         (404, "No worker serves this model or adapter"),
         (413, "Body over the size limit"),
-        (429, "Every worker is full (Retry-After)"),
+        (429, "Every worker is full, or this client is over its rate limit (Retry-After)"),
         (502, "The engines failed"),
         (503, "No worker can serve the model right now (Retry-After)"),
         (504, "The engines did not answer in time"),
