@@ -50,7 +50,7 @@ def test_gateways_share_each_keys_limit(fleet_factory: Callable[[], Fleet]) -> N
     headers, whichever replica it reaches; another key is not affected."""
     fleet = fleet_factory()
     env = {"FLEETGATE_API_KEYS": "sk-one,sk-two"}
-    limits = ("--set", "rate_limit_rpm=6", "--set", "rate_limit_burst=2")
+    limits = ("--set", "rate_limit_rpm=2", "--set", "rate_limit_burst=2")  # one back every 30 s
     _, url1 = fleet.gateway(*limits, env=env)
     _, url2 = fleet.gateway(*limits, "--set", "fast_path=false", env=env)  # both code paths
     fleet.worker("w", *FAST)
@@ -61,13 +61,13 @@ def test_gateways_share_each_keys_limit(fleet_factory: Callable[[], Fleet]) -> N
     first = httpx.post(f"{url1}/v1/completions", json=body, headers=one)
     second = httpx.post(f"{url2}/v1/completions", json=body, headers=one)
     assert (first.status_code, second.status_code) == (200, 200)
-    assert first.headers["x-ratelimit-limit-requests"] == "6"
+    assert first.headers["x-ratelimit-limit-requests"] == "2"
     assert [r.headers["x-ratelimit-remaining-requests"] for r in (first, second)] == ["1", "0"]
     third = httpx.post(f"{url1}/v1/completions", json=body, headers=one)
     assert third.status_code == 429
     assert third.json()["error"]["type"] == "requests"
     assert third.json()["error"]["code"] == "rate_limit_exceeded"
-    assert 1 <= int(third.headers["retry-after"]) <= 10
+    assert 1 <= int(third.headers["retry-after"]) <= 30
     assert third.headers["x-ratelimit-remaining-requests"] == "0"
     # The official client sees its own RateLimitError; the other key still gets through.
     client = openai.OpenAI(base_url=f"{url2}/v1", api_key="sk-one", max_retries=0)
