@@ -120,6 +120,18 @@ async def measure(
     return outcomes, wall, engines.deltas(before, after), not_reset
 
 
+def _plan_once(spec: FleetSpec, workload: str, opts: BenchOptions, plans: dict[str, Any],
+               many: bool) -> list[BenchRequest]:  # fmt: skip
+    """Plan a workload, note its plan (without the requests) and dump its trace if asked."""
+    planned = plan(spec, workload, opts)
+    plans[workload] = {k: v for k, v in planned.items() if k != "requests"} | {
+        "requests": len(planned["requests"])
+    }
+    if opts.dump_trace:
+        write_trace(dump_path(opts.dump_trace, workload, many), planned["requests"])
+    return list(planned["requests"])
+
+
 def run_fleet(spec: FleetSpec, cluster: Cluster, opts: BenchOptions, progress: Progress) -> dict[str, Any]:
     policies, unknown = known_policies(opts.policies)
     for p in unknown:
@@ -129,14 +141,10 @@ def run_fleet(spec: FleetSpec, cluster: Cluster, opts: BenchOptions, progress: P
         raise SystemExit("no known routing policy to run")
     workloads = ["trace"] if opts.trace else opts.workloads
     progress.runs = len(workloads) * len(policies)
-    runs, plans = [], {}
+    runs: list[dict[str, Any]] = []
+    plans: dict[str, Any] = {}
     for wl in workloads:
-        planned = plan(spec, wl, opts)
-        plans[wl] = {k: v for k, v in planned.items() if k != "requests"} | {
-            "requests": len(planned["requests"])
-        }
-        if opts.dump_trace:
-            write_trace(dump_path(opts.dump_trace, wl, len(workloads) > 1), planned["requests"])
+        requests = _plan_once(spec, wl, opts, plans, many=len(workloads) > 1)
         for policy in policies:
             # A fresh gateway per run: no policy inherits another's state, and in-flight
             # counts shared through Redis (leased per gateway) cannot leak between runs.
@@ -144,9 +152,9 @@ def run_fleet(spec: FleetSpec, cluster: Cluster, opts: BenchOptions, progress: P
             try:
                 gw = gateways[0]
                 workers = asyncio.run(_workers(gw.url, cluster.admin_token))
-                progress.start_run(f"{wl}/{policy}", len(planned["requests"]))
+                progress.start_run(f"{wl}/{policy}", len(requests))
                 outcomes, wall, deltas, not_reset = asyncio.run(
-                    measure(gw.url, workers, planned["requests"], opts, progress, cluster.admin_token)
+                    measure(gw.url, workers, requests, opts, progress, cluster.admin_token)
                 )
                 runs.append(summarise(wl, policy, outcomes, wall, deltas, not_reset=not_reset,
                                       all_workers=[w.id for w in workers]))  # fmt: skip
@@ -161,18 +169,14 @@ def run_attached(url: str, admin_token: str | None, spec: FleetSpec, opts: Bench
     token is given."""
     workloads = ["trace"] if opts.trace else opts.workloads
     progress.runs = len(workloads)
-    runs, plans = [], {}
+    runs: list[dict[str, Any]] = []
+    plans: dict[str, Any] = {}
     workers = asyncio.run(_workers(url, admin_token)) if admin_token else []
     for wl in workloads:
-        planned = plan(spec, wl, opts)
-        plans[wl] = {k: v for k, v in planned.items() if k != "requests"} | {
-            "requests": len(planned["requests"])
-        }
-        if opts.dump_trace:
-            write_trace(dump_path(opts.dump_trace, wl, len(workloads) > 1), planned["requests"])
-        progress.start_run(f"{wl}/attached", len(planned["requests"]))
+        requests = _plan_once(spec, wl, opts, plans, many=len(workloads) > 1)
+        progress.start_run(f"{wl}/attached", len(requests))
         outcomes, wall, deltas, not_reset = asyncio.run(
-            measure(url, workers, planned["requests"], opts, progress, admin_token)
+            measure(url, workers, requests, opts, progress, admin_token)
         )
         policy = next((o.route.split(":")[0] for o in outcomes if o.route), "attached")
         runs.append(summarise(wl, policy, outcomes, wall, deltas, not_reset=not_reset,
