@@ -128,6 +128,13 @@ def lora_enabled(spec: EngineSpec) -> bool:
     return bool(spec.adapters) or bool(spec.options.get("enable_lora"))
 
 
+def start_adapter_args(spec: EngineSpec) -> list[str]:
+    """`--adapters name=path ...`: how LMDeploy and ms-swift take adapters at start."""
+    if not spec.adapters:
+        return []
+    return ["--adapters", *(f"{name}={path}" for name, path in spec.adapters.items())]
+
+
 def engine_python(spec: EngineSpec, env_var: str) -> str:
     """The interpreter that has the engine installed: option `python`, else `env_var`, else ours.
 

@@ -23,6 +23,7 @@ from workers.engines.base import (
     flag_args,
     metric_samples,
     peak,
+    start_adapter_args,
     total,
 )
 
@@ -93,9 +94,7 @@ class LmdeployEngine:
             "--session-len", str(spec.max_model_len),
             *flag_args(options, _FLAGS),
         ]  # fmt: skip
-        if spec.adapters:
-            argv.append("--adapters")
-            argv.extend(f"{name}={path}" for name, path in spec.adapters.items())
+        argv.extend(start_adapter_args(spec))
         argv.extend(spec.extra_args)
         return argv
 

@@ -21,7 +21,13 @@ from typing import Any, ClassVar
 import httpx
 
 from fleetgate.schema import Load
-from workers.engines.base import AdapterError, EngineSpec, engine_environment, engine_python
+from workers.engines.base import (
+    AdapterError,
+    EngineSpec,
+    engine_environment,
+    engine_python,
+    start_adapter_args,
+)
 
 # `python -c LAUNCH <swift deploy flags>`: swift 4.6's DeployArguments calls
 # find_free_port(port), which moves to the next free port; make it keep the one asked for.
@@ -107,9 +113,7 @@ class SwiftEngine:
             "--max_length", str(spec.max_model_len),
             *swift_flags(options, _FLAGS),
         ]  # fmt: skip
-        if spec.adapters:
-            argv.append("--adapters")
-            argv.extend(f"{name}={path}" for name, path in spec.adapters.items())
+        argv.extend(start_adapter_args(spec))
         argv.extend(spec.extra_args)
         return argv
 
