@@ -43,6 +43,10 @@ test: venv vllm swift
 test-fast: venv
 	$(PY) -m pytest -q -m "not vllm and not swift"
 
+# The fleet benchmark with its defaults (3 workloads x 4 policies, about 3-4 minutes).
+bench: venv
+	$(PY) scripts/bench_fleet.py
+
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy fleetgate gateway workers
