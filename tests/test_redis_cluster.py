@@ -24,11 +24,14 @@ from tests.conftest import Fleet, wait_until
 SLOTS = 16384
 
 
-def _cluster_port() -> int:
+def _cluster_port(taken: list[int]) -> int:
     """A free port whose cluster-bus twin (port + 10000, so at most 55535) is free too."""
     rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(20000, 45000)
+        # Below the ephemeral range (32768+), bus port included, so no outgoing connection takes it.
+        port = rng.randrange(12000, 22000)
+        if any(abs(port - t) in (0, 10000) for t in taken):
+            continue
         try:
             with socket.socket() as a, socket.socket() as b:
                 a.bind(("127.0.0.1", port))
@@ -42,7 +45,9 @@ def _cluster_port() -> int:
 @pytest.fixture(scope="module")
 def cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     base = tmp_path_factory.mktemp("cluster")
-    ports = [_cluster_port() for _ in range(3)]
+    ports: list[int] = []
+    for _ in range(3):
+        ports.append(_cluster_port(ports))
     procs = []
     for port in ports:
         folder = base / str(port)
