@@ -34,7 +34,7 @@ from gateway.inflight import SharedInflight
 from gateway.metrics import GatewayMetrics, metrics_endpoint
 from gateway.openapi import ChatOperation, CompletionOperation, ModelsOperation
 from gateway.proxy import Proxy
-from gateway.ratelimit import RateLimiter, client_id
+from gateway.ratelimit import RateLimiter
 from gateway.requests import TokenCounter
 from gateway.routing import make_policy
 from gateway.settings import GatewaySettings
@@ -86,9 +86,7 @@ async def _proxied(request: Request, state: State, path: str, kind: str) -> Resp
     # when the fast path is off, and it documents the operation in the OpenAPI schema.
     gw = _gw(state)
     key_id = _check_client(gw, request)
-    limits: list[tuple[str, str]] = []
-    if gw.limiter.enabled:
-        limits = await gw.limiter.admit(client_id(key_id, request.client.host if request.client else None))
+    limits = await gw.limiter.admit(key_id, request.client.host if request.client else None)
     reply = await gw.proxy.serve(await request.body(), request.headers.get, path, kind, key_id)
     reply.headers.extend(limits)
     if reply.stream is not None:

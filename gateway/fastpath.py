@@ -20,7 +20,6 @@ from litestar import Litestar
 from gateway.auth import check_api_key
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.proxy import Reply
-from gateway.ratelimit import client_id
 
 log = structlog.get_logger("gateway.fastpath")
 
@@ -78,14 +77,11 @@ class FastPath:
             return None
 
         key_id = check_api_key(gw.api_key_digests, header("authorization") or "")
-        limits = None
-        if gw.limiter.enabled:
-            client = scope.get("client")
-            limits = await gw.limiter.admit(client_id(key_id, client[0] if client else None))
+        client = scope.get("client")
+        limits = await gw.limiter.admit(key_id, client[0] if client else None)
         body = await _read_body(receive, gw.settings.max_body_bytes)
         reply: Reply = await gw.proxy.serve(body, header, scope["path"], kind, key_id)
-        if limits:
-            reply.headers.extend(limits)
+        reply.headers.extend(limits)
         return reply
 
 

@@ -25,12 +25,12 @@ class RateLimiter:
         self.burst = burst if burst > 0 else max(1, round(per_minute / 6))
         self._unavailable = False
 
-    @property
-    def enabled(self) -> bool:
-        return self.per_minute > 0
-
-    async def admit(self, client_id: str) -> list[tuple[str, str]]:
-        """Count one request of `client_id`; its `x-ratelimit-*` headers, or RateLimited."""
+    async def admit(self, key_id: str, address: str | None) -> list[tuple[str, str]]:
+        """Count one request of the client (its API key's id, else its address); the
+        answer's `x-ratelimit-*` headers (none when limits are off), or RateLimited."""
+        if self.per_minute <= 0:
+            return []
+        client_id = f"key:{key_id}" if key_id else f"addr:{address or 'unknown'}"
         try:
             allowed, remaining, wait_s = await self.registry.take(client_id, self.per_minute, self.burst)
         except (RedisError, OSError) as exc:
@@ -55,7 +55,3 @@ class RateLimiter:
             )
         return headers
 
-
-def client_id(key_id: str, address: str | None) -> str:
-    """The API key's id when keys are configured, else the client's address."""
-    return f"key:{key_id}" if key_id else f"addr:{address or 'unknown'}"

@@ -3,9 +3,11 @@
 It reads one job per line on stdin (JSON, see `Job`) and answers each with one line
 of JSON on stdout: the `Result`, or, when the job names a `result_path`, the result
 goes to that file and the line only says so (a result holds every latency, a megabyte
-or more: a file keeps the pipe to the orchestrator down to a few bytes a job). A job runs `concurrency` clients, each sending its next
-request as soon as the last one finished, over one aiohttp session whose pool holds
-`concurrency` connections, round-robin over `urls`. Requests finishing inside the
+or more: a file keeps the pipe to the orchestrator down to a few bytes a job).
+
+A job runs `concurrency` clients, each sending its next request as soon as the last
+one finished, over one aiohttp session whose pool holds `concurrency` connections,
+round-robin over `urls`. Requests finishing inside the
 measured window (after `warmup_s`, for `duration_s`) make the figures; `total` counts
 every request of the job, for CPU per request of the process under test.
 
