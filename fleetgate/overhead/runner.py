@@ -48,11 +48,12 @@ class LoadGen:
         job = msgspec.structs.replace(job, result_path=str(path))
         self.proc.stdin.write(msgspec.json.encode(job) + b"\n")
         self.proc.stdin.flush()
-        # A job runs for its duration (or its request count); never wait forever on it.
-        budget = job.warmup_s + job.duration_s + (60.0 if not job.requests else 60.0 + job.requests)
-        ready, _, _ = select.select([self.proc.stdout], [], [], budget + 60.0)
+        # A job runs for its duration (or up to a second per counted request), plus two
+        # minutes to spare; never wait forever on it.
+        limit = job.warmup_s + job.duration_s + job.requests + 120.0
+        ready, _, _ = select.select([self.proc.stdout], [], [], limit)
         if not ready:
-            raise RuntimeError(f"the load generator said nothing for {budget + 60:.0f} s (job: {job})")
+            raise RuntimeError(f"the load generator said nothing for {limit:.0f} s (job: {job})")
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError("the load generator exited")
