@@ -25,6 +25,9 @@ Layout (``P`` is the key prefix, ``v1`` the schema version)::
                           leaks nothing, its counts vanish with the lease
     {P}:v1:rate:<key id>  STRING per-client rate limit (GCRA): the theoretical arrival time, in
                           ms of Redis's clock, of the client's next request; PX until then
+    {P}:v1:resp:<id>      STRING the worker that created (and stores) Responses API response
+                          <id>, so a follow-up (`previous_response_id`), a retrieve or a cancel
+                          reaches it from any gateway; PX the gateway's `responses_ttl_s`
 
 The prefix is wrapped in a hash tag so every key lands in one Redis Cluster slot:
 multi-key pipelines and the Lua scripts below work unchanged on a cluster.
@@ -166,6 +169,7 @@ class Keys:
         self.epoch = f"{base}:epoch"
         self._inflight = f"{base}:inflight:"
         self._rate = f"{base}:rate:"
+        self._response = f"{base}:resp:"
 
     def worker(self, worker_id: str) -> str:
         return self._worker + worker_id
@@ -181,6 +185,9 @@ class Keys:
 
     def rate(self, client_id: str) -> str:
         return self._rate + client_id
+
+    def response(self, response_id: str) -> str:
+        return self._response + response_id
 
 
 def decode_worker(
@@ -409,6 +416,15 @@ class Registry:
             keys=[self.keys.rate(client_id)], args=[interval_ms, max(1, burst)]
         )
         return bool(allowed), int(remaining), int(wait_ms) / 1000
+
+    # -- where stored Responses API responses live ---------------------------------------
+
+    async def remember_response(self, response_id: str, worker_id: str, ttl_s: float) -> None:
+        await self.redis.set(self.keys.response(response_id), worker_id, px=max(1, int(ttl_s * 1000)))
+
+    async def response_worker(self, response_id: str) -> str | None:
+        raw = await self.redis.get(self.keys.response(response_id))
+        return raw.decode() if isinstance(raw, bytes) else raw
 
     async def subscribe(self) -> aioredis.client.PubSub:
         """A pub/sub connection listening on the events channel (its data: worker ids)."""

@@ -32,7 +32,13 @@ from gateway.fastpath import FastPath
 from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
 from gateway.metrics import GatewayMetrics, metrics_endpoint
-from gateway.openapi import ChatOperation, CompletionOperation, ModelsOperation
+from gateway.openapi import (
+    ChatOperation,
+    CompletionOperation,
+    ModelsOperation,
+    ResponsesOperation,
+    StoredResponseOperation,
+)
 from gateway.proxy import Proxy
 from gateway.ratelimit import RateLimiter
 from gateway.requests import TokenCounter
@@ -104,6 +110,29 @@ async def chat_completions(request: Request, state: State) -> Response:
 @post("/v1/completions", status_code=200, operation_class=CompletionOperation)
 async def completions(request: Request, state: State) -> Response:
     return await _proxied(request, state, "/v1/completions", "completion")
+
+
+@post("/v1/responses", status_code=200, operation_class=ResponsesOperation)
+async def create_response(request: Request, state: State) -> Response:
+    return await _proxied(request, state, "/v1/responses", "responses")
+
+
+async def _stored(request: Request, state: State, method: str, response_id: str, suffix: str) -> Response:
+    gw = _gw(state)
+    _check_client(gw, request)
+    reply = await gw.proxy.stored(method, response_id, suffix, request.url.query)
+    return Response(content=reply.body, status_code=reply.status, media_type="application/json",
+                    headers=dict(reply.headers))
+
+
+@get("/v1/responses/{response_id:str}", operation_class=StoredResponseOperation)
+async def retrieve_response(request: Request, state: State, response_id: str) -> Response:
+    return await _stored(request, state, "GET", response_id, "")
+
+
+@post("/v1/responses/{response_id:str}/cancel", status_code=200, operation_class=StoredResponseOperation)
+async def cancel_response(request: Request, state: State, response_id: str) -> Response:
+    return await _stored(request, state, "POST", response_id, "/cancel")
 
 
 @get("/v1/models", operation_class=ModelsOperation)
@@ -350,7 +379,8 @@ def create_app(settings: GatewaySettings) -> Litestar:
     make_policy(settings.policy, settings.routing)  # fail at start-up, not on the first request
     return Litestar(
         route_handlers=[
-            chat_completions, completions, list_models, get_model, health,
+            chat_completions, completions, create_response, retrieve_response, cancel_response,
+            list_models, get_model, health,
             admin_workers, admin_drain, admin_undrain, admin_remove,
             admin_load_adapter, admin_unload_adapter, metrics_endpoint, *UI_HANDLERS,
         ],

@@ -28,7 +28,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "responses"}
 _JSON = (b"content-type", b"application/json")
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
         (b"x-accel-buffering", b"no")]

@@ -42,10 +42,19 @@ NO_WORKER = "none"
 class _Usage(msgspec.Struct):
     prompt_tokens: int | None = 0
     completion_tokens: int | None = 0
+    # The Responses API's names for the same counts.
+    input_tokens: int | None = 0
+    output_tokens: int | None = 0
+
+
+class _Response(msgspec.Struct):
+    usage: _Usage | None = None
 
 
 class _WithUsage(msgspec.Struct):
     usage: _Usage | None = None
+    # A Responses API stream's last event carries the whole response, usage inside.
+    response: _Response | None = None
 
 
 _usage_decoder = msgspec.json.Decoder(_WithUsage)
@@ -58,15 +67,18 @@ def usage_of(payload: bytes) -> tuple[int, int]:
     """
     if b'"usage"' not in payload:
         return 0, 0
-    if payload.startswith(b"data:"):
+    if payload.startswith(b"event:"):  # a named event (the Responses API's): its data line
+        payload = payload.partition(b"\ndata:")[2]
+    elif payload.startswith(b"data:"):
         payload = payload[5:]
     try:
-        usage = _usage_decoder.decode(payload).usage
+        decoded = _usage_decoder.decode(payload)
     except msgspec.DecodeError:
         return 0, 0
+    usage = decoded.usage or (decoded.response.usage if decoded.response is not None else None)
     if usage is None:
         return 0, 0
-    return usage.prompt_tokens or 0, usage.completion_tokens or 0
+    return usage.prompt_tokens or usage.input_tokens or 0, usage.completion_tokens or usage.output_tokens or 0
 
 
 class DecisionLog:

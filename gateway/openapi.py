@@ -53,6 +53,28 @@ class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[str]
 
 
+class InputMessage(msgspec.Struct, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]]
+    type: Literal["message"] | None = None
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True):
+    """The Responses API (vLLM's subset of OpenAI's: text in, text out)."""
+
+    model: str
+    input: str | list[InputMessage]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    # Continue a stored response: the request goes to the worker that stores it.
+    previous_response_id: str | None = None
+    store: bool | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+
+
 class ErrorDetail(msgspec.Struct):
     message: str
     type: str
@@ -90,16 +112,16 @@ def _inline(node: Any, defs: dict[str, Any]) -> Any:
 
 
 _schemas, _defs = msgspec.json.schema_components(
-    [ChatCompletionRequest, CompletionRequest, Error, ModelList], ref_template=_REF
+    [ChatCompletionRequest, CompletionRequest, ResponsesRequest, Error, ModelList], ref_template=_REF
 )
-_CHAT, _COMPLETION, _ERROR, _MODELS = (_inline(x, _defs) for x in _schemas)
+_CHAT, _COMPLETION, _RESPONSES, _ERROR, _MODELS = (_inline(x, _defs) for x in _schemas)
 
 _ERRORS = {
     str(status): OpenAPIResponse(description=why, content={"application/json": OpenAPIMediaType(schema=_ERROR)})  # type: ignore[arg-type]
     for status, why in [
         (400, "Malformed JSON or body, or a prompt over the context length"),
         (401, "Missing or invalid API key"),
-        (404, "No worker serves this model or adapter"),
+        (404, "No worker serves this model or adapter, or the named stored response is unknown"),
         (413, "Body over the size limit"),
         (429, "Every worker is full, or this client is over its rate limit (Retry-After)"),
         (502, "The engines failed"),
@@ -132,6 +154,25 @@ class CompletionOperation(Operation):
     def __post_init__(self) -> None:
         self.request_body = _body(_COMPLETION)
         self.responses = {"200": _STREAM_OR_JSON, **_ERRORS}
+
+
+@dataclass
+class ResponsesOperation(Operation):
+    def __post_init__(self) -> None:
+        self.request_body = _body(_RESPONSES)
+        self.responses = {"200": _STREAM_OR_JSON, **_ERRORS}
+
+
+@dataclass
+class StoredResponseOperation(Operation):
+    """Retrieve or cancel a stored response (answered by the worker that stores it)."""
+
+    def __post_init__(self) -> None:
+        self.responses = {
+            "200": OpenAPIResponse(description="The response object",
+                                   content={"application/json": OpenAPIMediaType(schema={"type": "object"})}),  # type: ignore[arg-type]
+            **{k: _ERRORS[k] for k in ("401", "404", "502", "503", "504")},
+        }
 
 
 @dataclass

@@ -36,6 +36,7 @@ from gateway.errors import (
     ContextLengthExceeded,
     GatewayError,
     ModelNotFound,
+    NotFound,
     NoWorkerAvailable,
     Overloaded,
     UpstreamError,
@@ -44,10 +45,11 @@ from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
 from gateway.metrics import GatewayMetrics, usage_of
 from gateway.requests import TokenCounter, affinity, estimate_tokens, parse_request
+from gateway.responses import ResponsesTracker, response_id_of
 from gateway.resume import StreamTracker, continuation_body, resumable_request
 from gateway.routing import Choice, Policy, RequestFacts, decide
 from gateway.settings import GatewaySettings
-from gateway.upstream import RETRYABLE_STATUS, Upstream, openai_error_body, sse_error
+from gateway.upstream import RETRYABLE_STATUS, Upstream, openai_error_body
 
 log = structlog.get_logger("gateway.proxy")
 
@@ -130,10 +132,13 @@ class Proxy:
         else:
             estimate, floor = estimate_tokens(probe)
         warm, full = self.placer.residency(probe.model) if is_adapter else (frozenset(), frozenset())
+        pinned = None
+        if probe.previous_response_id is not None:
+            pinned = await self._owner(probe.previous_response_id, "previous_response_id")
         facts = RequestFacts(
             model=probe.model,
             prompt_tokens=estimate,
-            max_tokens=probe.max_completion_tokens or probe.max_tokens,
+            max_tokens=probe.max_new_tokens,
             session=session,
             seq=self.seq,
             adapter=is_adapter,
@@ -141,8 +146,9 @@ class Proxy:
             full=full,
             affinity_key=key,
             affinity_kind=key_kind,
+            pinned=pinned,
         )
-        attempt = _Attempt(self, path, body, probe.stream, facts, floor)
+        attempt = _Attempt(self, path, kind, body, probe.stream, facts, floor)
         try:
             if facts.adapter and self.placer.known(probe.model):
                 await self.placer.ensure(probe.model)
@@ -176,10 +182,15 @@ class Proxy:
             "request_id": request_id, "key_id": key_id, "model": probe.model, "adapter": facts.adapter,
             "worker": worker.id, "route": choice.reason, "attempts": attempt.count, "stream": probe.stream,
         }
+        stores = kind == "responses" and probe.store is not False
         if resp is not None:
-            tracker = StreamTracker(kind, lambda: resumable_request(body, kind))
-            return Reply(200, headers, stream=self._relay(attempt, choice, resp, tracker, started, fields))
+            tracker: StreamTracker | ResponsesTracker = (
+                ResponsesTracker() if kind == "responses" else StreamTracker(kind, lambda: resumable_request(body, kind))
+            )
+            return Reply(200, headers, stream=self._relay(attempt, choice, resp, tracker, started, fields, stores))
         status, payload = data
+        if stores and status == 200 and (response_id := response_id_of(payload)):
+            await self._remember(response_id, worker.id)
         elapsed = time.perf_counter() - started
         prompt_tokens, completion_tokens = usage_of(payload) if status == 200 else (0, 0)
         self.metrics.request_done(probe.model, worker.id, status, False, elapsed, None,
@@ -246,9 +257,44 @@ class Proxy:
         log.info("gateway.retry", model=attempt.facts.model, attempt=attempt.count + 1,
                  error=attempt.last_error.message if attempt.last_error else "")
 
+    async def _owner(self, response_id: str, param: str) -> str:
+        """The worker that stores Responses API response `response_id` (NotFound if none does)."""
+        try:
+            owner = await self.watcher.registry.response_worker(response_id)
+        except Exception as exc:  # redis-py's errors: the registry cannot say
+            raise NoWorkerAvailable("The gateway cannot reach its registry to find where response "
+                                    f"`{response_id}` is stored; try again shortly.", retry_after=1) from exc
+        if owner is None:
+            raise NotFound(f"Response `{response_id}` is not known to this fleet: it was created with "
+                           "`store: false`, has expired, or never existed.", param=param,
+                           code="response_not_found")
+        view = self.watcher.snapshot.by_id.get(owner)
+        if view is None:
+            raise NotFound(f"Response `{response_id}` was stored on worker `{owner}`, which has left the "
+                           "fleet; its state is gone. Send the conversation in `input` instead.",
+                           param=param, code="response_not_found")
+        return owner
+
+    async def _remember(self, response_id: str, worker_id: str) -> None:
+        try:
+            await self.watcher.registry.remember_response(response_id, worker_id, self.settings.responses_ttl_s)
+        except Exception as exc:  # the answer still goes out; only follow-ups will miss it
+            log.warning("gateway.response_not_recorded", response_id=response_id, worker=worker_id,
+                        error=f"{type(exc).__name__}: {exc}")
+
+    async def stored(self, method: str, response_id: str, suffix: str, query: str) -> Reply:
+        """Forward a retrieve (GET) or cancel (POST) of a stored response to the worker that has it."""
+        owner = await self._owner(response_id, "response_id")
+        worker = self.watcher.snapshot.by_id[owner]
+        url = f"{worker.info.url}/v1/responses/{response_id}{suffix}" + (f"?{query}" if query else "")
+        status, data = await self.upstream.call(method, url, self.settings.first_byte_timeout_s)
+        if status >= 400:
+            data = openai_error_body(status, data)
+        return Reply(status, [("x-fleetgate-worker", owner)], body=data)
+
     async def _relay(
-        self, attempt: _Attempt, choice: Choice, resp: aiohttp.ClientResponse, tracker: StreamTracker,
-        started: float, fields: dict[str, object],
+        self, attempt: _Attempt, choice: Choice, resp: aiohttp.ClientResponse,
+        tracker: StreamTracker | ResponsesTracker, started: float, fields: dict[str, object], stores: bool,
     ) -> AsyncIterator[bytes]:
         settings = self.settings
         loop = asyncio.get_running_loop()
@@ -276,6 +322,10 @@ class Proxy:
                             if first_chunk_ms is None:
                                 first_chunk_ms = round((time.perf_counter() - started) * 1000, 2)
                             joined = b"".join(out)
+                            if stores and tracker.response_id:
+                                # Recorded before the client can see the id, so a follow-up finds it.
+                                await self._remember(tracker.response_id, worker.id)
+                                stores = False
                             if b'"usage":{' in joined or b'"usage": {' in joined:
                                 for piece in out:
                                     usage = usage_of(piece)
@@ -302,9 +352,10 @@ class Proxy:
                                 sent_chunks=tracker.content_chunks, request_id=fields["request_id"])
                     if not tracker.resumable or resumes >= settings.max_resumes:
                         outcome = f"broken:{reason}"
-                        yield sse_error("The engine serving this stream failed and the stream cannot be "
+                        yield tracker.error_event("The engine serving this stream failed and the stream cannot be "
                                         "resumed elsewhere; the answer is incomplete.")
                         return
+                    assert isinstance(tracker, StreamTracker)  # the only resumable kind
                     body = continuation_body(attempt.body, attempt.kind, tracker.text,
                                              tracker.content_chunks, worker.info.engine)
                     if body is None:
@@ -315,7 +366,7 @@ class Proxy:
                         choice, resp = await attempt.resume(body)
                     except GatewayError as err:
                         outcome = f"broken:{reason}"
-                        yield sse_error(f"The stream could not be resumed on another worker: {err.message}")
+                        yield tracker.error_event(f"The stream could not be resumed on another worker: {err.message}")
                         return
                     worker = choice.worker
                     counted = True
@@ -355,11 +406,11 @@ class _Attempt:
     """The attempts at one request: each picks the best worker not tried yet."""
 
     def __init__(
-        self, proxy: Proxy, path: str, body: bytes, stream: bool, facts: RequestFacts, floor: int
+        self, proxy: Proxy, path: str, kind: str, body: bytes, stream: bool, facts: RequestFacts, floor: int
     ) -> None:
         self.proxy = proxy
         self.path = path
-        self.kind = "chat" if path.endswith("chat/completions") else "completion"
+        self.kind = kind
         self.body = body
         self.stream = stream
         self.facts = facts

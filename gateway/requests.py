@@ -23,10 +23,20 @@ PREFIX_CHARS = 2048
 TEMPLATE_TOKENS_PER_MESSAGE = 4
 
 
+class Part(msgspec.Struct):
+    """One content part (`{"type": "text", "text": ...}`, an image, ...): only text counts here."""
+
+    text: str | None = None
+
+
 class Message(msgspec.Struct):
+    """A chat message, or an item of a Responses API `input` (a message, a tool call's output)."""
+
     role: str = ""
-    # A string, or a list of content parts (kept raw: only their size matters here).
-    content: str | msgspec.Raw | None = None
+    # A string, or a list of content parts.
+    content: str | list[Part] | None = None
+    # A tool call's output (Responses API `function_call_output` items).
+    output: str | None = None
 
 
 class Probe(msgspec.Struct):
@@ -38,7 +48,20 @@ class Probe(msgspec.Struct):
     max_completion_tokens: int | None = None
     user: str | None = None
     messages: list[Message] | None = None
-    prompt: str | list[str] | msgspec.Raw | None = None
+    # A string, a list of strings, token ids or lists of them: kept raw (msgspec cannot
+    # decode that union), decoded by `prompt_texts` only when a completion needs it.
+    prompt: msgspec.Raw = msgspec.Raw()
+    # The Responses API: `input` is a string or a list of items, `instructions` play the
+    # system prompt, and a follow-up names the response it continues.
+    input: str | list[Message] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens or self.max_output_tokens
 
 
 _probe = msgspec.json.Decoder(Probe)
@@ -58,9 +81,13 @@ def parse_request(body: bytes, kind: str) -> Probe:
         raise InvalidRequest("`model` must name a model or adapter.", param="model")
     if kind == "chat" and not probe.messages:
         raise InvalidRequest("`messages` must be a non-empty array.", param="messages")
-    if kind == "completion" and probe.prompt is None:
+    if kind == "completion" and bytes(probe.prompt) in (b"", b"null"):
         raise InvalidRequest("`prompt` is required.", param="prompt")
-    for name in ("max_tokens", "max_completion_tokens"):
+    if kind == "responses" and probe.input is None:
+        raise InvalidRequest("`input` is required.", param="input")
+    if probe.previous_response_id is not None and not probe.previous_response_id:
+        raise InvalidRequest("`previous_response_id` must name a response.", param="previous_response_id")
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = getattr(probe, name)
         if value is not None and value < 1:
             raise InvalidRequest(f"`{name}` must be at least 1.", param=name)
@@ -77,23 +104,51 @@ def _field_of(exc: msgspec.ValidationError) -> str | None:
     return None
 
 
-def _text(content: str | msgspec.Raw | None) -> str:
+def _text(content: str | list[Part] | None) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return bytes(content).decode(errors="replace")
+    return "".join(p.text for p in content if p.text)
+
+
+def _prompt(raw: msgspec.Raw) -> tuple[list[str], int]:
+    """A completion's prompt: (its texts, its count of token ids), whichever form it takes."""
+    if not raw:
+        return [], 0
+    try:
+        value = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return [], 0
+    items = value if isinstance(value, list) and value and not isinstance(value[0], int) else [value]
+    texts = [x for x in items if isinstance(x, str)]
+    ids = sum(len(x) for x in items if isinstance(x, list))
+    return texts, ids
 
 
 def prompt_texts(probe: Probe) -> list[str]:
     if probe.messages is not None:
         return [_text(m.content) for m in probe.messages]
-    prompt = probe.prompt
-    if isinstance(prompt, str):
-        return [prompt]
-    if isinstance(prompt, list):
-        return prompt
-    return [bytes(prompt).decode(errors="replace")] if prompt is not None else []
+    if probe.input is not None:
+        texts = [probe.instructions] if probe.instructions else []
+        if isinstance(probe.input, str):
+            return [*texts, probe.input]
+        return [*texts, *(_text(m.content) or m.output or "" for m in probe.input)]
+    return _prompt(probe.prompt)[0]
+
+
+def _messages(probe: Probe) -> int:
+    """How many messages a chat template wraps (each adds a few tokens)."""
+    if probe.messages is not None:
+        return len(probe.messages)
+    if isinstance(probe.input, list):
+        return len(probe.input) + bool(probe.instructions)
+    return 0
+
+
+def prompt_ids(probe: Probe) -> int:
+    """Token ids sent as such (a completion's prompt may be token ids): counted exactly."""
+    return _prompt(probe.prompt)[1] if probe.messages is None and probe.input is None else 0
 
 
 def estimate_tokens(probe: Probe) -> tuple[int, int]:
@@ -103,8 +158,9 @@ def estimate_tokens(probe: Probe) -> tuple[int, int]:
     packs more than about 8 bytes into a token, so bytes/8 is a floor.
     """
     size = sum(len(t.encode()) for t in prompt_texts(probe))
-    overhead = TEMPLATE_TOKENS_PER_MESSAGE * len(probe.messages or ())
-    return math.ceil(size / 4) + overhead, size // 8
+    exact = prompt_ids(probe)
+    overhead = TEMPLATE_TOKENS_PER_MESSAGE * _messages(probe)
+    return math.ceil(size / 4) + overhead + exact, size // 8 + exact
 
 
 def affinity(probe: Probe, session: str | None, adapter: bool = False) -> tuple[int | None, str | None]:
@@ -127,11 +183,15 @@ def affinity(probe: Probe, session: str | None, adapter: bool = False) -> tuple[
         if session:
             return stable_hash(f"{model}\0session\0{session}"), "session"
         return stable_hash(f"{model}\0{_text(first.content)[:PREFIX_CHARS]}"), "prefix"
+    if probe.instructions:
+        return stable_hash(f"{model}\0{probe.instructions[:PREFIX_CHARS]}"), "prefix"
     if session:
         return stable_hash(f"{model}\0session\0{session}"), "session"
     texts = prompt_texts(probe)
     if texts and texts[0]:
         return stable_hash(f"{model}\0{texts[0][:PREFIX_CHARS]}"), "prefix"
+    if prompt_ids(probe):  # token ids: their head, as written
+        return stable_hash(f"{model}\0{bytes(probe.prompt)[:PREFIX_CHARS].decode()}"), "prefix"
     return None, None
 
 
@@ -146,5 +206,5 @@ class TokenCounter:
     def count(self, probe: Probe) -> int:
         texts = [t for t in prompt_texts(probe) if t]
         encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
-        overhead = TEMPLATE_TOKENS_PER_MESSAGE * len(probe.messages or ())
-        return sum(len(e.ids) for e in encoded) + overhead
+        overhead = TEMPLATE_TOKENS_PER_MESSAGE * _messages(probe)
+        return sum(len(e.ids) for e in encoded) + overhead + prompt_ids(probe)

@@ -15,6 +15,8 @@ from typing import Any
 
 import msgspec
 
+from gateway.upstream import sse_error
+
 DONE = b"data: [DONE]\n\n"
 
 # Engines that continue a trailing assistant message by themselves (no vLLM flags).
@@ -95,6 +97,10 @@ class StreamTracker:
                 self.finished = True
             return event + b"\n\n"
         return self._rewrite(payload)
+
+    def error_event(self, message: str) -> bytes:
+        """How a stream that cannot go on ends: an OpenAI-style error event, then [DONE]."""
+        return sse_error(message)
 
     def analyse(self) -> None:
         """Decode what was sent: the text so far, its id, and whether it can be continued."""

@@ -70,6 +70,9 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Serve the OpenAI POST routes with a raw ASGI handler in front of Litestar (same logic,
     # a third less CPU per request).
     fast_path: bool = True
+    # How long the gateway remembers which worker stores a Responses API response (for
+    # `previous_response_id`, retrieve and cancel, from any gateway replica).
+    responses_ttl_s: float = 86400.0
     # Largest request body accepted (413 above it).
     max_body_bytes: int = 32 * 1024 * 1024
     log_level: str = "info"

@@ -81,6 +81,22 @@ def test_openai_client_chat_non_streaming_and_streaming(shared_fleet: tuple[Flee
     assert chunks[-1].usage is not None
 
 
+def test_content_parts_and_token_id_prompts_are_served(shared_fleet: tuple[Fleet, str]) -> None:
+    """Messages whose content is a list of parts (as the openai client sends for multimodal
+    input) and completions whose prompt is token ids reach an engine, not a 400."""
+    _, url = shared_fleet
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    completion = client.chat.completions.create(
+        model=MODEL, max_tokens=6,
+        messages=[{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                  {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}],
+    )
+    assert completion.choices[0].message.content
+    for prompt in ([101, 102, 103, 104], [[101, 102, 103]]):
+        text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)  # type: ignore[arg-type]
+        assert text.choices[0].text
+
+
 def test_adapter_requests_go_only_to_the_worker_holding_it(shared_fleet: tuple[Fleet, str]) -> None:
     """A LoRA adapter name routes to the worker that has it loaded."""
     _, url = shared_fleet

@@ -49,6 +49,10 @@ class RequestFacts:
     # and workers whose slots are likely all taken (a load there evicts another adapter).
     warm: frozenset[str] = frozenset()
     full: frozenset[str] = frozenset()
+    # The one worker that can serve this request (it stores the response a Responses API
+    # follow-up continues). It takes the request while draining too: the conversation
+    # lives there, and a drain lets requests finish.
+    pinned: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +115,11 @@ def decide(
     model_routes = routes.by_model.get(facts.model)
     if model_routes is None:
         return Decision("unknown_model")
-    if exclude:
+    if facts.pinned is not None:
+        pinned = facts.pinned
+        routable = [s for s in model_routes.slots
+                    if s.id == pinned and s.id not in exclude and not s.view.circuit]
+    elif exclude:
         routable = [s for s in model_routes.slots if s.routable and s.id not in exclude]
     else:
         routable = [s for s in model_routes.slots if s.routable]
