@@ -35,6 +35,7 @@ from gateway.circuit import Breakers
 from gateway.errors import (
     ContextLengthExceeded,
     GatewayError,
+    InvalidRequest,
     ModelNotFound,
     NotFound,
     NoWorkerAvailable,
@@ -134,7 +135,12 @@ class Proxy:
         warm, full = self.placer.residency(probe.model) if is_adapter else (frozenset(), frozenset())
         pinned = None
         if probe.previous_response_id is not None:
-            pinned = await self._owner(probe.previous_response_id, "previous_response_id")
+            owner = await self._owner(probe.previous_response_id, "previous_response_id")
+            pinned = owner.info.id
+            if not owner.serves(probe.model):
+                raise InvalidRequest(f"Response `{probe.previous_response_id}` is stored on worker `{pinned}`, "
+                                     f"which does not serve `{probe.model}`; continue it with a model it "
+                                     "serves.", param="model")
         facts = RequestFacts(
             model=probe.model,
             prompt_tokens=estimate,
@@ -257,7 +263,7 @@ class Proxy:
         log.info("gateway.retry", model=attempt.facts.model, attempt=attempt.count + 1,
                  error=attempt.last_error.message if attempt.last_error else "")
 
-    async def _owner(self, response_id: str, param: str) -> str:
+    async def _owner(self, response_id: str, param: str) -> WorkerView:
         """The worker that stores Responses API response `response_id` (NotFound if none does)."""
         try:
             owner = await self.watcher.registry.response_worker(response_id)
@@ -273,7 +279,7 @@ class Proxy:
             raise NotFound(f"Response `{response_id}` was stored on worker `{owner}`, which has left the "
                            "fleet; its state is gone. Send the conversation in `input` instead.",
                            param=param, code="response_not_found")
-        return owner
+        return view
 
     async def _remember(self, response_id: str, worker_id: str) -> None:
         try:
@@ -284,13 +290,12 @@ class Proxy:
 
     async def stored(self, method: str, response_id: str, suffix: str, query: str) -> Reply:
         """Forward a retrieve (GET) or cancel (POST) of a stored response to the worker that has it."""
-        owner = await self._owner(response_id, "response_id")
-        worker = self.watcher.snapshot.by_id[owner]
+        worker = await self._owner(response_id, "response_id")
         url = f"{worker.info.url}/v1/responses/{response_id}{suffix}" + (f"?{query}" if query else "")
         status, data = await self.upstream.call(method, url, self.settings.first_byte_timeout_s)
         if status >= 400:
             data = openai_error_body(status, data)
-        return Reply(status, [("x-fleetgate-worker", owner)], body=data)
+        return Reply(status, [("x-fleetgate-worker", worker.info.id)], body=data)
 
     async def _relay(
         self, attempt: _Attempt, choice: Choice, resp: aiohttp.ClientResponse,

@@ -46,6 +46,14 @@ CASES = [
      RequestFacts("base", prompt_tokens=40000), {}, (), "context_length", []),
     ("a model served only by starting workers is unknown to clients", RequestFacts("other"), {}, ("c",),
      "no_worker", []),
+    ("a pinned request goes to its worker however busy", RequestFacts("base", pinned="long"), {}, (), "ok",
+     ["long"]),
+    ("a pinned request follows its worker into a drain (the state it continues lives there)",
+     RequestFacts("base", pinned="e"), {}, (), "ok", ["e"]),
+    ("a pinned request's worker once tried leaves no other", RequestFacts("base", pinned="b"), {}, ("b",),
+     "no_worker", []),
+    ("a pinned worker that does not serve the model is no worker", RequestFacts("base", pinned="c"), {}, (),
+     "no_worker", []),
 ]
 
 
@@ -55,6 +63,11 @@ def test_least_outstanding_decisions(why: str, facts: RequestFacts, inflight: di
     decision = decide(Routes.build(FLEET), facts, inflight, make_policy("least_outstanding"), exclude)
     assert decision.verdict == verdict
     assert [c.worker.id for c in decision.choices] == ids
+
+
+def test_a_pinned_decision_says_so() -> None:
+    decision = decide(Routes.build(FLEET), RequestFacts("base", pinned="b"), {}, make_policy("fleet"))
+    assert [(c.worker.id, c.reason) for c in decision.choices] == [("b", "response-pinned")]
 
 
 def test_context_length_verdict_names_the_largest_limit() -> None:

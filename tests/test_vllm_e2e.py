@@ -44,7 +44,7 @@ def vllm_fleet(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
                 "--option", f"python={VLLM_PYTHON}", "--option", "enforce_eager=true",
                 "--option", "max_loras=2", "--option", "max_lora_rank=8", "--option", "max_num_seqs=16",
                 "--option", "env={VLLM_CPU_KVCACHE_SPACE: 1, VLLM_ENABLE_V1_MULTIPROCESSING: 0, "
-                "HF_HUB_OFFLINE: 1, TRANSFORMERS_OFFLINE: 1}",
+                "HF_HUB_OFFLINE: 1, TRANSFORMERS_OFFLINE: 1, VLLM_ENABLE_RESPONSES_API_STORE: 1}",
                 engine="vllm",
             )
         fleet.worker("sim", "--model", "other-model", "--option", "time_scale=0.05")
@@ -103,6 +103,34 @@ def test_requests_for_other_models_go_to_the_simulated_worker(vllm_fleet: tuple[
     _, url = vllm_fleet
     resp = httpx.post(f"{url}/v1/completions", json={"model": "other-model", "prompt": "x", "max_tokens": 3})
     assert resp.status_code == 200 and resp.headers["x-fleetgate-worker"] == "sim"
+
+
+def test_responses_api_follow_ups_reach_the_real_vllm_that_stores_them(vllm_fleet: tuple[Fleet, str]) -> None:
+    """Responses API on real vLLM through a round-robin gateway: every follow-up
+    (`previous_response_id`) lands on the engine that stores the conversation (any other
+    engine would answer 404), whole and streamed, and retrieve finds it."""
+    fleet, _ = vllm_fleet
+    _, rr = fleet.gateway("--policy", "round_robin")
+    client = openai.OpenAI(base_url=f"{rr}/v1", api_key="unused", max_retries=0, timeout=60)
+    raw = client.responses.with_raw_response.create(model="tiny", input="Hello there", max_output_tokens=6)
+    owner = raw.headers["x-fleetgate-worker"]
+    previous = raw.parse()
+    assert previous.status in ("completed", "incomplete") and previous.id.startswith("resp")
+    for turn in range(4):
+        raw = client.responses.with_raw_response.create(
+            model="tiny", input=f"And then? {turn}", max_output_tokens=6, previous_response_id=previous.id,
+        )
+        assert (raw.headers["x-fleetgate-worker"], raw.headers["x-fleetgate-route"]) == (
+            owner, "round_robin:response-pinned")
+        previous = raw.parse()
+    assert client.responses.retrieve(previous.id).id == previous.id
+
+    events = list(client.responses.create(model="tiny", input="Stream it", max_output_tokens=6, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    streamed_id = events[-1].response.id  # type: ignore[union-attr]
+    follow = client.responses.create(model="tiny", input="More", max_output_tokens=4,
+                                     previous_response_id=streamed_id)
+    assert follow.status in ("completed", "incomplete")
 
 
 def _prefix_hits(fleet: Fleet, url: str) -> float:

@@ -137,7 +137,10 @@ def decide(
             return Decision("context_length", limit=max(s.max_len for s in routable))
     else:
         fitting = routable
-    choices = tuple(policy.rank(fitting, facts, inflight, model_routes, limit))
+    if facts.pinned is not None:  # one candidate: nothing for the policy to weigh
+        choices: tuple[Choice, ...] = (Choice(fitting[0], "response-pinned"),)
+    else:
+        choices = tuple(policy.rank(fitting, facts, inflight, model_routes, limit))
     # Cheap in the common case: only when the policy's pick is full are the others checked.
     if full_at is not None and full_at.full(choices[0].slot, inflight) and all(
         full_at.full(s, inflight) for s in fitting

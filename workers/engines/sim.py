@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import httpx
 
 from fleetgate.schema import Load
-from workers.engines.base import EngineSpec, flag_args, lora_enabled
+from workers.engines.base import EngineSpec, engine_environment, flag_args, lora_enabled
 from workers.engines.lmdeploy import parse_lmdeploy_metrics
 from workers.engines.vllm import load_lora, parse_vllm_metrics, unload_lora
 from workers.simulator.profiles import PROFILES, profile_for_gpu, relative_speed
@@ -90,7 +90,8 @@ class SimEngine:
         return argv
 
     def environment(self, spec: EngineSpec) -> dict[str, str]:
-        return {}
+        # As for real engines: the `env` option (e.g. VLLM_ENABLE_RESPONSES_API_STORE: 1).
+        return engine_environment(spec)
 
     def capacity(self, spec: EngineSpec) -> int:
         value = spec.options.get("max_num_seqs")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 
 from aiohttp import web
@@ -53,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--flavor", choices=("vllm", "lmdeploy"), default="vllm")
+    p.add_argument(
+        "--enable-responses-store", action="store_true",
+        default=os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "0") not in ("", "0"),
+        help="store /v1/responses results (default: vLLM's VLLM_ENABLE_RESPONSES_API_STORE)",
+    )  # fmt: skip
     p.add_argument("--fault", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument(
         "--profile-param", action="append", default=[], metavar="FIELD=VALUE",
@@ -82,6 +88,7 @@ def config_from_args(argv: list[str] | None = None) -> SimConfig:
             time_scale=args.time_scale,
             seed=args.seed,
             flavor=args.flavor,
+            responses_store=args.enable_responses_store,
             faults=parse_fault_args(args.fault),
             profile_overrides=_profile_params(args.profile_param),
         )

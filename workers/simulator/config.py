@@ -75,6 +75,9 @@ class SimConfig:
     time_scale: float = 1.0
     seed: int = 0
     flavor: FlavorName = "vllm"
+    # Keep /v1/responses results for GET and previous_response_id. Off by default, as in
+    # vLLM, which stores only with VLLM_ENABLE_RESPONSES_API_STORE=1.
+    responses_store: bool = False
     faults: Faults = field(default_factory=Faults)
     # Profile fields replaced for this process (`--profile-param base_step_s=0.004`), e.g. a
     # profile fitted by scripts/calibrate_sim.py.

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from workers.simulator.config import SimConfig
 from workers.simulator.metrics import LmdeployMetrics, VllmMetrics
 
-ErrorKind = Literal["not_found", "bad_request", "invalid_input", "internal"]
+ErrorKind = Literal["not_found", "bad_request", "invalid_input", "invalid_request", "internal"]
 
 
 class SimError(Exception):
@@ -37,6 +37,7 @@ class Flavor:
     name: str
     owned_by: str
     runtime_lora: bool
+    responses_api: bool  # serves /v1/responses (vLLM); LMDeploy answers its 404
     role_in_every_chunk: bool
     continue_trailing_assistant: bool
     health_body: bytes
@@ -89,6 +90,7 @@ def _flavors() -> dict[str, Callable[[SimConfig], Flavor]]:
             name="vllm",
             owned_by="vllm",
             runtime_lora=True,
+            responses_api=True,
             role_in_every_chunk=False,
             continue_trailing_assistant=False,
             health_body=b"",
@@ -96,6 +98,7 @@ def _flavors() -> dict[str, Callable[[SimConfig], Flavor]]:
                 "not_found": "NotFoundError",
                 "bad_request": "BadRequestError",
                 "invalid_input": "InvalidUserInput",
+                "invalid_request": "invalid_request_error",
                 "internal": "InternalServerError",
             },
             error_body=_vllm_error,
@@ -115,6 +118,7 @@ def _flavors() -> dict[str, Callable[[SimConfig], Flavor]]:
             name="lmdeploy",
             owned_by="lmdeploy",
             runtime_lora=False,
+            responses_api=False,
             role_in_every_chunk=True,
             continue_trailing_assistant=True,
             health_body=b'{"status":"healthy"}',
@@ -122,6 +126,7 @@ def _flavors() -> dict[str, Callable[[SimConfig], Flavor]]:
                 "not_found": "not_found_error",
                 "bad_request": "invalid_request_error",
                 "invalid_input": "invalid_request_error",
+                "invalid_request": "invalid_request_error",
                 "internal": "internal_error",
             },
             error_body=_lmdeploy_error,

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from workers.simulator.flavors import Flavor, SimError
 from workers.simulator.tokens import Tokens, render_chat
 
-Kind = Literal["chat", "completion"]
+Kind = Literal["chat", "completion", "response"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,18 +37,18 @@ class Context:
     flavor: Flavor
 
 
-def _bad(message: str, param: str | None = None) -> SimError:
+def bad(message: str, param: str | None = None) -> SimError:
     return SimError(400, "bad_request", message, param)
 
 
-def _opt_int(body: Mapping[str, Any], key: str, minimum: int | None = None) -> int | None:
+def opt_int(body: Mapping[str, Any], key: str, minimum: int | None = None) -> int | None:
     value = body.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(f"{key} must be an integer", key)
+        raise bad(f"{key} must be an integer", key)
     if minimum is not None and value < minimum:
-        raise _bad(f"{key} must be at least {minimum}, got {value}.", key)
+        raise bad(f"{key} must be at least {minimum}, got {value}.", key)
     return value
 
 
@@ -59,15 +59,15 @@ def _stop(value: Any) -> tuple[str, ...]:
         return (value,) if value else ()
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
         return tuple(s for s in value if s)
-    raise _bad("stop must be a string or a list of strings", "stop")
+    raise bad("stop must be a string or a list of strings", "stop")
 
 
 def _chat_prompt(body: Mapping[str, Any], flavor: Flavor) -> str:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise _bad("messages must be a non-empty list", "messages")
+        raise bad("messages must be a non-empty list", "messages")
     if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-        raise _bad("every message needs a string role", "messages")
+        raise bad("every message needs a string role", "messages")
     trailing_assistant = messages[-1]["role"] == "assistant"
     if flavor.continue_trailing_assistant:
         continue_final, add_prompt = trailing_assistant, not trailing_assistant
@@ -75,17 +75,17 @@ def _chat_prompt(body: Mapping[str, Any], flavor: Flavor) -> str:
         continue_final = bool(body.get("continue_final_message", False))
         add_prompt = bool(body.get("add_generation_prompt", True))
         if continue_final and add_prompt:
-            raise _bad(
+            raise bad(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
             )
         if continue_final and not trailing_assistant:
-            raise _bad("continue_final_message needs a final assistant message", "messages")
+            raise bad("continue_final_message needs a final assistant message", "messages")
     try:
         return render_chat(
             messages, add_generation_prompt=add_prompt, continue_final=continue_final
         )
     except ValueError as exc:
-        raise _bad(str(exc), "messages") from exc
+        raise bad(str(exc), "messages") from exc
 
 
 def _completion_prompt(body: Mapping[str, Any], tokens: Tokens) -> tuple[str, list[int]]:
@@ -96,19 +96,25 @@ def _completion_prompt(body: Mapping[str, Any], tokens: Tokens) -> tuple[str, li
         return prompt, tokens.encode(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return " ".join(map(str, prompt)), list(prompt)
-    raise _bad("prompt must be a non-empty string or token list (one prompt only)", "prompt")
+    raise bad("prompt must be a non-empty string or token list (one prompt only)", "prompt")
+
+
+def resolve_model(body: Mapping[str, Any], ctx: Context) -> tuple[str, str | None]:
+    """The requested model and its adapter (None for the base), or vLLM's 404."""
+    model = body.get("model") or ctx.served_name
+    if not isinstance(model, str):
+        raise bad("model must be a string", "model")
+    if model != ctx.served_name and model not in ctx.adapters:
+        raise SimError(404, "not_found", f"The model `{model}` does not exist.", "model")
+    return model, None if model == ctx.served_name else model
 
 
 def prepare(body: Any, kind: Kind, ctx: Context) -> Prepared:
     if not isinstance(body, dict):
-        raise _bad("the request body must be a JSON object")
-    model = body.get("model") or ctx.served_name
-    if not isinstance(model, str):
-        raise _bad("model must be a string", "model")
-    if model != ctx.served_name and model not in ctx.adapters:
-        raise SimError(404, "not_found", f"The model `{model}` does not exist.", "model")
+        raise bad("the request body must be a JSON object")
+    model, adapter = resolve_model(body, ctx)
     if body.get("n") not in (None, 1):
-        raise _bad("the simulator supports n=1 only", "n")
+        raise bad("the simulator supports n=1 only", "n")
     if kind == "chat":
         prompt_text = _chat_prompt(body, ctx.flavor)
         prompt_ids = ctx.tokens.encode(prompt_text)
@@ -116,21 +122,21 @@ def prepare(body: Any, kind: Kind, ctx: Context) -> Prepared:
         prompt_text, prompt_ids = _completion_prompt(body, ctx.tokens)
     n_prompt = len(prompt_ids)
     if n_prompt >= ctx.max_model_len:
-        raise _bad(ctx.flavor.too_long(n_prompt, ctx.max_model_len), ctx.flavor.too_long_param)
+        raise bad(ctx.flavor.too_long(n_prompt, ctx.max_model_len), ctx.flavor.too_long_param)
     if n_prompt + 1 > ctx.kv_tokens:
-        raise _bad(f"the prompt ({n_prompt} tokens) does not fit the KV cache ({ctx.kv_tokens})")
-    wanted = _opt_int(body, "max_completion_tokens", 1)
+        raise bad(f"the prompt ({n_prompt} tokens) does not fit the KV cache ({ctx.kv_tokens})")
+    wanted = opt_int(body, "max_completion_tokens", 1)
     if wanted is None:
-        wanted = _opt_int(body, "max_tokens", 1)
+        wanted = opt_int(body, "max_tokens", 1)
     room = min(ctx.max_model_len, ctx.kv_tokens) - n_prompt
     max_tokens = room if wanted is None else min(wanted, room)
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
-        raise _bad("stream_options must be an object", "stream_options")
+        raise bad("stream_options must be an object", "stream_options")
     return Prepared(
         kind=kind,
         model=model,
-        adapter=None if model == ctx.served_name else model,
+        adapter=adapter,
         prompt_text=prompt_text,
         prompt_ids=prompt_ids,
         max_tokens=max(1, max_tokens),
@@ -138,5 +144,5 @@ def prepare(body: Any, kind: Kind, ctx: Context) -> Prepared:
         stop=_stop(body.get("stop")),
         stream=bool(body.get("stream", False)),
         include_usage=bool(stream_options.get("include_usage", False)),
-        seed=_opt_int(body, "seed") or 0,
+        seed=opt_int(body, "seed") or 0,
     )

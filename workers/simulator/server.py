@@ -21,6 +21,7 @@ from workers.simulator.config import SimConfig
 from workers.simulator.flavors import SimError, make_flavor
 from workers.simulator.kvcache import block_hashes
 from workers.simulator.requests import Context, Kind, Prepared, prepare
+from workers.simulator.responses import Responses
 from workers.simulator.scheduler import Limits, Scheduler, Seq
 from workers.simulator.streams import respond_json, respond_stream
 from workers.simulator.tokens import MEAN_OUTPUT_TOKENS, TextSource, load_tokens, stable_hash
@@ -59,6 +60,7 @@ class Simulator:
             kv_tokens=limits.num_gpu_blocks * self.block_size,
             flavor=self.flavor,
         )
+        self.responses = Responses(store_enabled=config.responses_store, block_size=self.block_size)
         self.accepted = 0
         self._fault_rng = random.Random(config.seed ^ 0x5EED)
         self._die_timer: asyncio.TimerHandle | None = None
@@ -79,6 +81,7 @@ class Simulator:
             self._task.cancel()
         if self._die_timer:
             self._die_timer.cancel()
+        await self.responses.aclose()
 
     def arm_die_timer(self) -> None:
         if self._die_timer:
@@ -194,6 +197,37 @@ async def chat(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, "completion")
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    sim = request.app[SIM]
+    body = await _body(request)
+    sim.admit_or_fail()
+    turn = sim.responses.parse(body, sim.context)
+    seq = sim.new_seq(turn.prep)
+    sim.scheduler.submit(seq)
+    if turn.background:  # runs on; a cancel aborts it
+        return _json(sim.responses.start_background(turn, seq))
+    try:
+        if turn.prep.stream:
+            return await sim.responses.stream(request, turn, seq, sim.faults, sim.scheduler.abort)
+        return _json(await sim.responses.complete(turn, seq))
+    finally:
+        if seq.status in ("waiting", "running"):
+            sim.scheduler.abort(seq)
+
+
+async def get_response(request: web.Request) -> web.StreamResponse:
+    response = request.app[SIM].responses.retrieve(request.match_info["response_id"])
+    if request.query.get("stream", "").lower() in ("1", "true"):
+        # vLLM replays only background streams; for any other stored id the stream is empty.
+        return web.Response(content_type="text/event-stream", charset="utf-8")
+    return _json(response)
+
+
+async def cancel_response(request: web.Request) -> web.Response:
+    sim = request.app[SIM]
+    return _json(sim.responses.cancel(request.match_info["response_id"], sim.scheduler.abort))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -341,6 +375,10 @@ def create_app(config: SimConfig) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
+    if sim.flavor.responses_api:  # elsewhere (LMDeploy) the routes are a plain 404
+        app.router.add_post("/v1/responses", create_response)
+        app.router.add_get("/v1/responses/{response_id}", get_response)
+        app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/sim/state", state)
     app.router.add_get("/sim/faults", get_faults)

@@ -91,6 +91,39 @@ async def respond_json(flavor: Flavor, prep: Prepared, seq: Seq) -> web.Response
     return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
 
+class EventStream:
+    """An open server-sent event stream whose writes obey the stall fault."""
+
+    def __init__(self, resp: web.StreamResponse, faults: Faults, stall: Callable[[], None]) -> None:
+        self.resp, self.faults, self.stall = resp, faults, stall
+        self.sent = 0
+
+    @classmethod
+    async def open(
+        cls, request: web.Request, faults: Faults, stall: Callable[[], None], content_type: str
+    ) -> EventStream:
+        resp = web.StreamResponse(
+            headers={"Content-Type": content_type, "Cache-Control": "no-cache"}
+        )
+        await resp.prepare(request)
+        return cls(resp, faults, stall)
+
+    async def write(self, payload: bytes) -> None:
+        if (
+            self.faults.stall_after_chunks is not None
+            and self.sent >= self.faults.stall_after_chunks
+        ):
+            # Like an engine stopping mid-stream: the sequence is gone, the socket stays.
+            self.stall()
+            await _hang()
+        await self.resp.write(payload)
+        self.sent += 1
+
+    async def close(self) -> web.StreamResponse:
+        await self.resp.write_eof()
+        return self.resp
+
+
 async def respond_stream(
     request: web.Request,
     flavor: Flavor,
@@ -100,23 +133,13 @@ async def respond_stream(
     abort: Callable[[Seq], None],
 ) -> web.StreamResponse:
     shape = _Shape(flavor, prep)
-    resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
-    await resp.prepare(request)
-    sent = 0
+    out = await EventStream.open(request, faults, lambda: abort(seq), "text/event-stream")
 
     async def send(data: dict[str, Any] | None) -> None:
-        nonlocal sent
-        if faults.stall_after_chunks is not None and sent >= faults.stall_after_chunks:
-            # Like an engine stopping mid-stream: the sequence is gone, the socket stays.
-            abort(seq)
-            await _hang()
         payload = (
             b"data: [DONE]\n\n" if data is None else b"data: " + msgspec.json.encode(data) + b"\n\n"
         )
-        await resp.write(payload)
-        sent += 1
+        await out.write(payload)
 
     first = True
     while True:
@@ -133,8 +156,7 @@ async def respond_stream(
         tail["usage"] = usage(seq)
         await send(tail)
     await send(None)
-    await resp.write_eof()
-    return resp
+    return await out.close()
 
 
 async def _hang() -> None:
