@@ -35,9 +35,12 @@ from gateway.metrics import GatewayMetrics, metrics_endpoint
 from gateway.openapi import (
     ChatOperation,
     CompletionOperation,
+    DetokenizeOperation,
+    EmbeddingsOperation,
     ModelsOperation,
     ResponsesOperation,
     StoredResponseOperation,
+    TokenizeOperation,
 )
 from gateway.proxy import Proxy
 from gateway.ratelimit import RateLimiter
@@ -115,6 +118,21 @@ async def completions(request: Request, state: State) -> Response:
 @post("/v1/responses", status_code=200, operation_class=ResponsesOperation)
 async def create_response(request: Request, state: State) -> Response:
     return await _proxied(request, state, "/v1/responses", "responses")
+
+
+@post("/v1/embeddings", status_code=200, operation_class=EmbeddingsOperation)
+async def create_embeddings(request: Request, state: State) -> Response:
+    return await _proxied(request, state, "/v1/embeddings", "embeddings")
+
+
+@post("/tokenize", status_code=200, operation_class=TokenizeOperation)
+async def tokenize(request: Request, state: State) -> Response:
+    return await _proxied(request, state, "/tokenize", "tokenize")
+
+
+@post("/detokenize", status_code=200, operation_class=DetokenizeOperation)
+async def detokenize(request: Request, state: State) -> Response:
+    return await _proxied(request, state, "/detokenize", "detokenize")
 
 
 async def _stored(request: Request, state: State, method: str, response_id: str, suffix: str) -> Response:
@@ -380,6 +398,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
     return Litestar(
         route_handlers=[
             chat_completions, completions, create_response, retrieve_response, cancel_response,
+            create_embeddings, tokenize, detokenize,
             list_models, get_model, health,
             admin_workers, admin_drain, admin_undrain, admin_remove,
             admin_load_adapter, admin_unload_adapter, metrics_endpoint, *UI_HANDLERS,

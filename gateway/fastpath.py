@@ -20,6 +20,7 @@ from litestar import Litestar
 from gateway.auth import check_api_key
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.proxy import Reply
+from gateway.requests import KINDS
 
 log = structlog.get_logger("gateway.fastpath")
 
@@ -28,7 +29,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "responses"}
+_ROUTES = KINDS
 _JSON = (b"content-type", b"application/json")
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
         (b"x-accel-buffering", b"no")]

@@ -75,6 +75,32 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
 
 
+class EmbeddingsRequest(msgspec.Struct, kw_only=True):
+    model: str
+    # A string, strings, token ids, or lists of token ids (msgspec's schema cannot say
+    # "one of several kinds of list").
+    input: str | list[Any]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the model's template."""
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    return_token_strs: bool | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str
+    tokens: list[int]
+
+
 class ErrorDetail(msgspec.Struct):
     message: str
     type: str
@@ -112,9 +138,13 @@ def _inline(node: Any, defs: dict[str, Any]) -> Any:
 
 
 _schemas, _defs = msgspec.json.schema_components(
-    [ChatCompletionRequest, CompletionRequest, ResponsesRequest, Error, ModelList], ref_template=_REF
+    [ChatCompletionRequest, CompletionRequest, ResponsesRequest, EmbeddingsRequest, TokenizeRequest,
+     DetokenizeRequest, Error, ModelList],
+    ref_template=_REF,
 )
-_CHAT, _COMPLETION, _RESPONSES, _ERROR, _MODELS = (_inline(x, _defs) for x in _schemas)
+_CHAT, _COMPLETION, _RESPONSES, _EMBEDDINGS, _TOKENIZE, _DETOKENIZE, _ERROR, _MODELS = (
+    _inline(x, _defs) for x in _schemas
+)
 
 _ERRORS = {
     str(status): OpenAPIResponse(description=why, content={"application/json": OpenAPIMediaType(schema=_ERROR)})  # type: ignore[arg-type]
@@ -163,14 +193,40 @@ class ResponsesOperation(Operation):
         self.responses = {"200": _STREAM_OR_JSON, **_ERRORS}
 
 
+_JSON_ANSWER = OpenAPIResponse(
+    description="The engine's answer",
+    content={"application/json": OpenAPIMediaType(schema={"type": "object"})},  # type: ignore[arg-type]
+)
+
+
+@dataclass
+class EmbeddingsOperation(Operation):
+    def __post_init__(self) -> None:
+        self.request_body = _body(_EMBEDDINGS)
+        self.responses = {"200": _JSON_ANSWER, **_ERRORS}
+
+
+@dataclass
+class TokenizeOperation(Operation):
+    def __post_init__(self) -> None:
+        self.request_body = _body(_TOKENIZE)
+        self.responses = {"200": _JSON_ANSWER, **_ERRORS}
+
+
+@dataclass
+class DetokenizeOperation(Operation):
+    def __post_init__(self) -> None:
+        self.request_body = _body(_DETOKENIZE)
+        self.responses = {"200": _JSON_ANSWER, **_ERRORS}
+
+
 @dataclass
 class StoredResponseOperation(Operation):
     """Retrieve or cancel a stored response (answered by the worker that stores it)."""
 
     def __post_init__(self) -> None:
         self.responses = {
-            "200": OpenAPIResponse(description="The response object",
-                                   content={"application/json": OpenAPIMediaType(schema={"type": "object"})}),  # type: ignore[arg-type]
+            "200": _JSON_ANSWER,
             **{k: _ERRORS[k] for k in ("401", "404", "502", "503", "504")},
         }
 

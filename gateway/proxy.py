@@ -45,7 +45,7 @@ from gateway.errors import (
 from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
 from gateway.metrics import GatewayMetrics, usage_of
-from gateway.requests import TokenCounter, affinity, estimate_tokens, parse_request
+from gateway.requests import GENERATES, TokenCounter, affinity, estimate_tokens, parse_request
 from gateway.responses import ResponsesTracker, response_id_of
 from gateway.resume import StreamTracker, continuation_body, resumable_request
 from gateway.routing import Choice, Policy, RequestFacts, decide
@@ -125,10 +125,15 @@ class Proxy:
         snapshot = self.watcher.snapshot
         session = header("x-session-id") or probe.user
         is_adapter = snapshot.models.get(probe.model, "") != ""
-        key, key_kind = affinity(probe, session, is_adapter) if self.policy.name == "fleet" else (None, None)
+        generates = kind in GENERATES
+        key, key_kind = (None, None)
+        if generates and self.policy.name == "fleet":
+            key, key_kind = affinity(probe, session, is_adapter)
         base = snapshot.models.get(probe.model) or probe.model
         counter = self.tokenizers.get(base)
-        if counter is not None:
+        if kind in ("tokenize", "detokenize"):
+            estimate = floor = 0  # any length may be tokenized; no context to fit
+        elif counter is not None:
             estimate = floor = counter.count(probe)
         else:
             estimate, floor = estimate_tokens(probe)

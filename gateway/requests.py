@@ -64,7 +64,28 @@ class Probe(msgspec.Struct):
         return self.max_completion_tokens or self.max_tokens or self.max_output_tokens
 
 
+class _Embeddings(msgspec.Struct):
+    """An embeddings request: its `input` takes the forms a completion's `prompt` does."""
+
+    model: str
+    input: msgspec.Raw = msgspec.Raw()
+    user: str | None = None
+
+
 _probe = msgspec.json.Decoder(Probe)
+_embeddings = msgspec.json.Decoder(_Embeddings)
+
+# The OpenAI (and vLLM) POST routes the gateway routes by `model`, and what each is.
+KINDS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+    "/v1/responses": "responses",
+    "/v1/embeddings": "embeddings",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+}
+# Kinds that generate text: they have a prompt worth keeping where its prefix is cached.
+GENERATES = frozenset({"chat", "completion", "responses"})
 
 
 def parse_request(body: bytes, kind: str) -> Probe:
@@ -72,7 +93,13 @@ def parse_request(body: bytes, kind: str) -> Probe:
     if not body:
         raise InvalidRequest("The request body is empty; send a JSON object.")
     try:
-        probe = _probe.decode(body)
+        if kind == "embeddings":
+            e = _embeddings.decode(body)
+            if bytes(e.input) in (b"", b"null"):
+                raise InvalidRequest("`input` is required.", param="input")
+            probe = Probe(model=e.model, prompt=e.input, user=e.user)
+        else:
+            probe = _probe.decode(body)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"Invalid request body: {exc}", param=_field_of(exc)) from exc
     except msgspec.DecodeError as exc:
@@ -83,6 +110,8 @@ def parse_request(body: bytes, kind: str) -> Probe:
         raise InvalidRequest("`messages` must be a non-empty array.", param="messages")
     if kind == "completion" and bytes(probe.prompt) in (b"", b"null"):
         raise InvalidRequest("`prompt` is required.", param="prompt")
+    if kind == "tokenize" and probe.messages is None and bytes(probe.prompt) in (b"", b"null"):
+        raise InvalidRequest("`prompt` or `messages` is required.", param="prompt")
     if kind == "responses" and probe.input is None:
         raise InvalidRequest("`input` is required.", param="input")
     if probe.previous_response_id is not None and not probe.previous_response_id:
@@ -112,18 +141,27 @@ def _text(content: str | list[Part] | None) -> str:
     return "".join(p.text for p in content if p.text)
 
 
-def _prompt(raw: msgspec.Raw) -> tuple[list[str], int]:
-    """A completion's prompt: (its texts, its count of token ids), whichever form it takes."""
+def _prompts(raw: msgspec.Raw) -> list[str | list[int]]:
+    """The separate prompts of a completion (or the inputs of an embedding): a string, a
+    list of strings, token ids, or a list of token-id lists, each one on its own."""
     if not raw:
-        return [], 0
+        return []
     try:
         value = msgspec.json.decode(raw)
     except msgspec.DecodeError:
-        return [], 0
-    items = value if isinstance(value, list) and value and not isinstance(value[0], int) else [value]
-    texts = [x for x in items if isinstance(x, str)]
-    ids = sum(len(x) for x in items if isinstance(x, list))
-    return texts, ids
+        return []
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        return []
+    if all(isinstance(x, int) for x in value):
+        return [value]
+    return [x for x in value if isinstance(x, str | list)]
+
+
+def _is_batch(probe: Probe) -> bool:
+    """Whether the prompt is `prompt` (separate prompts) rather than one conversation."""
+    return probe.messages is None and probe.input is None
 
 
 def prompt_texts(probe: Probe) -> list[str]:
@@ -134,7 +172,7 @@ def prompt_texts(probe: Probe) -> list[str]:
         if isinstance(probe.input, str):
             return [*texts, probe.input]
         return [*texts, *(_text(m.content) or m.output or "" for m in probe.input)]
-    return _prompt(probe.prompt)[0]
+    return [p for p in _prompts(probe.prompt) if isinstance(p, str)]
 
 
 def _messages(probe: Probe) -> int:
@@ -146,21 +184,21 @@ def _messages(probe: Probe) -> int:
     return 0
 
 
-def prompt_ids(probe: Probe) -> int:
-    """Token ids sent as such (a completion's prompt may be token ids): counted exactly."""
-    return _prompt(probe.prompt)[1] if probe.messages is None and probe.input is None else 0
-
-
 def estimate_tokens(probe: Probe) -> tuple[int, int]:
-    """(estimate, lower bound) of the prompt's tokens without a tokenizer.
+    """(estimate, lower bound) of the prompt's tokens without a tokenizer; for separate
+    prompts, of the longest (each must fit the context on its own).
 
     BPE tokenizers average about 4 bytes a token on prose and code; nothing real
-    packs more than about 8 bytes into a token, so bytes/8 is a floor.
+    packs more than about 8 bytes into a token, so bytes/8 is a floor. Token ids
+    count exactly.
     """
+    if _is_batch(probe):
+        sizes = [(len(p), len(p)) if isinstance(p, list) else (math.ceil(len(b := p.encode()) / 4), len(b) // 8)
+                 for p in _prompts(probe.prompt)]
+        return max(sizes, default=(0, 0))
     size = sum(len(t.encode()) for t in prompt_texts(probe))
-    exact = prompt_ids(probe)
     overhead = TEMPLATE_TOKENS_PER_MESSAGE * _messages(probe)
-    return math.ceil(size / 4) + overhead + exact, size // 8 + exact
+    return math.ceil(size / 4) + overhead, size // 8
 
 
 def affinity(probe: Probe, session: str | None, adapter: bool = False) -> tuple[int | None, str | None]:
@@ -190,8 +228,8 @@ def affinity(probe: Probe, session: str | None, adapter: bool = False) -> tuple[
     texts = prompt_texts(probe)
     if texts and texts[0]:
         return stable_hash(f"{model}\0{texts[0][:PREFIX_CHARS]}"), "prefix"
-    if prompt_ids(probe):  # token ids: their head, as written
-        return stable_hash(f"{model}\0{bytes(probe.prompt)[:PREFIX_CHARS].decode()}"), "prefix"
+    if _is_batch(probe) and (prompts := _prompts(probe.prompt)) and isinstance(prompts[0], list):
+        return stable_hash(f"{model}\0ids\0{prompts[0][:PREFIX_CHARS // 4]}"), "prefix"  # token ids: their head
     return None, None
 
 
@@ -204,7 +242,12 @@ class TokenCounter:
         self.tokenizer = Tokenizer.from_file(path)
 
     def count(self, probe: Probe) -> int:
+        """The prompt's tokens; for separate prompts, the longest one's."""
+        if _is_batch(probe):
+            prompts = _prompts(probe.prompt)
+            texts = [p for p in prompts if isinstance(p, str) and p]
+            encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
+            return max([len(e.ids) for e in encoded] + [len(p) for p in prompts if isinstance(p, list)], default=0)
         texts = [t for t in prompt_texts(probe) if t]
         encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
-        overhead = TEMPLATE_TOKENS_PER_MESSAGE * _messages(probe)
-        return sum(len(e.ids) for e in encoded) + overhead + prompt_ids(probe)
+        return sum(len(e.ids) for e in encoded) + TEMPLATE_TOKENS_PER_MESSAGE * _messages(probe)

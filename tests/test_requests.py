@@ -24,10 +24,13 @@ def _probe(kind: str, **body: object):  # type: ignore[no-untyped-def]
                                                              {"type": "image_url", "image_url": {"url": "u"}},
                                                              {"type": "text", "text": "x" * 8}]}]}, 5 + 4, 2),
         ("completion", {"prompt": "x" * 40}, 10, 5),
-        ("completion", {"prompt": ["x" * 16, "x" * 16]}, 8, 4),
+        # Separate prompts must each fit: the longest counts.
+        ("completion", {"prompt": ["x" * 16, "x" * 40]}, 10, 5),
         # Token ids count exactly.
         ("completion", {"prompt": [5, 6, 7]}, 3, 3),
-        ("completion", {"prompt": [[5, 6], [7]]}, 3, 3),
+        ("completion", {"prompt": [[5, 6], [7]]}, 2, 2),
+        ("embeddings", {"input": ["x" * 8, "x" * 20]}, 5, 2),
+        ("embeddings", {"input": [[1, 2, 3, 4]]}, 4, 4),
         ("responses", {"input": "x" * 20}, 5, 2),
         ("responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": "x" * 20}]}],
                        "instructions": "y" * 20}, 10 + 8, 5),

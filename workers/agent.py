@@ -243,9 +243,13 @@ class Agent:
     async def _warmup(self) -> None:
         assert self.info is not None
         started = time.monotonic()
-        body = {"model": self.info.model, "prompt": "Hello", "max_tokens": 1}
+        body: dict[str, object]
+        if self.opts.spec.options.get("runner") == "pooling":  # an embedding model generates nothing
+            path, body = "/v1/embeddings", {"model": self.info.model, "input": "Hello"}
+        else:
+            path, body = "/v1/completions", {"model": self.info.model, "prompt": "Hello", "max_tokens": 1}
         try:
-            resp = await self.http.post(self.opts.base_url + "/v1/completions", json=body, timeout=120)
+            resp = await self.http.post(self.opts.base_url + path, json=body, timeout=120)
             self.log.info("agent.warmup", status=resp.status_code,
                           ms=round((time.monotonic() - started) * 1000, 1))
         except httpx.HTTPError as exc:

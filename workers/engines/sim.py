@@ -28,6 +28,8 @@ _FLAGS = (
     "time_scale",
     "seed",
     "flavor",
+    "runner",
+    "convert",
 )
 
 

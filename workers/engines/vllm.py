@@ -23,6 +23,9 @@ from workers.engines.base import (
 
 # Flags taken from the profile / command line, in the order they are emitted.
 _FLAGS = (
+    # `runner: pooling` (with `convert: embed` for a causal LM) serves /v1/embeddings.
+    "runner",
+    "convert",
     "tensor_parallel_size",
     "gpu_memory_utilization",
     "max_num_seqs",

@@ -55,6 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--flavor", choices=("vllm", "lmdeploy"), default="vllm")
     p.add_argument(
+        "--runner", choices=("auto", "generate", "pooling"), default="auto",
+        help="as vLLM's: pooling serves /v1/embeddings instead of generation",
+    )  # fmt: skip
+    p.add_argument(
+        "--convert", choices=("auto", "none", "embed"), default="auto",
+        help="as vLLM's: embed turns the causal LM into an embedding model (implies pooling)",
+    )  # fmt: skip
+    p.add_argument(
         "--enable-responses-store", action="store_true",
         default=os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "0") not in ("", "0"),
         help="store /v1/responses results (default: vLLM's VLLM_ENABLE_RESPONSES_API_STORE)",
@@ -89,6 +97,8 @@ def config_from_args(argv: list[str] | None = None) -> SimConfig:
             seed=args.seed,
             flavor=args.flavor,
             responses_store=args.enable_responses_store,
+            runner=args.runner,
+            convert=args.convert,
             faults=parse_fault_args(args.fault),
             profile_overrides=_profile_params(args.profile_param),
         )

@@ -8,6 +8,8 @@ from typing import Any, Literal
 from workers.simulator.profiles import PROFILES, Profile
 
 FlavorName = Literal["vllm", "lmdeploy"]
+RunnerOption = Literal["auto", "generate", "pooling"]  # vLLM's --runner, less "draft"
+ConvertOption = Literal["auto", "none", "embed"]  # vLLM's --convert, less "classify"
 
 
 @dataclass(kw_only=True)
@@ -78,6 +80,10 @@ class SimConfig:
     # Keep /v1/responses results for GET and previous_response_id. Off by default, as in
     # vLLM, which stores only with VLLM_ENABLE_RESPONSES_API_STORE=1.
     responses_store: bool = False
+    # vLLM's --runner/--convert: `pooling` serves /v1/embeddings instead of generating.
+    # "auto" resolves like vLLM for a causal LM: --convert embed implies --runner pooling.
+    runner: RunnerOption = "auto"
+    convert: ConvertOption = "auto"
     faults: Faults = field(default_factory=Faults)
     # Profile fields replaced for this process (`--profile-param base_step_s=0.004`), e.g. a
     # profile fitted by scripts/calibrate_sim.py.
@@ -94,6 +100,20 @@ class SimConfig:
             self.enable_lora = True
         if self.time_scale < 0:
             raise ValueError("time_scale must be >= 0")
+        if self.runner == "auto":
+            self.runner = "pooling" if self.convert == "embed" else "generate"
+        if self.runner == "pooling":
+            if self.convert == "none":
+                raise ValueError("--runner pooling needs --convert embed for a causal LM")
+            self.convert = "embed"
+            if self.flavor != "vllm":
+                raise ValueError("--runner pooling is vLLM's; LMDeploy has no embeddings API")
+        elif self.convert == "embed":
+            raise ValueError("--convert embed needs --runner pooling (or auto)")
+
+    @property
+    def pooling(self) -> bool:
+        return self.runner == "pooling"
 
     @property
     def model_path(self) -> str:

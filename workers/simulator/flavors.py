@@ -16,7 +16,10 @@ from typing import Any, Literal
 from workers.simulator.config import SimConfig
 from workers.simulator.metrics import LmdeployMetrics, VllmMetrics
 
-ErrorKind = Literal["not_found", "bad_request", "invalid_input", "invalid_request", "internal"]
+# "validation": a body that fails vLLM's request schema (FastAPI/pydantic: type "Bad Request").
+ErrorKind = Literal[
+    "not_found", "bad_request", "invalid_input", "invalid_request", "internal", "validation"
+]
 
 
 class SimError(Exception):
@@ -38,6 +41,7 @@ class Flavor:
     owned_by: str
     runtime_lora: bool
     responses_api: bool  # serves /v1/responses (vLLM); LMDeploy answers its 404
+    tokenizer_api: bool  # serves /tokenize and /detokenize (vLLM)
     role_in_every_chunk: bool
     continue_trailing_assistant: bool
     health_body: bytes
@@ -91,6 +95,7 @@ def _flavors() -> dict[str, Callable[[SimConfig], Flavor]]:
             owned_by="vllm",
             runtime_lora=True,
             responses_api=True,
+            tokenizer_api=True,
             role_in_every_chunk=False,
             continue_trailing_assistant=False,
             health_body=b"",
@@ -100,6 +105,7 @@ def _flavors() -> dict[str, Callable[[SimConfig], Flavor]]:
                 "invalid_input": "InvalidUserInput",
                 "invalid_request": "invalid_request_error",
                 "internal": "InternalServerError",
+                "validation": "Bad Request",
             },
             error_body=_vllm_error,
             too_long=lambda n, limit: (
@@ -119,6 +125,7 @@ def _flavors() -> dict[str, Callable[[SimConfig], Flavor]]:
             owned_by="lmdeploy",
             runtime_lora=False,
             responses_api=False,
+            tokenizer_api=False,
             role_in_every_chunk=True,
             continue_trailing_assistant=True,
             health_body=b'{"status":"healthy"}',
@@ -128,6 +135,7 @@ def _flavors() -> dict[str, Callable[[SimConfig], Flavor]]:
                 "invalid_input": "invalid_request_error",
                 "invalid_request": "invalid_request_error",
                 "internal": "internal_error",
+                "validation": "invalid_request_error",
             },
             error_body=_lmdeploy_error,
             too_long=lambda n, limit: (

@@ -75,7 +75,12 @@ class VllmMetrics(_Base):
             **lab
         )
         self._preempt = self._counter("vllm:num_preemptions", "Preemptions").labels(**lab)
-        self._prompt = self._counter("vllm:prompt_tokens", "Prefill tokens processed").labels(**lab)
+        # vLLM 0.32 counts every prompt token here, cached or not, and splits them by source.
+        self._prompt = self._counter("vllm:prompt_tokens", "Prompt tokens").labels(**lab)
+        by_source = self._counter("vllm:prompt_tokens_by_source", "Prompt tokens", ("source",))
+        self._computed = by_source.labels(**lab, source="local_compute")
+        self._cache_hit = by_source.labels(**lab, source="local_cache_hit")
+        by_source.labels(**lab, source="external_kv_transfer")
         self._gen = self._counter("vllm:generation_tokens", "Tokens generated").labels(**lab)
         self._success = self._counter(
             "vllm:request_success", "Finished requests", ("finished_reason",)
@@ -117,7 +122,9 @@ class VllmMetrics(_Base):
         self._queue.observe(now - seq.arrival)
 
     def on_first_token(self, seq: Seq, now: float) -> None:
-        self._prompt.inc(seq.num_prompt - seq.cached_tokens)
+        self._prompt.inc(seq.num_prompt)
+        self._computed.inc(seq.num_prompt - seq.cached_tokens)
+        self._cache_hit.inc(seq.cached_tokens)
         self._ttft.observe(now - seq.arrival)
 
     def on_tokens(self, n: int) -> None:

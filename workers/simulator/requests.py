@@ -41,6 +41,18 @@ def bad(message: str, param: str | None = None) -> SimError:
     return SimError(400, "bad_request", message, param)
 
 
+def invalid(*errors: tuple[str, str, str, str], ctx: dict[str, Any] | None = None) -> SimError:
+    """A schema error as vLLM reports pydantic's: (type, loc, msg, input) per error, each
+    written as the dict's repr."""
+    lines = [f"{len(errors)} validation error{'s' if len(errors) > 1 else ''}:"]
+    for kind, loc, msg, value in errors:
+        error: dict[str, Any] = {"type": kind, "loc": loc, "msg": msg, "input": value}
+        if ctx:
+            error["ctx"] = ctx
+        lines.append(f"  {error}")
+    return SimError(400, "validation", "\n".join(lines), errors[0][1])
+
+
 def opt_int(body: Mapping[str, Any], key: str, minimum: int | None = None) -> int | None:
     value = body.get(key)
     if value is None:

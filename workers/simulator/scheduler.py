@@ -57,6 +57,9 @@ class Seq:
     target_reason: str  # "length" at max_tokens, "stop" at a natural EOS
     adapter: str | None = None
     stop: tuple[str, ...] = ()
+    # A pooling (embedding) request: prefill only; it finishes ("stop") once its prompt is
+    # computed, without sampling, like vLLM's pooling runner.
+    pooling: bool = False
     arrival: float = 0.0
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     status: Status = "waiting"
@@ -310,7 +313,7 @@ class Scheduler:
 
     def _complete(self, plan: _Plan, now: float) -> None:
         self.steps += 1
-        sampled = 0
+        sampled = outputs = 0
         bs = self.limits.block_size
         for seq, n in plan.work:
             if seq.status != "running":
@@ -321,11 +324,24 @@ class Scheduler:
                 self.pool.register(seq.blocks[j], seq.hashes[j])
             seq.registered = max(seq.registered, full)
             if seq.num_computed == seq.num_tokens:
-                sampled += 1
-                self._sample(seq, now)
-        # Detokenizing and streaming these tokens runs during the next step, on its CPU.
-        self._frontend_debt += sampled * self.profile.frontend_per_token_s * self.limits.time_scale
+                outputs += 1
+                if seq.pooling:
+                    self._pooled(seq, now)
+                else:
+                    sampled += 1
+                    self._sample(seq, now)
+        # Detokenizing and streaming these tokens (or writing out a pooled vector) runs
+        # during the next step, on its CPU.
+        self._frontend_debt += outputs * self.profile.frontend_per_token_s * self.limits.time_scale
         self.hooks.on_tokens(sampled)
+
+    def _pooled(self, seq: Seq, now: float) -> None:
+        # vLLM counts the pooled output as the first "token" (TTFT, prompt tokens) and the
+        # request as finished with reason "stop"; no generation tokens.
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            self.hooks.on_first_token(seq, now)
+        self._finish(seq, "stop", now)
 
     def _sample(self, seq: Seq, now: float) -> None:
         piece = seq.source.piece()

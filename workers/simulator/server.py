@@ -20,10 +20,18 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from workers.simulator.config import SimConfig
 from workers.simulator.flavors import SimError, make_flavor
 from workers.simulator.kvcache import block_hashes
+from workers.simulator.pooling import (
+    Embeddings,
+    parse_embedding,
+    request_id,
+    response_bytes,
+    response_json,
+)
 from workers.simulator.requests import Context, Kind, Prepared, prepare
 from workers.simulator.responses import Responses
 from workers.simulator.scheduler import Limits, Scheduler, Seq
 from workers.simulator.streams import respond_json, respond_stream
+from workers.simulator.tokenizing import detokenize, tokenize
 from workers.simulator.tokens import MEAN_OUTPUT_TOKENS, TextSource, load_tokens, stable_hash
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -61,6 +69,7 @@ class Simulator:
             flavor=self.flavor,
         )
         self.responses = Responses(store_enabled=config.responses_store, block_size=self.block_size)
+        self.embeddings = Embeddings(config.model_path, self.block_size)
         self.accepted = 0
         self._fault_rng = random.Random(config.seed ^ 0x5EED)
         self._die_timer: asyncio.TimerHandle | None = None
@@ -215,6 +224,29 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     finally:
         if seq.status in ("waiting", "running"):
             sim.scheduler.abort(seq)
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    sim = request.app[SIM]
+    body = await _body(request)
+    sim.admit_or_fail()
+    req = parse_embedding(body, sim.context, sim.embeddings.model)
+    rid = request_id(request.headers.get("X-Request-Id"), body)
+    vectors = await sim.embeddings.run(req, sim.scheduler.submit, sim.scheduler.abort)
+    if req.encoding_format in ("bytes", "bytes_only"):
+        headers, raw = response_bytes(req, vectors, rid)
+        return web.Response(body=raw, headers=headers, content_type="application/octet-stream")
+    return _json(response_json(req, vectors, rid))
+
+
+async def tokenize_prompt(request: web.Request) -> web.Response:
+    sim = request.app[SIM]
+    return _json(tokenize(await _body(request), sim.context))
+
+
+async def detokenize_ids(request: web.Request) -> web.Response:
+    sim = request.app[SIM]
+    return _json(detokenize(await _body(request), sim.context))
 
 
 async def get_response(request: web.Request) -> web.StreamResponse:
@@ -373,12 +405,20 @@ def create_app(config: SimConfig) -> web.Application:
     app.on_shutdown.append(sim.stop)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_post("/v1/completions", completions)
-    if sim.flavor.responses_api:  # elsewhere (LMDeploy) the routes are a plain 404
+    # Like vLLM, a pooling model has no generation routes and a generative model no
+    # embeddings route: either answers a plain 404.
+    if config.pooling:
+        app.router.add_post("/v1/embeddings", embeddings)
+    else:
+        app.router.add_post("/v1/chat/completions", chat)
+        app.router.add_post("/v1/completions", completions)
+    if sim.flavor.responses_api and not config.pooling:  # LMDeploy: a plain 404
         app.router.add_post("/v1/responses", create_response)
         app.router.add_get("/v1/responses/{response_id}", get_response)
         app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
+    if sim.flavor.tokenizer_api:
+        app.router.add_post("/tokenize", tokenize_prompt)
+        app.router.add_post("/detokenize", detokenize_ids)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/sim/state", state)
     app.router.add_get("/sim/faults", get_faults)

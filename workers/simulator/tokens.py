@@ -27,6 +27,9 @@ _SYLLABLES = (
 
 class Tokens(Protocol):
     def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+    def token_strs(self, ids: Sequence[int]) -> list[str]: ...
+    def known(self, token_id: int) -> bool: ...
 
 
 class ByteTokens:
@@ -35,6 +38,20 @@ class ByteTokens:
     def encode(self, text: str) -> list[int]:
         raw = text.encode()
         return [int.from_bytes(raw[i : i + 4], "little") for i in range(0, len(raw), 4)]
+
+    @staticmethod
+    def _chunk(token_id: int) -> bytes:
+        # A short last chunk was zero-padded by int.from_bytes; its zero bytes go.
+        return token_id.to_bytes(4, "little").rstrip(b"\x00")
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return b"".join(map(self._chunk, ids)).decode(errors="replace")
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        return [self._chunk(i).decode(errors="replace") for i in ids]
+
+    def known(self, token_id: int) -> bool:
+        return 0 <= token_id < 2**32
 
 
 class FileTokens:
@@ -47,6 +64,15 @@ class FileTokens:
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=False))
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        return [self._tok.id_to_token(i) or "" for i in ids]
+
+    def known(self, token_id: int) -> bool:
+        return 0 <= token_id < self._tok.get_vocab_size(with_added_tokens=True)
 
 
 def load_tokens(model: str) -> Tokens:
