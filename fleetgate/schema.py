@@ -45,6 +45,8 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     # Whether adapters can be loaded at runtime (vLLM yes, LMDeploy/ms-swift no).
     runtime_lora: bool = False
     max_loras: int = 0
+    # An embedding model (vLLM's pooling runner): it serves /v1/embeddings, not generation.
+    pooling: bool = False
     # Whether the engine reports a queue through /metrics; without it the gateway's
     # own in-flight count is the only load signal.
     reports_load: bool = True

@@ -202,6 +202,7 @@ def _worker_json(w: WorkerView, inflight: int) -> dict[str, object]:
         "model": info.model,
         "adapters": list(info.adapters),
         "max_model_len": info.max_model_len,
+        "pooling": info.pooling,
         "capacity": info.capacity,
         "speed": info.speed,
         "gpu": msgspec.to_builtins(info.gpu) if info.gpu else None,

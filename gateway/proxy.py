@@ -158,6 +158,7 @@ class Proxy:
             affinity_key=key,
             affinity_kind=key_kind,
             pinned=pinned,
+            pooling=True if kind == "embeddings" else False if generates else None,
         )
         attempt = _Attempt(self, path, kind, body, probe.stream, facts, floor)
         try:
@@ -504,6 +505,12 @@ class _Attempt:
             raise ModelNotFound(
                 f"The model `{self.facts.model}` does not exist or no worker serves it.", param="model"
             )
+        if decision.verdict == "wrong_task":
+            if self.facts.pooling:
+                raise InvalidRequest(f"`{self.facts.model}` generates text; it does not serve embeddings. "
+                                     "Name an embedding model.", param="model", code="model_not_supported")
+            raise InvalidRequest(f"`{self.facts.model}` is an embedding model: it serves /v1/embeddings, not "
+                                 f"{self.path}.", param="model", code="model_not_supported")
         if decision.verdict == "context_length":
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {decision.limit} tokens. However, you "

@@ -103,6 +103,21 @@ def test_bad_bodies_are_400s_naming_the_field(mixed: tuple[Fleet, str], path: st
     assert resp.json()["error"]["param"] == param
 
 
+def test_asking_a_model_for_what_it_does_not_do_is_a_clear_400(mixed: tuple[Fleet, str]) -> None:
+    """Chat with an embedding model, or embeddings from a chat model: the gateway says so
+    (the engine itself would answer a bare 404 `Not Found`)."""
+    _, url = mixed
+    with pytest.raises(openai.BadRequestError) as caught:
+        _client(url).chat.completions.create(model=EMBED, messages=[{"role": "user", "content": "hi"}])
+    assert "embedding model" in str(caught.value)
+    with pytest.raises(openai.BadRequestError) as caught:
+        _client(url).embeddings.create(model=GEN, input="hi")
+    assert isinstance(caught.value.body, dict) and caught.value.body["code"] == "model_not_supported"
+    # Either kind tokenizes.
+    resp = httpx.post(f"{url}/tokenize", json={"model": EMBED, "prompt": "hi"}, timeout=10)
+    assert resp.status_code == 200 and resp.headers["x-fleetgate-worker"] == "embed"
+
+
 def test_unknown_models_are_404s(mixed: tuple[Fleet, str]) -> None:
     _, url = mixed
     with pytest.raises(openai.NotFoundError):

@@ -10,11 +10,11 @@ from gateway.routing import RequestFacts, Routes, decide, make_policy
 
 def w(
     wid: str, *, model: str = "base", adapters: tuple[str, ...] = (), state: str = "ready",
-    drain: bool = False, waiting: int = 0, max_len: int = 4096, capacity: int = 256,
+    drain: bool = False, waiting: int = 0, max_len: int = 4096, capacity: int = 256, pooling: bool = False,
 ) -> WorkerView:
     return WorkerView(
         info=WorkerInfo(id=wid, url=f"http://{wid}", engine="sim", model=model, adapters=adapters,
-                        max_model_len=max_len, capacity=capacity),
+                        max_model_len=max_len, capacity=capacity, pooling=pooling),
         state=state,  # type: ignore[arg-type]
         load=Load(waiting=waiting),
         admin_drain=drain,
@@ -29,6 +29,7 @@ FLEET = (
     w("e", state="draining"),
     w("f", state="starting"),
     w("long", max_len=32768, waiting=5),
+    w("emb", model="embedder", pooling=True),
 )
 
 CASES = [
@@ -52,6 +53,11 @@ CASES = [
      RequestFacts("base", pinned="e"), {}, (), "ok", ["e"]),
     ("a pinned request's worker once tried leaves no other", RequestFacts("base", pinned="b"), {}, ("b",),
      "no_worker", []),
+    ("embeddings go to embedding models", RequestFacts("embedder", pooling=True), {}, (), "ok", ["emb"]),
+    ("text generation is not asked of an embedding model", RequestFacts("embedder", pooling=False), {}, (),
+     "wrong_task", []),
+    ("nor embeddings of a generative one", RequestFacts("base", pooling=True), {}, (), "wrong_task", []),
+    ("either will do for tokenizing", RequestFacts("embedder"), {}, (), "ok", ["emb"]),
     ("a pinned worker that does not serve the model is no worker", RequestFacts("base", pinned="c"), {}, (),
      "no_worker", []),
 ]

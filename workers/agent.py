@@ -34,6 +34,7 @@ from fleetgate.registry import (
 )
 from fleetgate.schema import Load, WorkerInfo, WorkerState
 from workers.engines import Engine, EngineSpec
+from workers.engines.base import pooling
 from workers.engines.sim import card_speed
 
 log = structlog.get_logger("workers.agent")
@@ -196,6 +197,7 @@ class Agent:
             runtime_lora=self.engine.runtime_lora,
             max_loras=self.engine.max_loras(spec),
             reports_load=self.engine.reports_load,
+            pooling=pooling(spec),
             agent_pid=os.getpid(),
             started_at=time.time(),
         )
@@ -244,7 +246,7 @@ class Agent:
         assert self.info is not None
         started = time.monotonic()
         body: dict[str, object]
-        if self.opts.spec.options.get("runner") == "pooling":  # an embedding model generates nothing
+        if self.info.pooling:  # an embedding model generates nothing
             path, body = "/v1/embeddings", {"model": self.info.model, "input": "Hello"}
         else:
             path, body = "/v1/completions", {"model": self.info.model, "prompt": "Hello", "max_tokens": 1}

@@ -14,7 +14,7 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from gateway.routing.table import ModelRoutes, Routes, Slot
 
-Verdict = Literal["ok", "unknown_model", "no_worker", "context_length", "saturated"]
+Verdict = Literal["ok", "unknown_model", "no_worker", "wrong_task", "context_length", "saturated"]
 
 # How many ranked workers a decision returns: the first choice plus retries.
 DEFAULT_LIMIT = 3
@@ -53,6 +53,9 @@ class RequestFacts:
     # follow-up continues). It takes the request while draining too: the conversation
     # lives there, and a drain lets requests finish.
     pinned: str | None = None
+    # True for embeddings (only embedding models serve them), False for the routes that
+    # generate text (embedding models cannot), None when either will do (/tokenize).
+    pooling: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +128,10 @@ def decide(
         routable = [s for s in model_routes.slots if s.routable]
     if not routable:
         return Decision("no_worker")
+    if facts.pooling is not None:
+        routable = [s for s in routable if s.pooling == facts.pooling]
+        if not routable:
+            return Decision("wrong_task")
     need = facts.prompt_tokens
     if need:
         # Like vLLM, an engine cuts max_tokens to what fits; the prompt itself must fit,

@@ -26,7 +26,7 @@ class Slot:
 
     __slots__ = (
         "adapters_fit", "capacity", "engine_busy", "id", "id_hash", "kv", "lora_active", "max_len",
-        "max_loras", "routable", "speed", "view", "waiting", "weight",
+        "max_loras", "pooling", "routable", "speed", "view", "waiting", "weight",
     )
 
     def __init__(self, view: WorkerView) -> None:
@@ -44,6 +44,7 @@ class Slot:
         self.speed = view.info.speed if view.info.speed > 0 else 1.0
         self.weight = capacity * self.speed
         self.max_len = view.info.max_model_len
+        self.pooling = view.info.pooling
         self.routable = view.routable
         self.engine_busy = load.running + load.waiting
         self.waiting = load.waiting

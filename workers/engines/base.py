@@ -123,6 +123,11 @@ def flag_args(options: Mapping[str, Any], known: Iterable[str]) -> list[str]:
     return argv
 
 
+def pooling(spec: EngineSpec) -> bool:
+    """An embedding model: vLLM's `--runner pooling`, or `--convert embed` (which implies it)."""
+    return spec.options.get("runner") == "pooling" or spec.options.get("convert") == "embed"
+
+
 def lora_enabled(spec: EngineSpec) -> bool:
     """LoRA is on when adapters are given at start or the profile asks for runtime loading."""
     return bool(spec.adapters) or bool(spec.options.get("enable_lora"))
