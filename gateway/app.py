@@ -19,6 +19,7 @@ import structlog
 from litestar import Litestar, Request, Response, delete, get, post
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
+from litestar.handlers import HTTPRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.response import Stream
 
@@ -32,19 +33,10 @@ from gateway.fastpath import FastPath
 from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
 from gateway.metrics import GatewayMetrics, metrics_endpoint
-from gateway.openapi import (
-    ChatOperation,
-    CompletionOperation,
-    DetokenizeOperation,
-    EmbeddingsOperation,
-    ModelsOperation,
-    ResponsesOperation,
-    StoredResponseOperation,
-    TokenizeOperation,
-)
+from gateway.openapi import ModelsOperation, StoredResponseOperation, proxied_operation
 from gateway.proxy import Proxy
 from gateway.ratelimit import RateLimiter
-from gateway.requests import TokenCounter
+from gateway.requests import KINDS, TokenCounter
 from gateway.routing import make_policy
 from gateway.settings import GatewaySettings
 from gateway.ui import HANDLERS as UI_HANDLERS
@@ -105,34 +97,15 @@ async def _proxied(request: Request, state: State, path: str, kind: str) -> Resp
                     headers=dict(reply.headers))
 
 
-@post("/v1/chat/completions", status_code=200, operation_class=ChatOperation)
-async def chat_completions(request: Request, state: State) -> Response:
-    return await _proxied(request, state, "/v1/chat/completions", "chat")
+def _proxy_route(path: str, kind: str) -> HTTPRouteHandler:
+    """The Litestar route of one proxied OpenAI POST route (the fast path serves the same)."""
+    operation, operation_id = proxied_operation(kind)
 
+    async def proxied(request: Request, state: State) -> Response:
+        return await _proxied(request, state, path, kind)
 
-@post("/v1/completions", status_code=200, operation_class=CompletionOperation)
-async def completions(request: Request, state: State) -> Response:
-    return await _proxied(request, state, "/v1/completions", "completion")
-
-
-@post("/v1/responses", status_code=200, operation_class=ResponsesOperation)
-async def create_response(request: Request, state: State) -> Response:
-    return await _proxied(request, state, "/v1/responses", "responses")
-
-
-@post("/v1/embeddings", status_code=200, operation_class=EmbeddingsOperation)
-async def create_embeddings(request: Request, state: State) -> Response:
-    return await _proxied(request, state, "/v1/embeddings", "embeddings")
-
-
-@post("/tokenize", status_code=200, operation_class=TokenizeOperation)
-async def tokenize(request: Request, state: State) -> Response:
-    return await _proxied(request, state, "/tokenize", "tokenize")
-
-
-@post("/detokenize", status_code=200, operation_class=DetokenizeOperation)
-async def detokenize(request: Request, state: State) -> Response:
-    return await _proxied(request, state, "/detokenize", "detokenize")
+    return post(path, status_code=200, operation_class=operation, operation_id=operation_id,
+                name=f"proxy-{kind}")(proxied)
 
 
 async def _stored(request: Request, state: State, method: str, response_id: str, suffix: str) -> Response:
@@ -398,9 +371,8 @@ def create_app(settings: GatewaySettings) -> Litestar:
     make_policy(settings.policy, settings.routing)  # fail at start-up, not on the first request
     return Litestar(
         route_handlers=[
-            chat_completions, completions, create_response, retrieve_response, cancel_response,
-            create_embeddings, tokenize, detokenize,
-            list_models, get_model, health,
+            *(_proxy_route(path, kind) for path, kind in KINDS.items()),
+            retrieve_response, cancel_response, list_models, get_model, health,
             admin_workers, admin_drain, admin_undrain, admin_remove,
             admin_load_adapter, admin_unload_adapter, metrics_endpoint, *UI_HANDLERS,
         ],

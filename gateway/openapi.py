@@ -172,52 +172,35 @@ _STREAM_OR_JSON = OpenAPIResponse(
 )
 
 
-@dataclass
-class ChatOperation(Operation):
-    def __post_init__(self) -> None:
-        self.request_body = _body(_CHAT)
-        self.responses = {"200": _STREAM_OR_JSON, **_ERRORS}
-
-
-@dataclass
-class CompletionOperation(Operation):
-    def __post_init__(self) -> None:
-        self.request_body = _body(_COMPLETION)
-        self.responses = {"200": _STREAM_OR_JSON, **_ERRORS}
-
-
-@dataclass
-class ResponsesOperation(Operation):
-    def __post_init__(self) -> None:
-        self.request_body = _body(_RESPONSES)
-        self.responses = {"200": _STREAM_OR_JSON, **_ERRORS}
-
-
 _JSON_ANSWER = OpenAPIResponse(
     description="The engine's answer",
     content={"application/json": OpenAPIMediaType(schema={"type": "object"})},  # type: ignore[arg-type]
 )
 
-
-@dataclass
-class EmbeddingsOperation(Operation):
-    def __post_init__(self) -> None:
-        self.request_body = _body(_EMBEDDINGS)
-        self.responses = {"200": _JSON_ANSWER, **_ERRORS}
-
-
-@dataclass
-class TokenizeOperation(Operation):
-    def __post_init__(self) -> None:
-        self.request_body = _body(_TOKENIZE)
-        self.responses = {"200": _JSON_ANSWER, **_ERRORS}
+# Per proxied route (its kind, as in gateway/requests.py KINDS): the body it takes, what it
+# answers, the operation's id (OpenAI's names) and summary.
+_PROXIED: dict[str, tuple[dict[str, Any], OpenAPIResponse, str, str]] = {
+    "chat": (_CHAT, _STREAM_OR_JSON, "createChatCompletion", "Chat completion, whole or streamed"),
+    "completion": (_COMPLETION, _STREAM_OR_JSON, "createCompletion", "Text completion, whole or streamed"),
+    "responses": (_RESPONSES, _STREAM_OR_JSON, "createResponse", "Responses API, whole or streamed"),
+    "embeddings": (_EMBEDDINGS, _JSON_ANSWER, "createEmbedding", "Embeddings from an embedding model"),
+    "tokenize": (_TOKENIZE, _JSON_ANSWER, "tokenize", "vLLM's tokenizer: text or messages to token ids"),
+    "detokenize": (_DETOKENIZE, _JSON_ANSWER, "detokenize", "vLLM's tokenizer: token ids to text"),
+}
 
 
-@dataclass
-class DetokenizeOperation(Operation):
-    def __post_init__(self) -> None:
-        self.request_body = _body(_DETOKENIZE)
-        self.responses = {"200": _JSON_ANSWER, **_ERRORS}
+def proxied_operation(kind: str) -> tuple[type[Operation], str]:
+    """(the Operation class, the operation id) describing one proxied route."""
+    schema, answer, operation_id, summary = _PROXIED[kind]
+
+    @dataclass
+    class ProxiedOperation(Operation):
+        def __post_init__(self) -> None:
+            self.summary = summary
+            self.request_body = _body(schema)
+            self.responses = {"200": answer, **_ERRORS}
+
+    return ProxiedOperation, operation_id
 
 
 @dataclass

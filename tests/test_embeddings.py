@@ -118,6 +118,21 @@ def test_asking_a_model_for_what_it_does_not_do_is_a_clear_400(mixed: tuple[Flee
     assert resp.status_code == 200 and resp.headers["x-fleetgate-worker"] == "embed"
 
 
+def test_without_the_fast_path_litestar_serves_the_same_routes(mixed: tuple[Fleet, str]) -> None:
+    """`fast_path: false`: every proxied route is Litestar's own handler, with the same answers."""
+    fleet, _ = mixed
+    _, slow = fleet.gateway("--set", "fast_path=false")
+    client = _client(slow)
+    assert len(client.embeddings.create(model=EMBED, input=["a", "b"]).data) == 2
+    response = client.responses.create(model=GEN, input="hi", max_output_tokens=4)
+    assert response.output_text
+    assert client.completions.create(model=GEN, prompt="hi", max_tokens=2).choices[0].text
+    tokens = httpx.post(f"{slow}/tokenize", json={"model": GEN, "prompt": "hi"}, timeout=10)
+    assert tokens.status_code == 200 and tokens.json()["count"] > 0
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model=GEN, input="hi")
+
+
 def test_unknown_models_are_404s(mixed: tuple[Fleet, str]) -> None:
     _, url = mixed
     with pytest.raises(openai.NotFoundError):
