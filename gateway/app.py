@@ -112,8 +112,10 @@ async def _stored(request: Request, state: State, method: str, response_id: str,
     gw = _gw(state)
     _check_client(gw, request)
     reply = await gw.proxy.stored(method, response_id, suffix, request.url.query)
-    return Response(content=reply.body, status_code=reply.status, media_type="application/json",
-                    headers=dict(reply.headers))
+    headers = dict(reply.headers)
+    # The engine's own type: JSON, or an event stream for `?stream=true` (relayed whole).
+    return Response(content=reply.body, status_code=reply.status, media_type=headers.pop("content-type"),
+                    headers=headers)
 
 
 @get("/v1/responses/{response_id:str}", operation_class=StoredResponseOperation)

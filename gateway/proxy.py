@@ -21,6 +21,7 @@ from typing import NoReturn
 
 import aiohttp
 import structlog
+from redis.exceptions import RedisError
 from tenacity import (
     AsyncRetrying,
     retry_if_exception_type,
@@ -273,7 +274,7 @@ class Proxy:
         """The worker that stores Responses API response `response_id` (NotFound if none does)."""
         try:
             owner = await self.watcher.registry.response_worker(response_id)
-        except Exception as exc:  # redis-py's errors: the registry cannot say
+        except (RedisError, OSError) as exc:  # the registry cannot say
             raise NoWorkerAvailable("The gateway cannot reach its registry to find where response "
                                     f"`{response_id}` is stored; try again shortly.", retry_after=1) from exc
         if owner is None:
@@ -290,7 +291,7 @@ class Proxy:
     async def _remember(self, response_id: str, worker_id: str) -> None:
         try:
             await self.watcher.registry.remember_response(response_id, worker_id, self.settings.responses_ttl_s)
-        except Exception as exc:  # the answer still goes out; only follow-ups will miss it
+        except (RedisError, OSError) as exc:  # the answer still goes out; only follow-ups will miss it
             log.warning("gateway.response_not_recorded", response_id=response_id, worker=worker_id,
                         error=f"{type(exc).__name__}: {exc}")
 
@@ -298,10 +299,10 @@ class Proxy:
         """Forward a retrieve (GET) or cancel (POST) of a stored response to the worker that has it."""
         worker = await self._owner(response_id, "response_id")
         url = f"{worker.info.url}/v1/responses/{response_id}{suffix}" + (f"?{query}" if query else "")
-        status, data = await self.upstream.call(method, url, self.settings.first_byte_timeout_s)
+        status, content_type, data = await self.upstream.call(method, url, self.settings.first_byte_timeout_s)
         if status >= 400:
-            data = openai_error_body(status, data)
-        return Reply(status, [("x-fleetgate-worker", worker.info.id)], body=data)
+            data, content_type = openai_error_body(status, data), "application/json"
+        return Reply(status, [("x-fleetgate-worker", worker.info.id), ("content-type", content_type)], body=data)
 
     async def _relay(
         self, attempt: _Attempt, choice: Choice, resp: aiohttp.ClientResponse,

@@ -72,12 +72,12 @@ class Upstream:
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"engine at {url} is unreachable: {type(exc).__name__}") from exc
 
-    async def call(self, method: str, url: str, timeout_s: float) -> tuple[int, bytes]:
-        """A small request with no body (a retrieve, a cancel): the status and the whole answer."""
+    async def call(self, method: str, url: str, timeout_s: float) -> tuple[int, str, bytes]:
+        """A small request with no body (a retrieve, a cancel): status, content type, whole answer."""
         assert self.session is not None
         try:
             async with self.session.request(method, url, timeout=self._plain_timeout(timeout_s)) as resp:
-                return resp.status, await resp.read()
+                return resp.status, resp.content_type, await resp.read()
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             raise UpstreamTimeout(f"engine at {url} did not answer in time") from exc
         except aiohttp.ClientError as exc:
