@@ -97,6 +97,22 @@ def test_content_parts_and_token_id_prompts_are_served(shared_fleet: tuple[Fleet
         assert text.choices[0].text
 
 
+def test_several_choices_and_prompts_pass_through_whole_and_streamed(shared_fleet: tuple[Fleet, str]) -> None:
+    """`n` > 1 and a list of prompts: every choice arrives, streamed ones interleaved by index,
+    each with its own finish, and the stream ends once."""
+    _, url = shared_fleet
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    whole = client.completions.create(model=MODEL, prompt=["One", "Two"], n=2, max_tokens=4, temperature=0.8)
+    assert sorted(c.index for c in whole.choices) == [0, 1, 2, 3]
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=3, max_tokens=5, temperature=0.8, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    finishes = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert finishes == [0, 1, 2]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 3
+
+
 def test_adapter_requests_go_only_to_the_worker_holding_it(shared_fleet: tuple[Fleet, str]) -> None:
     """A LoRA adapter name routes to the worker that has it loaded."""
     _, url = shared_fleet

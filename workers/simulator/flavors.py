@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from workers.simulator.config import SimConfig
 from workers.simulator.metrics import LmdeployMetrics, VllmMetrics
+from workers.simulator.tokens import stable_hash
 
 # "validation": a body that fails vLLM's request schema (FastAPI/pydantic: type "Bad Request").
 ErrorKind = Literal[
@@ -44,6 +45,11 @@ class Flavor:
     tokenizer_api: bool  # serves /tokenize and /detokenize (vLLM)
     role_in_every_chunk: bool
     continue_trailing_assistant: bool
+    # Several choices (`n` > 1) and several completion prompts per request (vLLM).
+    multi_choice: bool
+    # vLLM's system_fingerprint, and its null extension fields in chat and completion
+    # bodies; None: LMDeploy's plainer bodies.
+    fingerprint: str | None
     health_body: bytes
     error_types: Mapping[ErrorKind, str]
     error_body: Callable[[SimError, str], dict[str, Any]]
@@ -98,6 +104,8 @@ def _flavors() -> dict[str, Callable[[SimConfig], Flavor]]:
             tokenizer_api=True,
             role_in_every_chunk=False,
             continue_trailing_assistant=False,
+            multi_choice=True,
+            fingerprint=f"vllm-0.32.0-{stable_hash(cfg.served_model_name) & 0xFFFFFFFF:08x}",
             health_body=b"",
             error_types={
                 "not_found": "NotFoundError",
@@ -128,6 +136,8 @@ def _flavors() -> dict[str, Callable[[SimConfig], Flavor]]:
             tokenizer_api=False,
             role_in_every_chunk=True,
             continue_trailing_assistant=True,
+            multi_choice=False,
+            fingerprint=None,
             health_body=b'{"status":"healthy"}',
             error_types={
                 "not_found": "not_found_error",

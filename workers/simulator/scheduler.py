@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -39,10 +40,12 @@ Status = Literal["waiting", "running", "finished", "aborted"]
 
 @dataclass(frozen=True)
 class Event:
-    """One generated token's text; `finish` is set on the last one."""
+    """One generated token's text; `finish` is set on the last one. `index` is the choice
+    of the request it belongs to (the choices of one request may share a queue)."""
 
     text: str
     finish: str | None = None
+    index: int = 0
 
 
 @dataclass(eq=False, kw_only=True)
@@ -60,6 +63,7 @@ class Seq:
     # A pooling (embedding) request: prefill only; it finishes ("stop") once its prompt is
     # computed, without sampling, like vLLM's pooling runner.
     pooling: bool = False
+    index: int = 0  # the choice of its request (n > 1, several prompts)
     arrival: float = 0.0
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     status: Status = "waiting"
@@ -132,11 +136,18 @@ class Scheduler:
 
     # --- requests in and out -------------------------------------------------------------
     def submit(self, seq: Seq) -> None:
+        self.submit_all([seq])
+
+    def submit_all(self, seqs: Sequence[Seq]) -> None:
+        """One API request's sequences (its choices, its prompts): the front-end admits them
+        together, once, and vLLM's engine then runs each as a request of its own."""
         now = self._now()
-        seq.arrival = now
+        for seq in seqs:
+            seq.arrival = now
         cost = self.profile.frontend_per_request_s * self.limits.time_scale
         if cost <= 0:
-            self._enqueue(seq)
+            for seq in seqs:
+                self._enqueue(seq)
             return
         # The front-end admits one request at a time; while the engine is busy, that work
         # takes the CPU from the engine's current step as well.
@@ -144,13 +155,14 @@ class Scheduler:
         self._frontend_free_at = ready
         if self.running:
             self._frontend_debt += cost
-        self.admitting.add(seq)
-        asyncio.get_running_loop().call_at(ready, self._admitted_by_frontend, seq)
+        self.admitting.update(seqs)
+        asyncio.get_running_loop().call_at(ready, self._admitted_by_frontend, list(seqs))
 
-    def _admitted_by_frontend(self, seq: Seq) -> None:
-        if seq in self.admitting:  # not aborted meanwhile
-            self.admitting.discard(seq)
-            self._enqueue(seq)
+    def _admitted_by_frontend(self, seqs: list[Seq]) -> None:
+        for seq in seqs:
+            if seq in self.admitting:  # not aborted meanwhile
+                self.admitting.discard(seq)
+                self._enqueue(seq)
 
     def _enqueue(self, seq: Seq) -> None:
         self.waiting.append(seq)
@@ -256,6 +268,7 @@ class Scheduler:
                     preempted = True
                 break
             seq.blocks += self.pool.allocate(need)
+            self._cache_blocks(seq, seq.num_computed + n)
             plan.work.append((seq, n))
             budget -= n
             i += 1
@@ -289,6 +302,7 @@ class Scheduler:
             self.pool.touch(hit)
             seq.blocks = hit + self.pool.allocate(need)
             seq.registered = len(hit)
+            self._cache_blocks(seq, seq.num_computed + n)
             seq.status = "running"
             if seq.admitted_at is None:
                 seq.admitted_at = self._now()
@@ -302,6 +316,15 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return budget
 
+    def _cache_blocks(self, seq: Seq, num_tokens: int) -> None:
+        """Enter the full prompt blocks among the first `num_tokens` into the prefix cache
+        when they are scheduled, as vLLM V1 does (not once computed): a sequence admitted
+        later in the same step, such as the next choice of an n > 1 request, hits them."""
+        full = min(num_tokens // self.limits.block_size, len(seq.hashes))
+        for j in range(seq.registered, full):
+            self.pool.register(seq.blocks[j], seq.hashes[j])
+        seq.registered = max(seq.registered, full)
+
     def _preempt(self, seq: Seq) -> None:
         self.running.remove(seq)
         self.pool.release(seq.blocks)
@@ -314,15 +337,10 @@ class Scheduler:
     def _complete(self, plan: _Plan, now: float) -> None:
         self.steps += 1
         sampled = outputs = 0
-        bs = self.limits.block_size
         for seq, n in plan.work:
             if seq.status != "running":
                 continue
             seq.num_computed += n
-            full = min(seq.num_computed // bs, len(seq.hashes))
-            for j in range(seq.registered, full):
-                self.pool.register(seq.blocks[j], seq.hashes[j])
-            seq.registered = max(seq.registered, full)
             if seq.num_computed == seq.num_tokens:
                 outputs += 1
                 if seq.pooling:
@@ -356,13 +374,13 @@ class Scheduler:
         if seq.first_token_at is None:
             seq.first_token_at = now
             self.hooks.on_first_token(seq, now)
-        seq.events.put_nowait(Event(piece, finish))
+        seq.events.put_nowait(Event(piece, finish, seq.index))
         if finish:
             self._finish(seq, finish, now, emitted=True)
 
     def _finish(self, seq: Seq, reason: str, now: float, emitted: bool = False) -> None:
         if not emitted:
-            seq.events.put_nowait(Event("", reason))
+            seq.events.put_nowait(Event("", reason, seq.index))
         self.running.remove(seq)
         self.pool.release(seq.blocks)
         seq.blocks = []

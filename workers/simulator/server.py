@@ -27,9 +27,9 @@ from workers.simulator.pooling import (
     response_bytes,
     response_json,
 )
-from workers.simulator.requests import Context, Kind, Prepared, prepare
+from workers.simulator.requests import Context, Kind, Prepared, Prompt, prepare
 from workers.simulator.responses import Responses
-from workers.simulator.scheduler import Limits, Scheduler, Seq
+from workers.simulator.scheduler import Event, Limits, Scheduler, Seq
 from workers.simulator.streams import respond_json, respond_stream
 from workers.simulator.tokenizing import detokenize, tokenize
 from workers.simulator.tokens import MEAN_OUTPUT_TOKENS, TextSource, load_tokens, stable_hash
@@ -109,22 +109,38 @@ class Simulator:
             self.metrics.on_failed()
             raise SimError(500, "internal", "Simulated engine failure (fault error_rate).")
 
-    def new_seq(self, prep: Prepared) -> Seq:
+    def new_seq(
+        self, prep: Prepared, prompt: Prompt | None = None, index: int = 0,
+        events: asyncio.Queue[Event] | None = None,
+    ) -> Seq:  # fmt: skip
+        """The engine sequence of choice `index` of `prompt` (the first prompt by default)."""
+        prompt = prompt or prep.prompts[0]
         namespace = prep.adapter or ""
-        seed = self.config.seed + prep.seed + stable_hash(namespace, prep.prompt_text)
+        seed = self.config.seed + prep.seed + stable_hash(namespace, prompt.text) + index
         source = TextSource(seed)
         eos = source.eos_after(MEAN_OUTPUT_TOKENS)
-        natural_stop = not prep.ignore_eos and eos < prep.max_tokens
+        natural_stop = not prep.ignore_eos and eos < prompt.max_tokens
         return Seq(
-            id=f"seq-{self.accepted}",
-            prompt_ids=prep.prompt_ids,
-            hashes=block_hashes(prep.prompt_ids, self.block_size, namespace),
+            id=f"seq-{self.accepted}" + (f"-{index}" if index else ""),
+            prompt_ids=prompt.ids,
+            hashes=block_hashes(prompt.ids, self.block_size, namespace),
             source=source,
-            target=eos if natural_stop else prep.max_tokens,
+            target=eos if natural_stop else prompt.max_tokens,
             target_reason="stop" if natural_stop else "length",
             adapter=prep.adapter,
             stop=prep.stop,
+            index=index,
+            events=events if events is not None else asyncio.Queue(),
         )
+
+    def new_seqs(self, prep: Prepared) -> list[Seq]:
+        """One sequence per choice, prompt-major like vLLM's indexes, on one event queue."""
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        return [
+            self.new_seq(prep, prompt, p * prep.n + c, events)
+            for p, prompt in enumerate(prep.prompts)
+            for c in range(prep.n)
+        ]
 
     def model_card(self, name: str, root: str, parent: str | None) -> dict[str, Any]:
         return {
@@ -187,17 +203,18 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     body = await _body(request)
     sim.admit_or_fail()
     prep = prepare(body, kind, sim.context)
-    seq = sim.new_seq(prep)
-    sim.scheduler.submit(seq)
+    seqs = sim.new_seqs(prep)
+    sim.scheduler.submit_all(seqs)
     try:
         if prep.stream:
             return await respond_stream(
-                request, sim.flavor, prep, seq, sim.faults, sim.scheduler.abort
+                request, sim.flavor, prep, seqs, sim.faults, sim.scheduler.abort
             )
-        return await respond_json(sim.flavor, prep, seq)
+        return await respond_json(sim.flavor, prep, seqs)
     finally:
-        if seq.status in ("waiting", "running"):  # client gone, or a stall: free the engine
-            sim.scheduler.abort(seq)
+        for seq in seqs:
+            if seq.status in ("waiting", "running"):  # client gone, or a stall: free the engine
+                sim.scheduler.abort(seq)
 
 
 async def chat(request: web.Request) -> web.StreamResponse:

@@ -1,10 +1,9 @@
-"""Response bodies: OpenAI chat/completion objects, whole or as server-sent events."""
+"""Answering a chat or completion request: one JSON body, or server-sent events."""
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -13,81 +12,27 @@ from aiohttp import web
 from workers.simulator.config import Faults
 from workers.simulator.flavors import Flavor
 from workers.simulator.requests import Prepared
-from workers.simulator.scheduler import Seq
+from workers.simulator.scheduler import Event, Seq
+from workers.simulator.shapes import Shape
 
 
-def usage(seq: Seq) -> dict[str, Any]:
-    return {
-        "prompt_tokens": seq.num_prompt,
-        "total_tokens": seq.num_prompt + seq.generated,
-        "completion_tokens": seq.generated,
-        "prompt_tokens_details": {"cached_tokens": seq.cached_tokens},
-    }
+async def _outputs(seqs: Sequence[Seq]) -> AsyncIterator[Event]:
+    """The events of one request's sequences (one queue they share), until each finished."""
+    left = len(seqs)
+    while left:
+        event = await seqs[0].events.get()
+        left -= event.finish is not None
+        yield event
 
 
-class _Shape:
-    """The id, object names and choice layout of one response."""
-
-    def __init__(self, flavor: Flavor, prep: Prepared) -> None:
-        self.flavor, self.prep = flavor, prep
-        self.chat = prep.kind == "chat"
-        self.id = flavor.chat_id() if self.chat else flavor.completion_id()
-        self.created = int(time.time())
-
-    def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.prep.model,
-            "choices": choices,
-        }
-
-    def chunk(self, text: str, finish: str | None, *, first: bool = False) -> dict[str, Any]:
-        if self.chat:
-            delta: dict[str, Any] = {"content": text}
-            if first or self.flavor.role_in_every_chunk:
-                delta = {"role": "assistant", "content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return self.envelope("chat.completion.chunk", [choice])
-        choice = {
-            "index": 0,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": finish,
-            "stop_reason": None,
-        }
-        return self.envelope("text_completion", [choice])
-
-    def whole(self, text: str, finish: str | None, seq: Seq) -> dict[str, Any]:
-        if self.chat:
-            message = {"role": "assistant", "content": text, "tool_calls": []}
-            choice = {
-                "index": 0,
-                "message": message,
-                "logprobs": None,
-                "finish_reason": finish,
-                "stop_reason": None,
-            }
-            body = self.envelope("chat.completion", [choice])
-        else:
-            choice = {
-                "index": 0, "text": text, "logprobs": None, "finish_reason": finish,
-                "stop_reason": None, "prompt_logprobs": None,
-            }  # fmt: skip
-            body = self.envelope("text_completion", [choice])
-        body["usage"] = usage(seq)
-        return body
-
-
-async def respond_json(flavor: Flavor, prep: Prepared, seq: Seq) -> web.Response:
-    parts: list[str] = []
-    while True:
-        event = await seq.events.get()
-        parts.append(event.text)
-        if event.finish:
-            break
-    body = _Shape(flavor, prep).whole("".join(parts), event.finish, seq)
+async def respond_json(flavor: Flavor, prep: Prepared, seqs: Sequence[Seq]) -> web.Response:
+    parts: list[list[str]] = [[] for _ in seqs]
+    finishes: list[str | None] = [None] * len(seqs)
+    async for event in _outputs(seqs):
+        parts[event.index].append(event.text)
+        finishes[event.index] = event.finish or finishes[event.index]
+    outputs = [("".join(p), f) for p, f in zip(parts, finishes, strict=True)]
+    body = Shape(flavor, prep).whole(outputs, seqs)
     return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
 
@@ -128,12 +73,19 @@ async def respond_stream(
     request: web.Request,
     flavor: Flavor,
     prep: Prepared,
-    seq: Seq,
+    seqs: Sequence[Seq],
     faults: Faults,
     abort: Callable[[Seq], None],
 ) -> web.StreamResponse:
-    shape = _Shape(flavor, prep)
-    out = await EventStream.open(request, faults, lambda: abort(seq), "text/event-stream")
+    """Chunks of the choices interleaved as their tokens come, each with its index and its
+    own finish chunk; then one usage chunk if asked, then [DONE]."""
+    shape = Shape(flavor, prep)
+
+    def stall() -> None:
+        for seq in seqs:
+            abort(seq)
+
+    out = await EventStream.open(request, faults, stall, "text/event-stream")
 
     async def send(data: dict[str, Any] | None) -> None:
         payload = (
@@ -142,19 +94,16 @@ async def respond_stream(
         await out.write(payload)
 
     first = True
-    while True:
-        event = await seq.events.get()
+    async for event in _outputs(seqs):
         if first and shape.chat:
-            # vLLM sends the role chunk with the first output, not before the prefill.
-            await send(shape.chunk("", None, first=True))
+            # vLLM sends every choice's role chunk with the first output, not before the
+            # prefill.
+            for index in range(len(seqs)):
+                await send(shape.role_chunk(index))
         first = False
-        await send(shape.chunk(event.text, event.finish))
-        if event.finish:
-            break
+        await send(shape.chunk(event.index, event.text, event.finish))
     if prep.include_usage:
-        tail = shape.envelope(shape.chunk("", None)["object"], [])
-        tail["usage"] = usage(seq)
-        await send(tail)
+        await send(shape.usage_chunk(seqs))
     await send(None)
     return await out.close()
 
