@@ -118,22 +118,28 @@ def decide(
     model_routes = routes.by_model.get(facts.model)
     if model_routes is None:
         return Decision("unknown_model")
+    routable: Sequence[Slot]
     if facts.pinned is not None:
         pinned = facts.pinned
         routable = [s for s in model_routes.slots
                     if s.id == pinned and s.id not in exclude and not s.view.circuit]
     elif exclude:
-        routable = [s for s in model_routes.slots if s.routable and s.id not in exclude]
+        routable = [s for s in model_routes.routable if s.id not in exclude]
     else:
-        routable = [s for s in model_routes.slots if s.routable]
+        routable = model_routes.routable
     if not routable:
         return Decision("no_worker")
-    if facts.pooling is not None:
+    if facts.pooling is not None and model_routes.pooling is not facts.pooling:
+        # Only where the workers serving this name are of both kinds (or it is pinned)
+        # does this filter; otherwise they all are, or none is, what the request needs.
         routable = [s for s in routable if s.pooling == facts.pooling]
         if not routable:
             return Decision("wrong_task")
     need = facts.prompt_tokens
-    if need:
+    fitting: Sequence[Slot]
+    if need and need + (facts.max_tokens or 0) <= model_routes.min_len and facts.pinned is None:
+        fitting = routable  # fits every routable worker (these are among them): nothing to filter
+    elif need:
         # Like vLLM, an engine cuts max_tokens to what fits; the prompt itself must fit,
         # and where the client asked for a completion length, that should fit too.
         total = need + (facts.max_tokens or 0)

@@ -62,6 +62,12 @@ class ModelRoutes:
     slots: tuple[Slot, ...]
     ring_points: tuple[int, ...]
     ring_owner: tuple[int, ...]
+    # The routable ones, and the smallest max_model_len among them: a prompt that fits that
+    # fits them all, so the common request filters nothing.
+    routable: tuple[Slot, ...] = ()
+    min_len: int = 0
+    # True when every routable one is an embedding model, False when none is, None if mixed.
+    pooling: bool | None = None
 
     @classmethod
     def build(cls, slots: Sequence[Slot]) -> ModelRoutes:
@@ -76,7 +82,10 @@ class ModelRoutes:
             vnodes = max(MIN_VNODES, round(VNODES * size[slot.id] / largest))
             points.extend((mix(slot.id_hash, v), index) for v in range(vnodes))
         points.sort()
-        return cls(ordered, tuple(p for p, _ in points), tuple(i for _, i in points))
+        routable = tuple(s for s in ordered if s.routable)
+        kinds = {s.pooling for s in routable}
+        return cls(ordered, tuple(p for p, _ in points), tuple(i for _, i in points), routable,
+                   min((s.max_len for s in routable), default=0), kinds.pop() if len(kinds) == 1 else None)
 
     def ring_order(self, key: int) -> Iterator[Slot]:
         """Workers in the key's ring order, each once: the same on every gateway replica."""
