@@ -240,6 +240,16 @@ def test_max_tokens_cut_to_context(sim: Sim) -> None:
     assert resp.json()["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.parametrize(("extra", "tokens"), [({}, 16), ({"max_tokens": None}, 2048 - 4), ({"max_tokens": 3}, 3)])
+def test_completion_length_defaults_like_vllm(sim: Sim, extra: dict[str, object], tokens: int) -> None:
+    """Without `max_tokens` a completion is 16 tokens (vLLM's default); an explicit null means
+    the rest of the context."""
+    body = {"model": "base", "prompt": "abcd" * 4, "ignore_eos": True, **extra}
+    resp = httpx.post(sim.url + "/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == tokens
+
+
 async def test_queue_shows_in_metrics(sim: Sim) -> None:
     """With max_num_seqs 2, a burst of 6 requests shows waiting > 0 and running <= 2 in /metrics."""
     engine = SimEngine()

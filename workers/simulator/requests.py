@@ -265,6 +265,8 @@ def prepare(body: Any, kind: Kind, ctx: Context) -> Prepared:
     wanted = opt_int(body, "max_completion_tokens", 1)
     if wanted is None:
         wanted = opt_int(body, "max_tokens", 1)
+    if kind == "completion" and "max_tokens" not in body:
+        wanted = COMPLETION_DEFAULT_MAX_TOKENS  # OpenAI's and vLLM's default (an explicit null: the rest)
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise bad("stream_options must be an object", "stream_options")
@@ -284,6 +286,10 @@ def prepare(body: Any, kind: Kind, ctx: Context) -> Prepared:
         n=n,
         more_prompts=tuple(more),
     )
+
+
+# /v1/completions without `max_tokens` generates 16 tokens (vLLM's CompletionRequest default).
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 def _max_tokens(ids: list[int], wanted: int | None, ctx: Context) -> int:
