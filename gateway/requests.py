@@ -95,7 +95,7 @@ def parse_request(body: bytes, kind: str) -> Probe:
     try:
         if kind == "embeddings":
             e = _embeddings.decode(body)
-            if bytes(e.input) in (b"", b"null"):
+            if _absent(e.input):
                 raise InvalidRequest("`input` is required.", param="input")
             probe = Probe(model=e.model, prompt=e.input, user=e.user)
         else:
@@ -108,9 +108,9 @@ def parse_request(body: bytes, kind: str) -> Probe:
         raise InvalidRequest("`model` must name a model or adapter.", param="model")
     if kind == "chat" and not probe.messages:
         raise InvalidRequest("`messages` must be a non-empty array.", param="messages")
-    if kind == "completion" and bytes(probe.prompt) in (b"", b"null"):
+    if kind == "completion" and _absent(probe.prompt):
         raise InvalidRequest("`prompt` is required.", param="prompt")
-    if kind == "tokenize" and probe.messages is None and bytes(probe.prompt) in (b"", b"null"):
+    if kind == "tokenize" and probe.messages is None and _absent(probe.prompt):
         raise InvalidRequest("`prompt` or `messages` is required.", param="prompt")
     if kind == "responses" and probe.input is None:
         raise InvalidRequest("`input` is required.", param="input")
@@ -121,6 +121,11 @@ def parse_request(body: bytes, kind: str) -> Probe:
         if value is not None and value < 1:
             raise InvalidRequest(f"`{name}` must be at least 1.", param=name)
     return probe
+
+
+def _absent(raw: msgspec.Raw) -> bool:
+    """A raw field left out of the body, or sent as null."""
+    return bytes(raw) in (b"", b"null")
 
 
 def _field_of(exc: msgspec.ValidationError) -> str | None:
