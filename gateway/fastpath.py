@@ -29,7 +29,6 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-_ROUTES = KINDS
 _JSON = (b"content-type", b"application/json")
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
         (b"x-accel-buffering", b"no")]
@@ -45,7 +44,7 @@ class FastPath:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = _ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
+        kind = KINDS.get(scope.get("path", "")) if scope["type"] == "http" else None
         gw = self.app.state.get("gw") if kind is not None and scope["method"] == "POST" else None
         if gw is None:
             await self.app(scope, receive, send)  # type: ignore[arg-type]

@@ -67,21 +67,17 @@ class Upstream:
                 parsed, data=body, headers=headers,
                 timeout=self._stream if stream else self._plain_timeout(first_byte_s),
             )
-        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-            raise UpstreamTimeout(f"engine at {url} did not answer in time") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamError(f"engine at {url} is unreachable: {type(exc).__name__}") from exc
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise _unreachable(url, exc) from exc
 
     async def call(self, method: str, url: str, timeout_s: float) -> tuple[int, str, bytes]:
         """A small request with no body (a retrieve, a cancel): status, content type, whole answer."""
         assert self.session is not None
         try:
             async with self.session.request(method, url, timeout=self._plain_timeout(timeout_s)) as resp:
-                return resp.status, resp.content_type, await resp.read()
-        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-            raise UpstreamTimeout(f"engine at {url} did not answer in time") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamError(f"engine at {url} is unreachable: {type(exc).__name__}") from exc
+                return resp.status, resp.content_type, await self.read(resp)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise _unreachable(url, exc) from exc
 
     @staticmethod
     async def read(resp: aiohttp.ClientResponse) -> bytes:
@@ -91,6 +87,13 @@ class Upstream:
             raise UpstreamTimeout("engine stopped answering mid-response") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"engine connection broke: {type(exc).__name__}") from exc
+
+
+def _unreachable(url: str, exc: BaseException) -> UpstreamError:
+    """aiohttp's failure to reach an engine, as the gateway's error."""
+    if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+        return UpstreamTimeout(f"engine at {url} did not answer in time")
+    return UpstreamError(f"engine at {url} is unreachable: {type(exc).__name__}")
 
 
 class _Flat(msgspec.Struct):
