@@ -50,6 +50,14 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     # Whether the engine reports a queue through /metrics; without it the gateway's
     # own in-flight count is the only load signal.
     reports_load: bool = True
+    # The engine's KV cache, in tokens (vLLM: num_gpu_blocks x block_size from
+    # vllm:cache_config_info); 0 when unknown. The gateway sizes its model of each
+    # worker's prefix cache by it.
+    kv_tokens: int = 0
+    block_size: int = 16
+    # Where `speed` came from: "profile" (the card's timing profile), "declared"
+    # (--speed), "measured"; "" for records written before this field existed.
+    speed_source: str = ""
     agent_pid: int = 0
     started_at: float = 0.0
     schema: int = SCHEMA_VERSION
