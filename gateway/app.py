@@ -26,6 +26,7 @@ from litestar.response import Stream
 from fleetgate.registry import Registry, connect
 from fleetgate.schema import WorkerView
 from gateway.adapters import AdapterPlacer
+from gateway.admission import Admission
 from gateway.auth import check_api_key, digest
 from gateway.circuit import Breakers
 from gateway.errors import GatewayError, InvalidRequest, NotFound, Unauthorized
@@ -34,10 +35,12 @@ from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
 from gateway.metrics import GatewayMetrics, metrics_endpoint
 from gateway.openapi import ModelsOperation, StoredResponseOperation, proxied_operation
+from gateway.placement import Placement
 from gateway.proxy import Proxy
 from gateway.ratelimit import RateLimiter
 from gateway.requests import KINDS, TokenCounter
 from gateway.routing import make_policy
+from gateway.routing.homes import Homes
 from gateway.settings import GatewaySettings
 from gateway.ui import HANDLERS as UI_HANDLERS
 from gateway.ui import admin_authorized
@@ -347,9 +350,17 @@ def create_app(settings: GatewaySettings) -> Litestar:
         metrics = GatewayMetrics()
         metrics.watch_fleet(watcher, inflight)
         placer = AdapterPlacer(dict(settings.adapters), watcher, registry, inflight)
+        policy = make_policy(settings.policy, settings.routing)
+        opts = getattr(policy, "opts", None)
+        homes = Homes(half_life_s=getattr(opts, "half_life_s", 30.0),
+                      second_hold_s=getattr(opts, "second_hold_s", 10.0),
+                      imbalance=getattr(opts, "balance", 0.25))
+        placement = Placement(homes, lambda: watcher.snapshot.routes)
+        # The queue is as long as the fleet is wide (every worker's batch once), at least queue_max.
+        admission = Admission(lambda: max(settings.queue_max, sum(
+            w.info.capacity for w in watcher.snapshot.workers if w.routable)))
         proxy = Proxy(
-            settings, watcher, upstream, make_policy(settings.policy, settings.routing), inflight, breakers,
-            metrics, placer,
+            settings, watcher, upstream, policy, inflight, breakers, metrics, placer, placement, admission,
             tokenizers={model: TokenCounter(path) for model, path in settings.tokenizers.items()},
         )
         app.state["gw"] = Gateway(
@@ -358,10 +369,12 @@ def create_app(settings: GatewaySettings) -> Litestar:
         )
         await watcher.start()
         inflight.start()
+        placement.start()
         log.info("gateway.started", gateway_id=gateway_id, **settings.public())
         try:
             yield
         finally:
+            await placement.stop()
             await placer.close()
             await breakers.close()
             await inflight.stop()

@@ -1,6 +1,11 @@
 """Requests in flight per worker: this gateway's, exact, plus the other replicas', shared through Redis.
 
-The request path only touches the local dict (an increment and a decrement). A
+Beside the count, the KV tokens those requests hold by the gateway's estimate (each
+request's own prompt tokens and completion budget, plus a shared prefix once per worker
+while any request using it is in flight there): the live account routing weighs load by
+and sheds on, instead of a second-old engine gauge.
+
+The request path only touches the local dicts (an increment and a decrement). A
 background task publishes the local counts about ten times a second under a lease
 and reads the other gateways' sum, so routing on every replica sees the whole
 fleet's in-flight work without a Redis round trip per request, and a gateway that
@@ -12,13 +17,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import structlog
 
 from fleetgate.registry import Registry
 
 log = structlog.get_logger("gateway.inflight")
+
+# Token counts travel in the same Redis hash as the request counts, under this prefix.
+TOKENS_FIELD = "~t:"
+
+
+class _Tokens(Mapping[str, int]):
+    """Local + remote KV tokens per worker, read like a dict."""
+
+    def __init__(self, local: dict[str, int], remote: dict[str, int]) -> None:
+        self.local = local
+        self.remote = remote
+
+    def get(self, worker_id: str, default: int = 0) -> int:  # type: ignore[override]
+        return self.local.get(worker_id, 0) + self.remote.get(worker_id, 0) or default
+
+    def __getitem__(self, worker_id: str) -> int:
+        return self.get(worker_id)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.local.keys() | self.remote.keys())
+
+    def __len__(self) -> int:
+        return len(self.local.keys() | self.remote.keys())
 
 
 class SharedInflight(Mapping[str, int]):
@@ -30,20 +58,52 @@ class SharedInflight(Mapping[str, int]):
         self.lease_s = lease_s
         self.local: dict[str, int] = {}
         self.remote: dict[str, int] = {}
+        self.local_tokens: dict[str, int] = {}
+        self.remote_tokens: dict[str, int] = {}
+        self.tokens = _Tokens(self.local_tokens, self.remote_tokens)
+        # (worker, affinity key) -> requests in flight there that share that key's prefix.
+        self._sharing: dict[tuple[str, int], int] = {}
+        # Called after every completion (the admission queue re-checks for room).
+        self.on_done: Callable[[], None] | None = None
         self._remote_at = 0.0
         self._task: asyncio.Task[None] | None = None
 
     # -- the request path ----------------------------------------------------------
 
-    def add(self, worker_id: str) -> None:
+    def add(self, worker_id: str, tokens: int = 0, key: int | None = None, prefix: int = 0) -> None:
+        """One request in flight on `worker_id`, holding `tokens` of its own and sharing the
+        `prefix` tokens of affinity `key` with the others in flight there."""
         self.local[worker_id] = self.local.get(worker_id, 0) + 1
+        if key is not None and prefix:
+            sharing = self._sharing.get((worker_id, key), 0)
+            self._sharing[(worker_id, key)] = sharing + 1
+            if sharing == 0:
+                tokens += prefix
+        if tokens:
+            self.local_tokens[worker_id] = self.local_tokens.get(worker_id, 0) + tokens
 
-    def done(self, worker_id: str) -> None:
+    def done(self, worker_id: str, tokens: int = 0, key: int | None = None, prefix: int = 0) -> None:
+        """The request `add` counted (same arguments) has finished."""
         left = self.local.get(worker_id, 1) - 1
         if left > 0:
             self.local[worker_id] = left
         else:
             self.local.pop(worker_id, None)
+        if key is not None and prefix:
+            sharing = self._sharing.get((worker_id, key), 1) - 1
+            if sharing > 0:
+                self._sharing[(worker_id, key)] = sharing
+            else:
+                self._sharing.pop((worker_id, key), None)
+                tokens += prefix
+        if tokens:
+            held = self.local_tokens.get(worker_id, 0) - tokens
+            if held > 0 and worker_id in self.local:
+                self.local_tokens[worker_id] = held
+            else:
+                self.local_tokens.pop(worker_id, None)
+        if self.on_done is not None:
+            self.on_done()
 
     def get(self, worker_id: str, default: int = 0) -> int:  # type: ignore[override]
         return self.local.get(worker_id, 0) + self.remote.get(worker_id, 0) or default
@@ -71,9 +131,23 @@ class SharedInflight(Mapping[str, int]):
             await self.registry.forget_gateway(self.gateway_id)
 
     async def sync(self) -> None:
-        await self.registry.publish_inflight(self.gateway_id, dict(self.local), self.lease_s)
-        self.remote = await self.registry.read_inflight(exclude_gateway=self.gateway_id)
+        counts: dict[str, int] = dict(self.local)
+        counts.update({TOKENS_FIELD + w: t for w, t in self.local_tokens.items()})
+        await self.registry.publish_inflight(self.gateway_id, counts, self.lease_s)
+        remote = await self.registry.read_inflight(exclude_gateway=self.gateway_id)
+        self._set_remote(remote)
         self._remote_at = time.monotonic()
+
+    def _set_remote(self, remote: dict[str, int]) -> None:
+        # In place: routing's `Live` view and the `tokens` mapping hold these very dicts.
+        n = len(TOKENS_FIELD)
+        self.remote.clear()
+        self.remote_tokens.clear()
+        for field, value in remote.items():
+            if field.startswith(TOKENS_FIELD):
+                self.remote_tokens[field[n:]] = value
+            else:
+                self.remote[field] = value
 
     async def _loop(self) -> None:
         failing = False
@@ -91,5 +165,5 @@ class SharedInflight(Mapping[str, int]):
                 failing = True
                 # Other replicas' counts expire with their lease; so do our copies of them.
                 if time.monotonic() - self._remote_at > self.lease_s:
-                    self.remote = {}
+                    self._set_remote({})
             await asyncio.sleep(self.interval_s)

@@ -136,7 +136,8 @@ class GatewayMetrics:
         )
         self._shed = Counter(
             "fleetgate_shed", "Requests the gateway refused itself because no worker could take "
-            "them (status: the HTTP status sent).", ["model", "status"], registry=r,
+            "them (status: the HTTP status sent; reason: the limit, queue_full or queue_timeout "
+            "for 429, the error code for 503).", ["model", "status", "reason"], registry=r,
         )
         # Label children by label values: `.labels()` takes a lock and validates each call.
         self._children: dict[tuple[Any, ...], Any] = {}
@@ -179,8 +180,8 @@ class GatewayMetrics:
     def resumed_stream(self, model: str) -> None:
         self._child(self._resumed, model).inc()
 
-    def shed(self, model: str, status: int) -> None:
-        self._child(self._shed, model, str(status)).inc()
+    def shed(self, model: str, status: int, reason: str) -> None:
+        self._child(self._shed, model, str(status), reason).inc()
 
     def record_decision(
         self, request_id: str, model: str, worker: str, reason: str, attempts: int = 1,

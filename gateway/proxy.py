@@ -6,8 +6,9 @@ timeout, engine 5xx/429, a body cut short) is retried on another worker, bounded
 in attempts and in time, with jittered backoff and one log event per retry. Once a
 stream has started, events are relayed as they arrive; if the engine dies or
 stalls mid-stream, the stream is continued on another worker (gateway/resume.py).
-When every eligible worker is full, the request waits in a bounded queue, then
-gets 429 + Retry-After. A client that goes away closes the engine's request.
+When every eligible worker is full by the gateway's own account, the request waits in a
+bounded FIFO queue woken by completions (gateway/admission.py), then gets 429 +
+Retry-After. A client that goes away closes the engine's request.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from tenacity import (
 
 from fleetgate.schema import WorkerView
 from gateway.adapters import AdapterPlacer
+from gateway.admission import Admission, Shed
 from gateway.circuit import Breakers
 from gateway.errors import (
     ContextLengthExceeded,
@@ -40,22 +42,31 @@ from gateway.errors import (
     ModelNotFound,
     NotFound,
     NoWorkerAvailable,
-    Overloaded,
     UpstreamError,
 )
 from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
 from gateway.metrics import GatewayMetrics, usage_of
-from gateway.requests import GENERATES, TokenCounter, affinity, estimate_tokens, parse_request
+from gateway.placement import Placement
+from gateway.requests import (
+    GENERATES,
+    TokenCounter,
+    affinity,
+    estimate_tokens,
+    parse_request,
+    shared_prefix_tokens,
+)
 from gateway.responses import ResponsesTracker, response_id_of
 from gateway.resume import StreamTracker, continuation_body, resumable_request
-from gateway.routing import Choice, Policy, RequestFacts, decide
+from gateway.routing import Choice, Live, Policy, RequestFacts, decide
 from gateway.settings import GatewaySettings
 from gateway.upstream import RETRYABLE_STATUS, Upstream, openai_error_body
 
 log = structlog.get_logger("gateway.proxy")
 
 _FORWARD_HEADERS = {"content-type": "application/json"}
+# What a request without max_tokens is expected to generate, for the KV account.
+_DEFAULT_COMPLETION_TOKENS = 256
 
 
 @dataclass(slots=True)
@@ -92,9 +103,15 @@ class Proxy:
     breakers: Breakers
     metrics: GatewayMetrics
     placer: AdapterPlacer
+    placement: Placement
+    admission: Admission
     tokenizers: dict[str, TokenCounter] = field(default_factory=dict)
     seq: int = 0
-    queued: int = 0
+    live: Live = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.live = self.placement.live(Live(self.inflight, self.inflight.tokens))
+        self.inflight.on_done = self.admission.wake
     # Request ids: a random per-process prefix and a counter (no syscall per request).
     _id_prefix: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
 
@@ -160,6 +177,7 @@ class Proxy:
             affinity_kind=key_kind,
             pinned=pinned,
             pooling=True if kind == "embeddings" else False if generates else None,
+            prefix_tokens=shared_prefix_tokens(probe, key_kind, estimate),
         )
         attempt = _Attempt(self, path, kind, body, probe.stream, facts, floor)
         try:
@@ -219,7 +237,7 @@ class Proxy:
         elapsed = time.perf_counter() - started
         self.metrics.request_done(model, "", exc.status, stream, elapsed)
         if exc.status in (429, 503):
-            self.metrics.shed(model, exc.status)
+            self.metrics.shed(model, exc.status, exc.reason if isinstance(exc, Shed) else exc.code or "")
         self.metrics.record_decision(request_id, model, "", type(exc).__name__, attempt.count, exc.status)
         log.info("gateway.request", request_id=request_id, key_id=key_id, model=model, stream=stream,
                  status=exc.status, error=exc.code, attempts=attempt.count, ms=round(elapsed * 1000, 2))
@@ -227,24 +245,10 @@ class Proxy:
     async def _wait_for_room(self, attempt: _Attempt) -> None:
         """Hold a request while every eligible worker is full; bounded in count and time."""
         settings = self.settings
-        if self.queued >= settings.queue_max:
-            raise Overloaded("Every worker is at capacity and the gateway's queue is full.",
-                             retry_after=settings.queue_timeout_s)
-        self.queued += 1
         if attempt.queue_deadline is None:
             attempt.queue_deadline = time.monotonic() + settings.queue_timeout_s
-        deadline = attempt.queue_deadline
-        try:
-            while attempt.saturated():
-                if time.monotonic() >= deadline:
-                    log.info("gateway.shed", model=attempt.facts.model, queued=self.queued)
-                    raise Overloaded(
-                        f"Every worker serving `{attempt.facts.model}` is at capacity; try again shortly.",
-                        retry_after=max(1.0, settings.queue_timeout_s / 2),
-                    )
-                await asyncio.sleep(0.02)
-        finally:
-            self.queued -= 1
+        await self.admission.wait(attempt.facts.model, attempt.saturated, attempt.queue_deadline,
+                                  retry_after=max(1.0, settings.queue_timeout_s / 2))
 
     async def _retry(self, attempt: _Attempt, failure: _Retryable) -> _Result:
         settings = self.settings
@@ -357,7 +361,7 @@ class Proxy:
                     reason = "stalled" if isinstance(exc, TimeoutError) else type(exc).__name__
                     self.breakers.failure(worker.id, f"stream {reason}")
                     resp.close()
-                    self.inflight.done(worker.id)
+                    attempt.release(worker.id)
                     counted = False
                     tracker.analyse()
                     log.warning("gateway.stream_broke", worker=worker.id, reason=reason,
@@ -397,7 +401,7 @@ class Proxy:
                     resp.release()
                 else:
                     resp.close()
-                self.inflight.done(worker.id)
+                attempt.release(worker.id)
             elapsed = time.perf_counter() - started
             self.metrics.request_done(
                 str(fields["model"]), worker.id, 200, True, elapsed,
@@ -433,30 +437,50 @@ class _Attempt:
         self.count = 0
         self.last_error: GatewayError | None = None
         self.queue_deadline: float | None = None
+        # The KV tokens this request holds on its worker by the gateway's account: its own
+        # prompt tokens and completion budget, and the prefix it shares with its key's others.
+        self.prefix = facts.prefix_tokens
+        self.own_tokens = max(0, facts.prompt_tokens - self.prefix) + (
+            facts.max_tokens or _DEFAULT_COMPLETION_TOKENS)
+        self.key = facts.affinity_key
+
+    def hold(self, worker_id: str) -> None:
+        self.proxy.inflight.add(worker_id, self.own_tokens, self.key, self.prefix)
+
+    def release(self, worker_id: str) -> None:
+        self.proxy.inflight.done(worker_id, self.own_tokens, self.key, self.prefix)
 
     def first_byte_timeout(self) -> float:
         s = self.proxy.settings
         return s.first_byte_timeout_s + s.first_byte_per_1k_tokens_s * self.facts.prompt_tokens / 1000
 
-    def saturated(self) -> bool:
+    def saturated(self) -> str | None:
+        """The limit every eligible worker is at ("slots", "kv"), or None when one has room."""
         proxy = self.proxy
-        decision = decide(proxy.watcher.snapshot.routes, self.facts, proxy.inflight, proxy.policy,
+        decision = decide(proxy.watcher.snapshot.routes, self.facts, proxy.live, proxy.policy,
                           self.tried, limit=1, full_at=proxy.settings.full_at)
-        return decision.verdict == "saturated"
+        return decision.why or "slots" if decision.verdict == "saturated" else None
 
     async def next(self, body: bytes | None = None) -> _Result:
         proxy = self.proxy
+        if self.key is not None and self.count == 0:
+            # Looked up now, not when the request arrived: it may have waited in the queue.
+            home, second = proxy.placement.lookup(self.key)
+            if home != self.facts.home or second != self.facts.second:
+                self.facts = replace(self.facts, home=home, second=second)
         choice = self._choose()
         worker = choice.worker
+        if self.count == 0:
+            proxy.placement.record(self.facts, choice, self.own_tokens)
         self.tried.append(worker.id)
         self.count += 1
-        proxy.inflight.add(worker.id)
+        self.hold(worker.id)
         url = worker.info.url + self.path
         try:
             resp = await proxy.upstream.post(url, body or self.body, _FORWARD_HEADERS, self.stream,
                                              self.first_byte_timeout())
         except UpstreamError as exc:
-            proxy.inflight.done(worker.id)
+            self.release(worker.id)
             self._failed(worker, exc)
         if self.stream and resp.status == 200:
             return choice, resp, (200, b"")
@@ -466,7 +490,7 @@ class _Attempt:
             self._failed(worker, exc)
         finally:
             resp.release()
-            proxy.inflight.done(worker.id)
+            self.release(worker.id)
         if resp.status in RETRYABLE_STATUS:
             message = openai_error_body(resp.status, data).decode()
             self._failed(worker, UpstreamError(f"engine {worker.id} answered {resp.status}: {message[:300]}"))
@@ -492,14 +516,14 @@ class _Attempt:
         routes = proxy.watcher.snapshot.routes
         # Shed load on a request's first attempt only: a retry or a resume has waited enough.
         full_at = proxy.settings.full_at if self.count == 0 else None
-        decision = decide(routes, self.facts, proxy.inflight, proxy.policy, self.tried, limit=1,
+        decision = decide(routes, self.facts, proxy.live, proxy.policy, self.tried, limit=1,
                           full_at=full_at)
         if decision.verdict == "saturated":
             raise _Saturated
         if decision.verdict == "context_length" and self.floor + (self.facts.max_tokens or 0) < decision.limit:
             # Only an estimate says it does not fit: let the roomiest workers' engines decide.
             roomiest = replace(self.facts, prompt_tokens=decision.limit - 1, max_tokens=None)
-            decision = decide(routes, roomiest, proxy.inflight, proxy.policy, self.tried, limit=1)
+            decision = decide(routes, roomiest, proxy.live, proxy.policy, self.tried, limit=1)
         if decision.choices:
             return decision.choices[0]
         if decision.verdict == "unknown_model":

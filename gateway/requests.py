@@ -238,6 +238,25 @@ def affinity(probe: Probe, session: str | None, adapter: bool = False) -> tuple[
     return None, None
 
 
+def shared_prefix_tokens(probe: Probe, kind: str | None, estimate: int) -> int:
+    """Tokens of what a "prefix" affinity key stands for (the system prompt or instructions
+    the requests share; the head of the first message), at most the prompt's estimate; 0
+    for other keys (a session's history is its own)."""
+    if kind != "prefix":
+        return 0
+    first = probe.messages[0] if probe.messages else None
+    if first is not None and first.role in ("system", "developer"):
+        text = _text(first.content)  # shared whole
+    elif first is not None:
+        text = _text(first.content)[:PREFIX_CHARS]  # only the head the key hashed is known shared
+    elif probe.instructions:
+        text = probe.instructions
+    else:
+        texts = prompt_texts(probe)
+        text = texts[0][:PREFIX_CHARS] if texts else ""
+    return min(estimate, math.ceil(len(text.encode()) / 4))
+
+
 class TokenCounter:
     """Exact prompt token counts with a base model's own tokenizer (a tokenizer.json)."""
 

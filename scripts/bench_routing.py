@@ -5,7 +5,9 @@
 Prints, per policy and fleet size, the time of `decide()` (filters + ranking) over a
 snapshot of ready workers with varied load, with and without an affinity key: the median
 of 7 rounds of 2,000 decisions, and in brackets the best round (the decision's own cost;
-on a shared machine the median also carries whatever else ran meanwhile).
+on a shared machine the median also carries whatever else ran meanwhile). Keyed requests
+are as the gateway sees them: 50 keys, each already placed on a home, and one request in
+50 a new key that must be placed.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fleetgate.hashing import stable_hash
 from fleetgate.schema import Load, WorkerInfo, WorkerView
-from gateway.routing import POLICIES, FullAt, RequestFacts, Routes, decide, make_policy
+from gateway.routing import POLICIES, FullAt, Live, RequestFacts, Routes, decide, make_policy
 
 
 def fleet(n: int) -> tuple[WorkerView, ...]:
@@ -39,16 +41,19 @@ def fleet(n: int) -> tuple[WorkerView, ...]:
 def timings_us(workers: tuple[WorkerView, ...], policy_name: str, keyed: bool, rounds: int = 7) -> tuple[float, float]:
     policy = make_policy(policy_name)
     routes = Routes.build(workers)  # once per snapshot, in the background refresh
-    inflight = {f"w{i}": i % 7 for i in range(len(workers))}
+    inflight = Live({f"w{i}": i % 7 for i in range(len(workers))}, {f"w{i}": 1000 * (i % 7) for i in range(len(workers))})
     full_at = FullAt()
+    keys = [stable_hash(f"p{k}") for k in range(50)]
+    homes = {key: f"w{k * 7 % len(workers)}" for k, key in enumerate(keys)}
     n = 2000
     samples = []
     for _ in range(rounds):
         start = time.perf_counter()
         for seq in range(n):
+            key = keys[seq % 50] if keyed else None
             facts = RequestFacts("base", prompt_tokens=1200, max_tokens=256, seq=seq, pooling=False,
-                                 affinity_key=stable_hash(f"p{seq % 50}") if keyed else None,
-                                 affinity_kind="prefix" if keyed else None)
+                                 affinity_key=key, affinity_kind="prefix" if keyed else None,
+                                 prefix_tokens=1000, home=homes[key] if key is not None and seq % 50 else None)
             # As the gateway calls it: the best worker, with load shedding on.
             decide(routes, facts, inflight, policy, limit=1, full_at=full_at)
         samples.append((time.perf_counter() - start) / n * 1e6)

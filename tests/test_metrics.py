@@ -59,7 +59,7 @@ def fed_metrics() -> GatewayMetrics:
     metrics.retry(MODEL)
     metrics.failover(MODEL)
     metrics.resumed_stream(MODEL)
-    metrics.shed(MODEL, 503)
+    metrics.shed(MODEL, 503, "no_worker_available")
     return metrics
 
 
@@ -76,7 +76,7 @@ def test_recording_api_produces_conventional_series() -> None:
     assert value(scrape, "fleetgate_tokens_total", model=MODEL, kind="completion") == 9
     for name in ("retries", "failovers", "resumed_streams"):
         assert value(scrape, f"fleetgate_{name}_total", model=MODEL) == 1
-    assert value(scrape, "fleetgate_shed_total", model=MODEL, status="503") == 1
+    assert value(scrape, "fleetgate_shed_total", model=MODEL, status="503", reason="no_worker_available") == 1
     assert value(scrape, "fleetgate_workers", state="ready") == 1
     assert value(scrape, "fleetgate_workers", state="draining") == 1
     assert value(scrape, "fleetgate_workers", state="starting") == 0

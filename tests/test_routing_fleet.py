@@ -10,9 +10,11 @@ from hypothesis import strategies as st
 
 from fleetgate.hashing import stable_hash
 from fleetgate.schema import Load, WorkerInfo, WorkerView
-from gateway.routing import FleetOptions, RequestFacts, Routes, decide, make_policy
+from gateway.routing import FleetOptions, FullAt, Live, RequestFacts, Routes, decide, make_policy
 from gateway.routing.fleet import FleetPolicy
+from gateway.routing.homes import Homes
 from gateway.routing.table import Slot
+from gateway.settings import load_settings
 
 
 def w(wid: str, *, capacity: int = 100, running: int = 0, waiting: int = 0, kv: float = 0.0,
@@ -44,12 +46,31 @@ def home_of(key: int, ids: list[str]) -> str:
     return first(fleet, facts(key))[0]
 
 
+def route(fleet: tuple[WorkerView, ...], homes: Homes, key: int, *, now: float = 0.0, prefix: int = 0,
+          live: Live | None = None, seq: int = 0) -> tuple[str, str]:
+    """One decision as the gateway makes it: look the key up, decide, record the placement."""
+    entry = homes.get(key)
+    f = RequestFacts("base", affinity_key=key, affinity_kind="prefix", seq=seq, prefix_tokens=prefix,
+                     home=entry.home if entry else None, second=entry.live_second(now) if entry else None)
+    base = live or Live({})
+    choice = decide(Routes.build(fleet), f, Live(base.requests, base.tokens, homes.placed, homes.prefixes),
+                    POLICY).choices[0]
+    if choice.reason.endswith("-placed"):
+        homes.place(key, choice.worker.id, "base", prefix, 100, now)
+    elif choice.reason.endswith("-spill"):
+        homes.spill(key, choice.worker.id, now)
+    homes.note(key, choice.worker.id, 100.0, 100, now)
+    return choice.worker.id, choice.reason
+
+
 def test_same_prefix_goes_to_the_same_worker_while_load_allows() -> None:
     """Requests sharing a prefix land on one worker (a prefix-cache hit), whatever their order."""
     fleet = (w("a"), w("b"), w("c"), w("d"))
-    homes = {first(fleet, facts(seq=i))[0] for i in range(20)}
-    assert len(homes) == 1
-    assert first(fleet, facts())[1] == "prefix-hit"
+    homes = Homes()
+    picks = [route(fleet, homes, KEY, seq=i) for i in range(20)]
+    assert len({wid for wid, _ in picks}) == 1
+    assert picks[0][1] == "prefix-placed"
+    assert {why for _, why in picks[1:]} == {"prefix-hit"}
 
 
 def test_different_prefixes_spread_over_the_fleet() -> None:
@@ -60,33 +81,145 @@ def test_different_prefixes_spread_over_the_fleet() -> None:
     assert min(counts.values()) > 60
 
 
+def test_equal_tenants_are_partitioned_evenly() -> None:
+    """16 tenants of equal traffic on two workers: 8 each (a hash ring put 10 on one), and
+    every later request of a tenant goes to its home."""
+    fleet = (w("a"), w("b"))
+    homes = Homes()
+    keys = [stable_hash(f"tenant-{i}") for i in range(16)]
+    for rnd in range(5):
+        for i, key in enumerate(keys):
+            route(fleet, homes, key, now=rnd, seq=rnd * 16 + i)
+    placed = Counter(homes.get(k).home for k in keys)  # type: ignore[union-attr]
+    assert placed == {"a": 8, "b": 8}
+    assert all(route(fleet, homes, k, now=5)[1] == "prefix-hit" for k in keys)
+
+
+def kvw(wid: str, *, kv_tokens: int = 0, running: int = 0, waiting: int = 0, kv: float = 0.0,
+        capacity: int = 100) -> WorkerView:
+    return WorkerView(
+        info=WorkerInfo(id=wid, url=f"http://{wid}", engine="sim", model="base", capacity=capacity,
+                        kv_tokens=kv_tokens),
+        state="ready", load=Load(running=running, waiting=waiting, kv_cache_usage=kv), id_hash=stable_hash(wid),
+    )
+
+
 CASES = [
-    # (what it shows, loads of a/b/c {id: (running, waiting, kv)}, inflight, expected reason)
-    ("an idle home takes its prefix", {}, {}, "prefix-hit"),
-    ("a home far above its fair share spills to the next in rendezvous order",
-     {"HOME": (90, 0, 0.5)}, {}, "prefix-spill"),
-    ("a home with a queue and a full KV cache is saturated and skipped",
-     {"HOME": (10, 3, 0.95)}, {}, "prefix-spill"),
-    ("gateway in-flight counts even before the engine reports it", {}, {"HOME": 60}, "prefix-spill"),
-    ("a little extra load on the home keeps affinity (slack)", {"HOME": (2, 0, 0.1)}, {}, "prefix-hit"),
+    # (what it shows, engine loads {id: (running, waiting, kv)}, kv_tokens of each worker,
+    #  gateway account {id: (requests, tokens)}, second home, expected (worker, reason))
+    ("a placed key goes home while its home has room",
+     {}, 0, {}, None, ("a", "prefix-hit")),
+    ("a second-old engine queue alone does not move a key (the herding of issue 14)",
+     {"a": (50, 5, 0.6)}, 0, {}, None, ("a", "prefix-hit")),
+    ("a home at its sequence slots by the gateway's account spills to a worker with room",
+     {}, 0, {"a": (100, 0)}, None, ("b", "prefix-spill")),
+    ("a home at kv_high of its declared KV cache by the account spills",
+     {}, 10_000, {"a": (20, 9_500)}, None, ("b", "prefix-spill")),
+    ("where the KV size is unknown, an engine queue with a nearly full cache is saturation",
+     {"a": (20, 3, 0.95)}, 0, {}, None, ("b", "prefix-spill")),
+    ("when every worker is saturated the key stays where its prefix is cached",
+     {}, 0, {"a": (100, 0), "b": (100, 0), "c": (100, 0)}, None, ("a", "prefix-hit")),
+    ("a key with a second home goes to the less loaded of its two homes",
+     {}, 0, {"a": (30, 0)}, "b", ("b", "prefix-spill")),
+    ("...and back home when the home is the lighter one",
+     {}, 0, {"b": (30, 0)}, "b", ("a", "prefix-hit")),
 ]
 
 
-@pytest.mark.parametrize(("why", "loads", "inflight", "reason"), CASES, ids=[c[0] for c in CASES])
-def test_bounded_load_table(why: str, loads: dict[str, tuple[int, int, float]], inflight: dict[str, int],
-                            reason: str) -> None:
-    ids = ["a", "b", "c"]
-    home = home_of(KEY, ids)
-    fleet = tuple(
-        w(i, running=loads.get("HOME", (0, 0, 0.0))[0] if i == home else 0,
-          waiting=loads.get("HOME", (0, 0, 0.0))[1] if i == home else 0,
-          kv=loads.get("HOME", (0, 0, 0.0))[2] if i == home else 0.0)
-        for i in ids
-    )
-    mapped = {home if k == "HOME" else k: v for k, v in inflight.items()}
-    chosen, why_chosen = first(fleet, facts(), mapped)
-    assert why_chosen == reason
-    assert (chosen == home) == (reason == "prefix-hit")
+@pytest.mark.parametrize(("why", "loads", "kv_tokens", "account", "second", "expected"), CASES,
+                         ids=[c[0] for c in CASES])
+def test_home_and_spill_table(why: str, loads: dict[str, tuple[int, int, float]], kv_tokens: int,
+                              account: dict[str, tuple[int, int]], second: str | None,
+                              expected: tuple[str, str]) -> None:
+    fleet = tuple(kvw(i, kv_tokens=kv_tokens, running=loads.get(i, (0, 0, 0.0))[0],
+                      waiting=loads.get(i, (0, 0, 0.0))[1], kv=loads.get(i, (0, 0, 0.0))[2]) for i in ("a", "b", "c"))
+    account = {"c": (95, 0), **account}  # a busy third worker: never the lightest
+    live = Live({k: v[0] for k, v in account.items()}, {k: v[1] for k, v in account.items()})
+    f = RequestFacts("base", affinity_key=KEY, affinity_kind="prefix", home="a", second=second)
+    choice = decide(Routes.build(fleet), f, live, POLICY).choices[0]
+    assert (choice.worker.id, choice.reason) == expected
+
+
+def test_a_new_key_goes_where_least_work_is_placed_and_its_prefix_fits() -> None:
+    """Placement: the least placed work per unit of capacity, skipping a worker whose cache
+    cannot hold the prefix beside the keys already placed there."""
+    fleet = (kvw("a", kv_tokens=10_000), kvw("b", kv_tokens=10_000), kvw("c", kv_tokens=10_000))
+    f = RequestFacts("base", affinity_key=KEY, affinity_kind="prefix", prefix_tokens=2_000)
+    live = Live({}, {}, placed={"a": 500.0, "b": 100.0, "c": 300.0}, prefixes={"b": 8_000})
+    choice = decide(Routes.build(fleet), f, live, POLICY).choices[0]
+    assert (choice.worker.id, choice.reason) == ("c", "prefix-placed")
+
+
+def test_rebalance_moves_a_cold_key_off_the_worker_with_the_hot_one() -> None:
+    """One hot tenant (40% of the work) and 15 cold ones placed 8/8: the hot tenant's worker
+    hands cold keys to the other until the gap is under `balance`; the hot key stays put;
+    a balanced table moves nothing (hysteresis)."""
+    fleet = (w("a"), w("b"))
+    routes = Routes.build(fleet)
+    homes = Homes(imbalance=0.25, half_life_s=1e9)
+    hot = stable_hash("hot")
+    homes.place(hot, "a", "base", 1500, 2000, 0.0)
+    homes.note(hot, "a", 40.0, 2000, 0.0)  # 40% of all the work: the cold ones do 60
+    for i in range(15):
+        key = stable_hash(f"cold-{i}")
+        homes.place(key, "a" if i < 7 else "b", "base", 1500, 2000, 0.0)
+        homes.note(key, "a" if i < 7 else "b", 4.0, 2000, 0.0)
+    moves = []
+    for t in range(1, 12):
+        moves += homes.rebalance(routes.by_model, float(t))
+    assert moves and all(src == "a" and dst == "b" and key != hot for key, src, dst in moves)
+    assert homes.get(hot).home == "a"  # type: ignore[union-attr]
+    gap = abs(homes.placed["a"] - homes.placed["b"]) / ((homes.placed["a"] + homes.placed["b"]) / 2)
+    assert gap <= 0.25
+    assert homes.rebalance(routes.by_model, 13.0) == []
+
+
+def test_keys_of_a_worker_that_left_are_placed_again() -> None:
+    """A worker leaving (or draining) drops its keys' homes; their next requests are placed anew."""
+    homes = Homes()
+    key = stable_hash("k")
+    homes.place(key, "gone", "base", 100, 200, 0.0)
+    homes.note(key, "gone", 10.0, 200, 0.0)
+    homes.rebalance(Routes.build((w("a"), w("b"))).by_model, 1.0)
+    assert homes.get(key) is None
+    assert route((w("a"), w("b")), homes, key, now=1.0)[1] == "prefix-placed"
+
+
+def test_a_second_home_expires_after_its_hold() -> None:
+    """Hysteresis: a spill gives the key a second home for `second_hold_s`, then it is forgotten."""
+    homes = Homes(second_hold_s=10.0)
+    key = stable_hash("k")
+    homes.place(key, "a", "base", 100, 200, 0.0)
+    homes.spill(key, "b", 5.0)
+    assert homes.get(key).live_second(14.0) == "b"  # type: ignore[union-attr]
+    assert homes.get(key).live_second(15.5) is None  # type: ignore[union-attr]
+
+
+SHED_CASES = [
+    # (what it shows, kv_tokens, engine (running, waiting, kv), account (requests, tokens), full?)
+    ("an idle worker is never full, whatever its second-old gauges said", 0, (200, 300, 1.0), (0, 0), None),
+    ("requests at capacity x (1 + queue_ratio) by the account", 0, (0, 0, 0.0), (200, 0), "slots"),
+    ("KV tokens at the cache x (1 + queue_ratio) by the account", 10_000, (0, 0, 0.0), (50, 20_000), "kv"),
+    ("under that, with KV declared, the engine's queue does not count", 10_000, (100, 50, 1.0), (50, 9_000), None),
+    ("KV size unknown: at capacity by the account and the engine queues with a full cache",
+     0, (100, 5, 0.99), (100, 0), "kv"),
+]
+
+
+@pytest.mark.parametrize(("why", "kv_tokens", "engine", "account", "expected"), SHED_CASES,
+                         ids=[c[0] for c in SHED_CASES])
+def test_load_shedding_table(why: str, kv_tokens: int, engine: tuple[int, int, float],
+                             account: tuple[int, int], expected: str | None) -> None:
+    slot = Slot(kvw("a", kv_tokens=kv_tokens, running=engine[0], waiting=engine[1], kv=engine[2]))
+    assert FullAt().why(slot, Live({"a": account[0]}, {"a": account[1]})) == expected
+
+
+def test_saturated_only_when_every_eligible_worker_is_full() -> None:
+    """One worker with room means no shedding; the verdict names the limit."""
+    fleet = (kvw("a"), kvw("b"))
+    full = Live({"a": 200, "b": 200})
+    assert decide(Routes.build(fleet), facts(None), full, POLICY, full_at=FullAt()).why == "slots"
+    assert decide(Routes.build(fleet), facts(None), Live({"a": 200}), POLICY, full_at=FullAt()).verdict == "ok"
 
 
 def test_without_affinity_the_least_loaded_by_capacity_wins() -> None:
@@ -127,10 +260,14 @@ def test_every_candidate_is_ranked_once_for_retries() -> None:
 
 
 def test_options_come_from_config() -> None:
-    """Routing knobs reach the policy from the gateway's config."""
-    policy = make_policy("fleet", {"balance": 0.5, "slack": 0})
+    """Routing knobs reach the policy from the gateway's config, integers too; an unknown
+    knob fails loudly instead of being ignored."""
+    settings = load_settings(overrides={"routing": {"balance": 1, "kv_high": 0.8}})
+    policy = make_policy("fleet", settings.routing)
     assert isinstance(policy, FleetPolicy)
-    assert policy.opts == FleetOptions(balance=0.5, slack=0)
+    assert policy.opts == FleetOptions(balance=1.0, kv_high=0.8)
+    with pytest.raises(ValueError, match="slack"):
+        make_policy("fleet", {"slack": 2})
 
 
 # -- properties -----------------------------------------------------------------------
@@ -156,19 +293,20 @@ def test_replicas_agree_given_the_same_snapshot(spec: list[tuple[int, int, float
 
 
 @settings(max_examples=200, deadline=None)
-@given(spec=loads, key=st.integers(0, 2**64 - 1))
-def test_affinity_never_exceeds_the_load_bound(spec: list[tuple[int, int, float, int]], key: int) -> None:
-    """A worker chosen for affinity carries at most (1 + balance) x its fair share + slack,
-    measured in its KV-aware capacity."""
+@given(spec=loads, key=st.integers(0, 2**64 - 1), home=st.integers(0, 11), busy=st.integers(0, 300))
+def test_a_key_leaves_its_home_only_when_the_account_says_it_is_saturated(
+    spec: list[tuple[int, int, float, int]], key: int, home: int, busy: int
+) -> None:
+    """Whatever the engines' (stale) gauges say, a placed key without a second home goes
+    home unless its home is at its sequence slots by the gateway's own account."""
     fleet = build(spec)
-    opts = FleetOptions()
-    choice = decide(Routes.build(fleet), facts(key), {}, make_policy("fleet")).choices[0]
-    if choice.reason.startswith("prefix"):
-        total = sum(x.load.running + x.load.waiting for x in fleet) + 1
-        capacity = sum(Slot(x).weight for x in fleet)
-        chosen = choice.worker
-        limit = (1 + opts.balance) * total / capacity * Slot(chosen).weight + opts.slack
-        assert chosen.load.running + chosen.load.waiting + 1 <= limit
+    old = fleet[home % len(fleet)]
+    home_view = WorkerView(info=old.info, state="ready", load=Load(), id_hash=old.id_hash)
+    fleet = tuple(home_view if x.id == old.id else x for x in fleet)
+    f = RequestFacts("base", affinity_key=key, affinity_kind="prefix", home=old.id)
+    choice = decide(Routes.build(fleet), f, Live({old.id: busy}), POLICY).choices[0]
+    if choice.worker.id != old.id:
+        assert busy >= Slot(home_view).capacity
 
 
 @settings(max_examples=100, deadline=None)

@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.routing.base import Choice, Decision, FullAt, Policy, RequestFacts, decide
+from gateway.routing.base import Choice, Decision, FullAt, Live, Policy, RequestFacts, decide
 from gateway.routing.fleet import FleetOptions, FleetPolicy
 from gateway.routing.least_outstanding import LeastOutstanding
 from gateway.routing.random_pick import RandomPick
@@ -26,11 +26,14 @@ def make_policy(name: str, options: dict[str, Any] | None = None) -> Policy:
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; known: {sorted(POLICIES)}")
     if name == FleetPolicy.name:
-        return FleetPolicy(msgspec.convert(options or {}, FleetOptions))
+        try:
+            return FleetPolicy(msgspec.convert(options or {}, FleetOptions))
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"bad `routing` setting for the fleet policy: {exc}") from None
     return POLICIES[name]()  # type: ignore[no-any-return]
 
 
 __all__ = [
-    "POLICIES", "Choice", "Decision", "FleetOptions", "FullAt", "Policy", "RequestFacts", "Routes", "decide",
+    "POLICIES", "Choice", "Decision", "FleetOptions", "FullAt", "Live", "Policy", "RequestFacts", "Routes", "decide",
     "make_policy",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
 from gateway.routing.table import ModelRoutes, Routes, Slot
@@ -56,20 +56,60 @@ class RequestFacts:
     # True for embeddings (only embedding models serve them), False for the routes that
     # generate text (embedding models cannot), None when either will do (/tokenize).
     pooling: bool | None = None
+    # Tokens of the shared part the affinity key stands for (a system prompt).
+    prefix_tokens: int = 0
+    # Where the gateway has placed this affinity key (gateway/routing/homes.py), and its
+    # second home while it has one; None for a key not placed yet.
+    home: str | None = None
+    second: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Live:
+    """The gateway's own account of the fleet, fresh (the snapshot's engine figures are up to a
+    second old): requests in flight per worker and the KV tokens they hold, summed over every
+    gateway replica, and where affinity keys are placed. The mappings are live views, read
+    at decision time."""
+
+    requests: Mapping[str, int]
+    tokens: Mapping[str, int] = field(default_factory=dict)
+    # Worker -> work placed there through affinity homes, and the prefix tokens of those keys.
+    placed: Mapping[str, float] = field(default_factory=dict)
+    prefixes: Mapping[str, int] = field(default_factory=dict)
+
+    @staticmethod
+    def of(inflight: Mapping[str, int] | Live) -> Live:
+        return inflight if type(inflight) is Live else Live(inflight)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)
 class FullAt:
-    """When a worker counts as full, for load shedding."""
+    """When a worker counts as full, for load shedding: by the gateway's own account only.
 
-    # Outstanding work (in flight or queued) at or above capacity x (1 + queue_ratio).
+    A second-old engine gauge never sheds on its own: a worker with free sequence slots and
+    free KV by the gateway's account is never full.
+    """
+
+    # Requests in flight at or above capacity x (1 + queue_ratio), or (where the engine's
+    # KV size is known) the KV tokens they hold at or above its cache x (1 + queue_ratio).
     queue_ratio: float = 1.0
-    # Or a KV cache this full while the engine already queues requests.
+    # Where the KV size is unknown: at capacity by the account, and the engine reports a
+    # queue with its cache this full.
     kv: float = 0.98
 
-    def full(self, slot: Slot, inflight: Mapping[str, int]) -> bool:
-        busy = max(inflight.get(slot.id, 0), slot.engine_busy)
-        return busy >= slot.capacity * (1.0 + self.queue_ratio) or (slot.waiting > 0 and slot.kv >= self.kv)
+    def why(self, slot: Slot, live: Live) -> str | None:
+        """The limit `slot` is at ("slots", "kv"), or None when it has room."""
+        requests = live.requests.get(slot.id, 0)
+        if requests >= slot.capacity * (1.0 + self.queue_ratio):
+            return "slots"
+        if slot.kv_tokens:
+            return "kv" if live.tokens.get(slot.id, 0) >= slot.kv_tokens * (1.0 + self.queue_ratio) else None
+        if requests >= slot.capacity and slot.waiting > 0 and slot.kv >= self.kv:
+            return "kv"
+        return None
+
+    def full(self, slot: Slot, live: Live) -> bool:
+        return self.why(slot, live) is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,14 +128,15 @@ class Decision:
     choices: tuple[Choice, ...] = ()
     # For context_length: the largest max_model_len among workers serving the model.
     limit: int = 0
+    # For saturated: the limit the first choice is at ("slots", "kv").
+    why: str = ""
 
 
 class Policy(Protocol):
     name: str
 
     def rank(
-        self, candidates: Sequence[Slot], facts: RequestFacts, inflight: Mapping[str, int],
-        routes: ModelRoutes, limit: int,
+        self, candidates: Sequence[Slot], facts: RequestFacts, live: Live, routes: ModelRoutes, limit: int,
     ) -> list[Choice]:
         """The best `limit` candidates, best first, each with the reason it was chosen."""
         ...
@@ -104,7 +145,7 @@ class Policy(Protocol):
 def decide(
     routes: Routes,
     facts: RequestFacts,
-    inflight: Mapping[str, int],
+    inflight: Mapping[str, int] | Live,
     policy: Policy,
     exclude: Collection[str] = (),
     limit: int = DEFAULT_LIMIT,
@@ -113,8 +154,10 @@ def decide(
     """Filter the workers serving this model, then let the policy rank what is left.
 
     With `full_at`, a request whose every eligible worker is full is `saturated`
-    (the gateway holds it back) instead of ranked.
+    (the gateway holds it back) instead of ranked. `inflight` is the requests in flight per
+    worker, or the gateway's whole live account (`Live`).
     """
+    live = Live.of(inflight)
     model_routes = routes.by_model.get(facts.model)
     if model_routes is None:
         return Decision("unknown_model")
@@ -153,10 +196,10 @@ def decide(
     if facts.pinned is not None:  # one candidate: nothing for the policy to weigh
         choices: tuple[Choice, ...] = (Choice(fitting[0], "response-pinned"),)
     else:
-        choices = tuple(policy.rank(fitting, facts, inflight, model_routes, limit))
+        choices = tuple(policy.rank(fitting, facts, live, model_routes, limit))
     # Cheap in the common case: only when the policy's pick is full are the others checked.
-    if full_at is not None and full_at.full(choices[0].slot, inflight) and all(
-        full_at.full(s, inflight) for s in fitting
+    if full_at is not None and (why := full_at.why(choices[0].slot, live)) and all(
+        full_at.full(s, live) for s in fitting
     ):
-        return Decision("saturated")
+        return Decision("saturated", why=why)
     return Decision("ok", choices)

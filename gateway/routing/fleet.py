@@ -1,45 +1,48 @@
-"""The default policy: affinity where it pays, least expected wait everywhere else.
+"""The default policy: a placed home for every affinity key, least load everywhere else.
 
-1. Load: each worker's cost is its outstanding work normalised by its batch size
-   times its card's speed (a large card is not equal to a small one, nor a fast one
-   to a slow one), plus the engine's own queue and a
-   penalty once its KV cache nears full. Outstanding work is the larger of what the
-   gateways have in flight there (fresh) and what the engine last reported (a
-   second old): under KV pressure the queue, not the prefix-cache hit rate, is what
-   says a worker is drowning.
-2. Affinity: requests that share a prefix (or a session) go to the same worker,
-   found on a consistent-hash ring so every gateway replica agrees without talking
-   and a worker leaving moves only its own keys. The load is bounded: the home is
-   skipped while it carries more than (1 + balance) x its fair share (+ slack) or its
-   engine already queues requests, and the next worker on the key's ring takes the
-   overflow, so a hot prefix gets a second replica instead of a queue. Capacity is
-   KV-aware: a worker whose cache fills before its batch does counts as smaller.
+1. Load: each worker's cost is the larger of its sequence use (requests in flight by the
+   gateways' own account, fresh, plus half of what the engine reports beyond that, which is
+   other clients' work) and its KV use (the KV tokens those requests hold by the gateway's
+   estimate, over the cache size the engine declared; the engine's own gauge only where
+   that size is unknown), divided by its card's speed. No decision flips on one second-old
+   gauge, and a jitter of a few percent (a hash of the request counter, so still pure)
+   breaks near-ties differently for each request, so concurrent decisions and replicas do
+   not move together.
+2. Affinity: a key (system prompt, session, prompt head) is placed once on the worker with
+   the least work already placed there per unit of capacity (`gateway/routing/homes.py`),
+   which partitions the working set across the fleet; its requests then go home. Only
+   when the home is saturated by the account (its sequence slots, or `kv_high` of its KV
+   cache) does a key get a second home: the least loaded worker with room, kept for a
+   while (hysteresis) and shared with the home by load.
+3. Adapters: where the adapter is warm, else a free slot, else a swap, load permitting.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import msgspec
 
-from gateway.routing.base import Choice, RequestFacts, best
+from gateway.routing.base import Choice, Live, RequestFacts, best
 from gateway.routing.table import ModelRoutes, Slot
 
+_JITTER_SCALE = 1.0 / 65536
 
-class FleetOptions(msgspec.Struct, kw_only=True, frozen=True):
-    # How far above its fair share of the fleet's load an affinity home may go.
+
+class FleetOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    # Placed work per unit of capacity this far apart (x the mean) moves a key off the
+    # busier worker (gateway/routing/homes.py).
     balance: float = 0.25
-    # Requests a home may always take beyond its share (keeps affinity at low load); a
-    # card slower than the reference gets that much less.
-    slack: float = 2.0
-    # KV-cache use above which a worker with a queue counts as saturated.
+    # A home whose KV cache is this full by the gateway's account is saturated.
     kv_high: float = 0.9
-    kv_weight: float = 2.0
-    waiting_weight: float = 1.0
-    # Workers tried along a key's ring before falling back to least load.
-    max_probes: int = 4
-    # A home whose engine queues more than this is skipped: the queue, not the cache, decides.
-    home_max_waiting: int = 0
+    # Relative spread of the random tie-break between near-equal workers.
+    jitter: float = 0.05
+    # Weight of engine-reported work beyond the gateways' own in-flight count (other clients').
+    foreign_weight: float = 0.5
+    # How long a key keeps its second home after its home was last saturated, and the
+    # half-life of the work by which keys are placed.
+    second_hold_s: float = 10.0
+    half_life_s: float = 30.0
     # Extra cost of sending an adapter where it is not in a slot: with a free slot (a
     # load), and with every slot taken (a load that evicts another adapter).
     lora_load_cost: float = 0.3
@@ -52,52 +55,87 @@ class FleetPolicy:
     def __init__(self, options: FleetOptions | None = None) -> None:
         self.opts = options or FleetOptions()
 
+    def saturated(self, s: Slot, live: Live) -> bool:
+        """At its sequence slots or `kv_high` of its KV cache, by the gateway's account."""
+        if live.requests.get(s.id, 0) >= s.capacity:
+            return True
+        if s.kv_tokens:
+            return live.tokens.get(s.id, 0) >= self.opts.kv_high * s.kv_tokens
+        return s.waiting > 0 and s.kv >= self.opts.kv_high
+
     def rank(
-        self, candidates: Sequence[Slot], facts: RequestFacts, inflight: Mapping[str, int],
-        routes: ModelRoutes, limit: int,
+        self, candidates: Sequence[Slot], facts: RequestFacts, live: Live, routes: ModelRoutes, limit: int,
     ) -> list[Choice]:
         opts = self.opts
-        get = inflight.get
-        kv_high = opts.kv_high
-        kv_scale = opts.kv_weight / max(1e-9, 1.0 - kv_high)
-        waiting_weight = opts.waiting_weight
+        requests = live.requests.get
+        tokens = live.tokens.get
+        foreign_weight = opts.foreign_weight
+        # A cheap per-request spread: the slot's fixed 16 bits mixed with the request counter's.
+        jitter = opts.jitter * _JITTER_SCALE
+        spin = (facts.seq * 0x9E3779B1) & 0xFFFF
+        home_id, second_id = facts.home, facts.second
+        home = second = None
         scored: list[tuple[float, str, Slot]] = []
-        busy: dict[str, int] = {}
-        total_busy = 1
-        total_capacity = 0.0
         for s in candidates:
-            b = get(s.id, 0)
-            if s.engine_busy > b:
-                b = s.engine_busy
-            c = (b + waiting_weight * s.waiting) / s.weight
-            if s.kv > kv_high:
-                c += kv_scale * (s.kv - kv_high)
-            scored.append((c, s.id, s))
-            busy[s.id] = b
-            total_busy += b
-            total_capacity += s.weight
+            wid = s.id
+            r = requests(wid, 0)
+            foreign = s.engine_busy - r
+            seats = (r + foreign_weight * foreign if foreign > 0 else r) / s.capacity
+            kv = tokens(wid, 0) / s.kv_tokens if s.kv_tokens else s.kv
+            x = (((seats if seats > kv else kv) / s.speed) * (1.0 + jitter * (((s.spin ^ spin) * 0x2545) & 0xFFFF)),
+                 wid, s)
+            scored.append(x)
+            if wid == home_id:
+                home = x
+            elif wid == second_id:
+                second = x
         if facts.adapter:
             return self._rank_adapter(scored, facts, limit)
         key = facts.affinity_key
-        default_reason = "least-load"
         if key is None or len(candidates) == 1:
-            return [Choice(x[2], default_reason) for x in best(scored, limit)]
-        share = total_busy / total_capacity
+            return [Choice(x[2], "least-load") for x in best(scored, limit)]
         kind = facts.affinity_kind or "prefix"
-        probes = 0
+        if home is None:
+            pick, reason = self._place(key, scored, facts, live, routes), f"{kind}-placed"
+        elif second is not None:
+            # A second home while the first was saturated: the two share the key by load.
+            pick, reason = (home, f"{kind}-hit") if home[0] <= second[0] else (second, f"{kind}-spill")
+        elif not self.saturated(home[2], live):
+            pick, reason = home, f"{kind}-hit"
+        else:
+            room = [x for x in scored if x is not home and not self.saturated(x[2], live)]
+            # Everyone saturated: stay where the prefix is cached; the engine queues it.
+            pick, reason = (min(room), f"{kind}-spill") if room else (home, f"{kind}-hit")
+        if limit == 1:
+            return [Choice(pick[2], reason)]
+        rest = best([x for x in scored if x is not pick], limit - 1)
+        return [Choice(pick[2], reason), *(Choice(x[2], "least-load") for x in rest)]
+
+    def _place(
+        self, key: int, scored: list[tuple[float, str, Slot]], facts: RequestFacts, live: Live,
+        routes: ModelRoutes,
+    ) -> tuple[float, str, Slot]:
+        """A new key's home: the least placed work per unit of capacity, among workers whose
+        cache has room for its prefix beside the keys already placed there and that are not
+        saturated; ties go in the key's ring order, so replicas agree."""
+        by_id = {x[1]: x for x in scored}
+        placed = live.placed.get
+        prefixes = live.prefixes.get
+        need = facts.prefix_tokens
+        chosen: tuple[float, str, Slot] | None = None
+        chosen_cost = 0.0
         for s in routes.ring_order(key):
-            home_busy = busy.get(s.id)
-            if home_busy is None:  # drained, already tried, or too short for this prompt
+            x = by_id.get(s.id)
+            if x is None:
                 continue
-            bound = (1.0 + opts.balance) * share * s.weight + opts.slack * min(1.0, s.speed)
-            if home_busy + 1 <= bound and s.waiting <= opts.home_max_waiting:
-                reason = f"{kind}-hit" if probes == 0 else f"{kind}-spill"
-                rest = best([x for x in scored if x[2] is not s], limit - 1) if limit > 1 else []
-                return [Choice(s, reason), *(Choice(x[2], default_reason) for x in rest[: limit - 1])]
-            probes += 1
-            if probes >= opts.max_probes:
-                break
-        return [Choice(x[2], "least-load-overflow") for x in best(scored, limit)]
+            cost = placed(s.id, 0.0) / s.weight
+            if s.kv_tokens and prefixes(s.id, 0) + need > s.kv_tokens * self.opts.kv_high:
+                cost += 1e6  # its cache cannot hold another prefix beside its keys'
+            if self.saturated(s, live):
+                cost += 1e12
+            if chosen is None or cost < chosen_cost * (1 - 1e-9) - 1e-12:
+                chosen, chosen_cost = x, cost
+        return chosen if chosen is not None else min(scored)
 
     def _rank_adapter(
         self, scored: list[tuple[float, str, Slot]], facts: RequestFacts, limit: int

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
-from gateway.routing.base import Choice, RequestFacts, best
+from gateway.routing.base import Choice, Live, RequestFacts, best
 from gateway.routing.table import ModelRoutes, Slot
 
 
@@ -12,10 +12,9 @@ class LeastOutstanding:
     name = "least_outstanding"
 
     def rank(
-        self, candidates: Sequence[Slot], facts: RequestFacts, inflight: Mapping[str, int],
-        routes: ModelRoutes, limit: int,
+        self, candidates: Sequence[Slot], facts: RequestFacts, live: Live, routes: ModelRoutes, limit: int,
     ) -> list[Choice]:
-        get = inflight.get
+        get = live.requests.get
         # Ties go to the larger engine (more free batch slots), then to the id, so every
         # gateway replica given the same snapshot makes the same choice.
         keyed = [

@@ -6,10 +6,10 @@ random state.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from fleetgate.hashing import mix
-from gateway.routing.base import Choice, RequestFacts, best
+from gateway.routing.base import Choice, Live, RequestFacts, best
 from gateway.routing.table import ModelRoutes, Slot
 
 
@@ -17,8 +17,7 @@ class RandomPick:
     name = "random"
 
     def rank(
-        self, candidates: Sequence[Slot], facts: RequestFacts, inflight: Mapping[str, int],
-        routes: ModelRoutes, limit: int,
+        self, candidates: Sequence[Slot], facts: RequestFacts, live: Live, routes: ModelRoutes, limit: int,
     ) -> list[Choice]:
         seq = facts.seq
         keyed = [(mix(seq, s.id_hash), s.id, s) for s in candidates]

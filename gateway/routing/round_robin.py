@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
-from gateway.routing.base import Choice, RequestFacts
+from gateway.routing.base import Choice, Live, RequestFacts
 from gateway.routing.table import ModelRoutes, Slot
 
 
@@ -12,8 +12,7 @@ class RoundRobin:
     name = "round_robin"
 
     def rank(
-        self, candidates: Sequence[Slot], facts: RequestFacts, inflight: Mapping[str, int],
-        routes: ModelRoutes, limit: int,
+        self, candidates: Sequence[Slot], facts: RequestFacts, live: Live, routes: ModelRoutes, limit: int,
     ) -> list[Choice]:
         # Candidates arrive in id order (the route table keeps them sorted).
         n = len(candidates)

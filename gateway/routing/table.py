@@ -25,8 +25,8 @@ class Slot:
     """One worker, as routing reads it (plain attributes: no property calls on the hot path)."""
 
     __slots__ = (
-        "adapters_fit", "capacity", "engine_busy", "id", "id_hash", "kv", "lora_active", "max_len",
-        "max_loras", "pooling", "routable", "speed", "view", "waiting", "weight",
+        "adapters_fit", "capacity", "engine_busy", "id", "id_hash", "kv", "kv_tokens", "lora_active", "max_len",
+        "max_loras", "pooling", "routable", "speed", "spin", "view", "waiting", "weight",
     )
 
     def __init__(self, view: WorkerView) -> None:
@@ -34,12 +34,14 @@ class Slot:
         self.view = view
         self.id = view.info.id
         self.id_hash = view.id_hash or stable_hash(self.id)
-        # Sequences the engine can really run: its batch size, or fewer when its KV cache
-        # fills first (running / KV share in use, once the cache is busy enough to tell).
+        # 16 fixed bits per worker for the policy's cheap per-request jitter.
+        self.spin = (self.id_hash >> 24) & 0xFFFF
+        # Sequences the engine runs at once (its batch size), and its KV cache in tokens (0:
+        # unknown). Both are what the engine declared, never inferred from a second-old
+        # gauge: running / KV use collapses when the cache thrashes and marked idle engines full.
         capacity = max(view.info.capacity, 1)
-        if load.running > 0 and load.kv_cache_usage > 0.5:
-            capacity = min(capacity, max(1, int(load.running / load.kv_cache_usage)))
         self.capacity = capacity
+        self.kv_tokens = view.info.kv_tokens
         # What the worker can carry, in reference-card sequences: its batch times its speed.
         self.speed = view.info.speed if view.info.speed > 0 else 1.0
         self.weight = capacity * self.speed

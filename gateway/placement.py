@@ -1,0 +1,83 @@
+"""The gateway's side of affinity homes: it looks keys up before a decision, records what
+the decision placed or spilled, and rebalances in the background (about once a second).
+
+The table itself and every rule about it are pure code (gateway/routing/homes.py); this
+module holds the clock and the task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+import structlog
+
+from gateway.routing import Choice, Live, RequestFacts, Routes
+from gateway.routing.homes import Homes
+
+log = structlog.get_logger("gateway.placement")
+
+
+class Placement:
+    def __init__(self, homes: Homes, routes: Callable[[], Routes], interval_s: float = 1.0) -> None:
+        self.homes = homes
+        self.routes = routes
+        self.interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+
+    def live(self, requests: Live) -> Live:
+        """The live account with this table's placed work (all views of live dicts)."""
+        return Live(requests.requests, requests.tokens, self.homes.placed, self.homes.prefixes)
+
+    def lookup(self, key: int | None) -> tuple[str | None, str | None]:
+        """(home, second home) of an affinity key; (None, None) for a key not placed yet."""
+        if key is None:
+            return None, None
+        entry = self.homes.get(key)
+        if entry is None:
+            return None, None
+        return entry.home, entry.live_second(time.monotonic())
+
+    def record(self, facts: RequestFacts, choice: Choice, work: float) -> None:
+        """What a first attempt's decision means for its key's homes."""
+        key = facts.affinity_key
+        if key is None or facts.adapter:
+            return
+        now = time.monotonic()
+        worker = choice.slot.id
+        need = facts.prompt_tokens + (facts.max_tokens or 0)
+        if choice.reason.endswith("-placed") and self.homes.get(key) is None:
+            self.homes.place(key, worker, facts.model, facts.prefix_tokens, need, now)
+        elif choice.reason.endswith("-spill") and facts.second != worker:
+            self.homes.spill(key, worker, now)
+            log.info("gateway.affinity_spill", home=facts.home, second=worker, kind=facts.affinity_kind)
+        self.homes.note(key, worker, work, need, now)
+
+    # -- background ----------------------------------------------------------------------
+
+    def rebalance(self) -> None:
+        moved = self.homes.rebalance(self.routes().by_model, time.monotonic())
+        for key, src, dst in moved:
+            log.info("gateway.affinity_moved", key=f"{key:016x}", src=src, dst=dst)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="affinity-rebalance")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                self.rebalance()
+            except Exception as exc:  # never let the table's upkeep kill the gateway
+                log.warning("gateway.affinity_rebalance_failed", error=repr(exc))
+
+
+__all__ = ["Placement"]

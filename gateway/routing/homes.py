@@ -1,0 +1,170 @@
+"""Where each affinity key lives: the placement table the fleet policy reads and the gateway writes.
+
+A consistent-hash ring gives each key a home by hash alone: with a handful of heavy keys
+(16 tenants on two workers) the split came out 10/6, and a bounded-load rule that sent a
+request away from its home whenever the home looked busy (on a second-old queue gauge)
+put every tenant on every worker under KV pressure, so both prefix caches thrashed.
+
+Here a key keeps the worker it was placed on. A new key goes to the worker with the least
+work already placed there per unit of capacity (ties broken in the key's ring order, so
+replicas that have seen the same traffic agree), which partitions the working set the way
+a client that knows its tenants would. `rebalance` (called in the background, about once
+a second) moves one light key off a worker whose placed work is well above its share:
+hysteresis against oscillation, and a hot tenant is not moved (a cold one is). A key gets
+a second home only while its home is saturated by the gateway's own account, and keeps it
+for `second_hold_s` after the last time that happened.
+
+Work is decayed with a half-life, so placement follows the traffic of the last minute or
+so. No I/O and no clock: callers pass `now`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from gateway.routing.table import ModelRoutes
+
+
+@dataclass(slots=True)
+class KeyHome:
+    home: str
+    model: str
+    # Tokens of the shared prefix (a system prompt): what the home's cache holds for it.
+    prefix_tokens: int
+    # The largest prompt + completion seen for the key: a new home must fit it.
+    need: int
+    # Work routed for this key (tokens, decayed to `at`).
+    work: float = 0.0
+    at: float = 0.0
+    second: str | None = None
+    second_until: float = 0.0
+
+    def live_second(self, now: float) -> str | None:
+        return self.second if self.second is not None and now < self.second_until else None
+
+
+@dataclass(slots=True)
+class Homes:
+    half_life_s: float = 30.0
+    second_hold_s: float = 10.0
+    # A worker's placed work per unit of capacity this far above the mean moves a key.
+    imbalance: float = 0.2
+    max_keys: int = 100_000
+    keys: dict[int, KeyHome] = field(default_factory=dict)
+    # Worker -> decayed work of the keys homed there (recomputed by `rebalance`, grown by `note`).
+    placed: dict[str, float] = field(default_factory=dict)
+    # Worker -> prefix tokens of the keys homed there (what its cache must hold for them).
+    prefixes: dict[str, int] = field(default_factory=dict)
+    moves: int = 0
+
+    def get(self, key: int) -> KeyHome | None:
+        return self.keys.get(key)
+
+    # -- writes, from the gateway after each decision ----------------------------------
+
+    def place(self, key: int, worker: str, model: str, prefix_tokens: int, need: int, now: float) -> KeyHome:
+        if len(self.keys) >= self.max_keys:
+            self._evict_coldest(now)
+        entry = KeyHome(worker, model, prefix_tokens, need, at=now)
+        self.keys[key] = entry
+        self.prefixes[worker] = self.prefixes.get(worker, 0) + prefix_tokens
+        return entry
+
+    def note(self, key: int, worker: str, work: float, need: int, now: float) -> None:
+        """A request of `key` went to `worker` and costs `work` tokens."""
+        entry = self.keys.get(key)
+        if entry is None:
+            return
+        entry.work = self._decayed(entry, now) + work
+        entry.at = now
+        entry.need = max(entry.need, need)
+        if worker == entry.home or entry.live_second(now) is None:
+            self.placed[entry.home] = self.placed.get(entry.home, 0.0) + work
+
+    def spill(self, key: int, worker: str, now: float) -> None:
+        """`key`'s home was saturated: `worker` is its second home for a while."""
+        entry = self.keys.get(key)
+        if entry is not None and worker != entry.home:
+            entry.second = worker
+            entry.second_until = now + self.second_hold_s
+
+    # -- background ---------------------------------------------------------------------
+
+    def rebalance(self, by_model: Mapping[str, ModelRoutes], now: float) -> list[tuple[int, str, str]]:
+        """Drop homes on workers that left or stopped taking traffic, recompute the placed work,
+        and move at most one key per model from the most to the least loaded worker when
+        their placed work per unit of capacity differs by more than `imbalance` x the mean."""
+        routable = {s.id for routes in by_model.values() for s in routes.routable}
+        placed: dict[str, float] = {}
+        prefixes: dict[str, int] = {}
+        for key, entry in list(self.keys.items()):
+            work = self._decayed(entry, now)
+            entry.work, entry.at = work, now
+            if entry.home not in routable or work < 1e-3:
+                # Its worker is gone or drained (the key finds a new home on its next
+                # request), or the key has been idle for many half-lives.
+                del self.keys[key]
+                continue
+            if entry.second is not None and entry.live_second(now) is None:
+                entry.second = None
+            placed[entry.home] = placed.get(entry.home, 0.0) + work
+            prefixes[entry.home] = prefixes.get(entry.home, 0) + entry.prefix_tokens
+        # In place: the gateway's `Live` view holds these very dicts.
+        self.placed.clear()
+        self.placed.update(placed)
+        self.prefixes.clear()
+        self.prefixes.update(prefixes)
+        placed, prefixes = self.placed, self.prefixes
+        moved: list[tuple[int, str, str]] = []
+        for model, routes in by_model.items():
+            move = self._one_move(model, routes)
+            if move is None:
+                continue
+            key, src, dst = move
+            entry = self.keys[key]
+            entry.home, entry.second = dst, None
+            placed[src] -= entry.work
+            placed[dst] = placed.get(dst, 0.0) + entry.work
+            prefixes[src] -= entry.prefix_tokens
+            prefixes[dst] = prefixes.get(dst, 0) + entry.prefix_tokens
+            moved.append(move)
+        self.moves += len(moved)
+        return moved
+
+    def _one_move(self, model: str, routes: ModelRoutes) -> tuple[int, str, str] | None:
+        slots = routes.routable
+        if len(slots) < 2:
+            return None
+        placed = self.placed
+        mean = sum(placed.get(s.id, 0.0) for s in slots) / sum(s.weight for s in slots)
+        if mean <= 0:
+            return None
+        loads = [(placed.get(s.id, 0.0) / s.weight, s.id, s) for s in slots]
+        heavy_load, _, heavy = max(loads)
+        light_load, _, light = min(loads)
+        if heavy_load - light_load <= self.imbalance * mean:
+            return None
+        best: tuple[float, int] | None = None
+        for key, entry in self.keys.items():
+            if entry.home != heavy.id or entry.model != model or entry.need > light.max_len:
+                continue
+            after = max(heavy_load - entry.work / heavy.weight, light_load + entry.work / light.weight)
+            # Only a move that lowers the peak (a hot key that would just swap sides stays).
+            if after < heavy_load * (1 - 1e-9) and (best is None or after < best[0]):
+                best = (after, key)
+        return None if best is None else (best[1], heavy.id, light.id)
+
+    def _decayed(self, entry: KeyHome, now: float) -> float:
+        dt = now - entry.at
+        return entry.work * math.exp(-dt * math.log(2) / self.half_life_s) if dt > 0 else entry.work
+
+    def _evict_coldest(self, now: float) -> None:
+        coldest = min(self.keys, key=lambda k: self._decayed(self.keys[k], now))
+        entry = self.keys.pop(coldest)
+        self.prefixes[entry.home] = self.prefixes.get(entry.home, 0) - entry.prefix_tokens
+
+
+
+__all__ = ["Homes", "KeyHome"]
