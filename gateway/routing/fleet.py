@@ -115,20 +115,22 @@ class FleetPolicy:
         self, key: int, scored: list[tuple[float, str, Slot]], facts: RequestFacts, live: Live,
         routes: ModelRoutes,
     ) -> tuple[float, str, Slot]:
-        """A new key's home: the least placed work per unit of capacity, among workers whose
-        cache has room for its prefix beside the keys already placed there and that are not
-        saturated; ties go in the key's ring order, so replicas agree."""
+        """A new key's home: where its work (this request's, as a first guess) leaves the least
+        placed work per unit of capacity, among workers whose cache has room for its prefix
+        beside the keys already placed there and that are not saturated; ties go in the
+        key's ring order, so replicas agree."""
         by_id = {x[1]: x for x in scored}
         placed = live.placed.get
         prefixes = live.prefixes.get
         need = facts.prefix_tokens
+        work = max(1, facts.prompt_tokens - need) + (facts.max_tokens or 256)
         chosen: tuple[float, str, Slot] | None = None
         chosen_cost = 0.0
         for s in routes.ring_order(key):
             x = by_id.get(s.id)
             if x is None:
                 continue
-            cost = placed(s.id, 0.0) / s.weight
+            cost = (placed(s.id, 0.0) + work) / s.weight
             if s.kv_tokens and prefixes(s.id, 0) + need > s.kv_tokens * self.opts.kv_high:
                 cost += 1e6  # its cache cannot hold another prefix beside its keys'
             if self.saturated(s, live):
