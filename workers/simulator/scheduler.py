@@ -2,12 +2,17 @@
 `v1/core/sched/scheduler.py` and `kv_cache_manager.py`).
 
 Each step: running sequences first (one decode token each, or the next chunk of a prefill),
-then waiting ones, FIFO, while there is room in max_num_seqs, the step's token budget, the
-KV cache and the LoRA slots. A running sequence that cannot get a block preempts the most
-recently admitted one (recompute: back to the head of the queue, its blocks freed). The step
-then "runs" for a time taken from the profile, and each sequence that caught up with its
-tokens samples one more, which its request handler streams at once. What the step changed
-(load, admissions, preemptions) is published when it ends (`StepStats`).
+then, if nothing was preempted, waiting ones, FIFO, while there is room in max_num_seqs,
+the step's token budget, the KV cache and the LoRA slots. A waiting sequence is admitted
+only when free blocks hold its whole uncached sequence (vLLM's default
+`scheduler_reserve_full_isl`), its prefix-cached blocks shared; the first that does not fit
+blocks those behind it. A running sequence takes a new block every block_size tokens; when
+none is free it preempts the most recently admitted running one (recompute: its blocks
+freed, back to the head of the queue, counted; its cached blocks may still hit when it is
+admitted again). Full blocks, prompt or generated, enter the prefix cache (kvcache.py).
+The step then "runs" for a time taken from the profile, and each sequence that caught up
+with its tokens samples one more, which its request handler streams at once. What the
+step changed (load, admissions, preemptions) is published when it ends (`StepStats`).
 
 The API front-end shares the machine with the engine when the profile says so
 (`frontend_per_request_s`, `frontend_per_token_s`; zero on GPU profiles, whose front-end
@@ -241,13 +246,19 @@ class Scheduler:
             seq.num_computed = len(hit) * bs
             n = min(seq.num_tokens - seq.num_computed, budget)
             need = self._blocks_needed(seq, n, len(hit))
+            # Blocks for the whole sequence, not only this step's chunk, must be free. A
+            # sequence longer than the whole cache (vLLM would refuse to start) is let in
+            # chunk by chunk.
+            whole = self._blocks_needed(seq, seq.num_tokens - seq.num_computed, len(hit))
+            if whole <= self.pool.num_blocks:
+                need = max(need, whole)
             if need > self.pool.num_free - self.pool.evictable_among(hit):
                 seq.num_computed = 0
                 self.waiting.appendleft(seq)
                 break
             self.deferred.discard(seq)
             self.pool.touch(hit)
-            seq.blocks = hit + self.pool.allocate(need)
+            seq.blocks = hit + self.pool.allocate(self._blocks_needed(seq, n, len(hit)))
             seq.registered = len(hit)
             self._cache_blocks(seq, seq.num_computed + n)
             seq.status = "running"
@@ -264,10 +275,17 @@ class Scheduler:
         return budget
 
     def _cache_blocks(self, seq: Seq, num_tokens: int) -> None:
-        """Enter the full prompt blocks among the first `num_tokens` into the prefix cache
-        when they are scheduled, as vLLM V1 does (not once computed): a sequence admitted
-        later in the same step, such as the next choice of an n > 1 request, hits them."""
-        full = min(num_tokens // self.limits.block_size, len(seq.hashes))
+        """Enter the full blocks among the first `num_tokens` into the prefix cache when
+        they are scheduled, as vLLM V1 does (not once computed): a sequence admitted later
+        in the same step, such as the next choice of an n > 1 request, hits them.
+
+        Blocks of generated tokens are cached too (vLLM hashes every full block), under
+        hashes of their own: only this sequence, recomputed after a preemption, hits them.
+        """
+        full = num_tokens // self.limits.block_size
+        while len(seq.hashes) < full:
+            prev = seq.hashes[-1] if seq.hashes else 0
+            seq.hashes.append(hash((prev, "generated", seq.id, len(seq.hashes))))
         for j in range(seq.registered, full):
             self.pool.register(seq.blocks[j], seq.hashes[j])
         seq.registered = max(seq.registered, full)
