@@ -196,28 +196,31 @@ def test_prefix_blocks_evicted_least_recently_used_first(small_kv: Sim) -> None:
 
 async def test_waiting_gauge_is_zero_without_pressure() -> None:
     """Requests that arrive while a step runs are not counted as waiting: with one long
-    request decoding and short ones sent one after another, every scrape reads waiting 0."""
-    server = start("--profile", "h200-7b", "--time-scale", "1")
+    request decoding and short ones sent one after another (each arriving mid-step),
+    every scrape reads waiting 0."""
+    server = start("--profile", "h200-7b", "--time-scale", "2")
     engine = SimEngine()
     seen = []
+    stop = asyncio.Event()
     try:
         async with httpx.AsyncClient(timeout=30) as client:
             long = asyncio.create_task(client.post(server.url + "/v1/completions", json={
                 "model": "base", "prompt": "hold", "max_tokens": 60, "ignore_eos": True}))  # fmt: skip
 
             async def scrape() -> None:
-                while not long.done():
+                while not stop.is_set():
                     text = (await client.get(server.url + "/metrics")).text
                     seen.append(engine.parse_metrics(text))
                     await asyncio.sleep(0.002)
 
             scraper = asyncio.create_task(scrape())
-            for i in range(15):
+            for i in range(12):
                 body = {"model": "base", "prompt": f"short {i}", "max_tokens": 2}
                 assert (await client.post(server.url + "/v1/completions", json=body)).is_success
-            await long
+            stop.set()
             await scraper
+            assert (await long).is_success
     finally:
         server.stop()
-    assert len(seen) > 50 and max(x.running for x in seen) >= 2
+    assert len(seen) >= 20 and max(x.running for x in seen) >= 2
     assert all(x.waiting == 0 for x in seen)
