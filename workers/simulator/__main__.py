@@ -46,7 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--num-gpu-blocks", type=int, default=None)
+    p.add_argument(
+        "--num-gpu-blocks", "--num-gpu-blocks-override", type=int, default=None,
+        dest="num_gpu_blocks", help="KV cache blocks (vLLM's --num-gpu-blocks-override)",
+    )  # fmt: skip
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--enable-lora", action="store_true")
     p.add_argument("--max-loras", type=int, default=4)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from workers.simulator.config import SimConfig
-from workers.simulator.metrics import LmdeployMetrics, VllmMetrics
+from workers.simulator.metrics import LmdeployMetrics, VllmMetrics, vllm_cache_config
 from workers.simulator.tokens import stable_hash
 
 # "validation": a body that fails vLLM's request schema (FastAPI/pydantic: type "Bad Request").
@@ -80,13 +80,13 @@ def _lmdeploy_error(err: SimError, type_: str) -> dict[str, Any]:
 
 
 def _vllm_metrics(cfg: SimConfig) -> Metrics:
-    cache_info = {
-        "block_size": str(cfg.resolved("block_size")),
-        "num_gpu_blocks": str(cfg.resolved("num_gpu_blocks")),
-        "enable_prefix_caching": "True",
-        "cache_dtype": "auto",
-        "gpu_memory_utilization": "0.9",
-    }
+    cache_info = vllm_cache_config(
+        num_gpu_blocks=cfg.resolved("num_gpu_blocks"),
+        block_size=cfg.resolved("block_size"),
+        max_model_len=cfg.max_model_len,
+        num_gpu_blocks_override=cfg.num_gpu_blocks,
+        user_specified_block_size=cfg.block_size is not None,
+    )
     return VllmMetrics(cfg.served_model_name, cache_info, cfg.lora_slots)
 
 

@@ -1,13 +1,16 @@
-"""Prometheus metrics under vLLM's or LMDeploy's names, each app with its own registry."""
+"""Prometheus metrics under vLLM's or LMDeploy's names, each app with its own registry.
+
+The load gauges show the stats the scheduler published at the end of its last step
+(`StepStats`), as vLLM's do, never the live queues."""
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from workers.simulator.scheduler import Seq
+from workers.simulator.seqs import Seq, StepStats
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -33,11 +36,11 @@ class _Base:
             "fleetgate_sim:lora_api_loads", "Adapters added through /v1/load_lora_adapter"
         ).labels(**self._labels)
 
-    def render(self, snapshot: dict[str, Any]) -> bytes:
-        self.refresh(snapshot)
+    def render(self, stats: StepStats) -> bytes:
+        self.refresh(stats)
         return generate_latest(self.registry)
 
-    def refresh(self, snapshot: dict[str, Any]) -> None:
+    def refresh(self, stats: StepStats) -> None:
         raise NotImplementedError
 
     def on_failed(self) -> None:
@@ -59,6 +62,60 @@ class _Base:
         return Histogram(name, doc, _LABELS, buckets=_LATENCY_BUCKETS, registry=self.registry)
 
 
+def vllm_cache_config(
+    *, num_gpu_blocks: int, block_size: int, max_model_len: int,
+    num_gpu_blocks_override: int | None = None, user_specified_block_size: bool = False,
+) -> dict[str, str]:  # fmt: skip
+    """`vllm:cache_config_info`'s labels as vLLM 0.32 sets them for a full-attention model
+    (every CacheConfig field as str, plus `engine`; tests/data's capture has the same set).
+
+    The KV cache holds num_gpu_blocks x block_size tokens (num_gpu_blocks counts vLLM's
+    one null block). kv_cache_size_tokens is vLLM's own figure: how many max_model_len
+    requests fit, times max_model_len; the same number when max_model_len is a multiple of
+    block_size. kv_cache_memory_bytes stays None as on a GPU (only --kv-cache-memory-bytes
+    or a CPU's VLLM_CPU_KVCACHE_SPACE set it)."""
+    concurrency = num_gpu_blocks / math.ceil(max_model_len / block_size)
+    return {
+        "_block_size_resolved": "True",
+        "block_size": str(block_size),
+        "cache_dtype": "auto",
+        "cache_hit_alignment_tokens": "None",
+        "effective_attention_block_size": str(block_size),
+        "enable_mamba_shared_prefix_checkpoint": "False",
+        "enable_prefix_caching": "True",
+        "engine": "0",
+        "gpu_memory_utilization": "0.92",
+        "hash_block_size": "None",
+        "is_attention_free": "False",
+        "kv_cache_dtype_skip_layers": "[]",
+        "kv_cache_layout": "None",
+        "kv_cache_max_concurrency": str(concurrency),
+        "kv_cache_memory_bytes": "None",
+        "kv_cache_size_tokens": str(int(concurrency * max_model_len)),
+        "kv_offloading_backend": "native",
+        "kv_offloading_size": "None",
+        "kv_sharing_fast_prefill": "False",
+        "mamba_block_size": "None",
+        "mamba_cache_dtype": "auto",
+        "mamba_cache_mode": "none",
+        "mamba_page_size_padded": "None",
+        "mamba_ssm_cache_dtype": "float32",
+        "num_cpu_blocks": "None",
+        "num_gpu_blocks": str(num_gpu_blocks),
+        "num_gpu_blocks_override": str(num_gpu_blocks_override),
+        "prefix_cache_retention_interval": "0",
+        "prefix_caching_hash_algo": "sha256",
+        "prefix_match_unit": "None",
+        "replayssm_buffer_len": "16",
+        "skip_page_size_padded": "None",
+        "sliding_window": "None",
+        "swa_bounded_replay": "True",
+        "use_kda_recoverssm": "False",
+        "use_replayssm": "False",
+        "user_specified_block_size": str(user_specified_block_size),
+    }
+
+
 class VllmMetrics(_Base):
     def __init__(self, model_name: str, cache_info: dict[str, str], max_loras: int) -> None:
         super().__init__(model_name)
@@ -67,6 +124,11 @@ class VllmMetrics(_Base):
             **lab
         )
         self._waiting = self._gauge("vllm:num_requests_waiting", "Requests queued").labels(**lab)
+        by_reason = self._gauge(
+            "vllm:num_requests_waiting_by_reason", "Requests queued by reason", ("reason",)
+        )
+        self._waiting_capacity = by_reason.labels(**lab, reason="capacity")
+        self._waiting_deferred = by_reason.labels(**lab, reason="deferred")
         self._kv = self._gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0..1").labels(**lab)
         self._queries = self._counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, tokens"
@@ -104,20 +166,22 @@ class VllmMetrics(_Base):
                 registry=self.registry,
             )
 
-    def refresh(self, snapshot: dict[str, Any]) -> None:
-        self._running.set(snapshot["running"])
-        self._waiting.set(snapshot["waiting"])
-        self._kv.set(snapshot["kv_cache_usage"])
+    def refresh(self, stats: StepStats) -> None:
+        self._running.set(stats.running)
+        self._waiting.set(stats.waiting)
+        self._waiting_capacity.set(stats.waiting - stats.deferred)
+        self._waiting_deferred.set(stats.deferred)
+        self._kv.set(stats.kv_cache_usage)
         if self._lora is not None:
             # Like vLLM: one series per label set ever seen, the value a Unix timestamp.
             self._lora.labels(
                 max_lora=str(self._max_loras),
-                running_lora_adapters=",".join(snapshot["running_lora_adapters"]),
-                waiting_lora_adapters=",".join(snapshot["waiting_lora_adapters"]),
+                running_lora_adapters=",".join(stats.running_lora_adapters),
+                waiting_lora_adapters=",".join(stats.waiting_lora_adapters),
             ).set(time.time())
 
     def on_admitted(self, seq: Seq, now: float) -> None:
-        self._queries.inc(seq.num_tokens)
+        self._queries.inc(seq.num_prompt)  # as at admission: nothing generated yet
         self._hits.inc(seq.cached_tokens)
         self._queue.observe(now - seq.arrival)
 
@@ -169,22 +233,22 @@ class LmdeployMetrics(_Base):
         self._succeeded = 0
         self._admitted = 0
 
-    def refresh(self, snapshot: dict[str, Any]) -> None:
+    def refresh(self, stats: StepStats) -> None:
         now = time.monotonic()
         if now - self._last_refresh < self._refresh_s:
             return
         self._last_refresh = now
-        self._running.set(snapshot["running"])
-        self._waiting.set(snapshot["waiting"])
-        self._kv.set(snapshot["kv_cache_usage"])
+        self._running.set(stats.running)
+        self._waiting.set(stats.waiting)
+        self._kv.set(stats.kv_cache_usage)
         self._hit_rate.set(self._hits / self._queries if self._queries else 0.0)
         self._ok.set(self._succeeded)
         self._failed.set(self.failed)
         self._routed.set(self._admitted)
-        self._api_waiting.set(snapshot["waiting"])
+        self._api_waiting.set(stats.waiting)
 
     def on_admitted(self, seq: Seq, now: float) -> None:
-        self._queries += seq.num_tokens
+        self._queries += seq.num_prompt
         self._hits += seq.cached_tokens
         self._admitted += 1
         self._cached.inc(seq.cached_tokens)

@@ -27,7 +27,7 @@ from typing import Any
 from workers.simulator.flavors import SimError
 from workers.simulator.kvcache import block_hashes
 from workers.simulator.requests import Context, bad, invalid, resolve_model
-from workers.simulator.scheduler import Seq
+from workers.simulator.seqs import Seq
 from workers.simulator.tokens import TextSource, render_chat, stable_hash
 
 DEFAULT_DIM = 128

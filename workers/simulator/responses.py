@@ -29,7 +29,7 @@ from aiohttp import web
 from workers.simulator.config import Faults
 from workers.simulator.flavors import SimError
 from workers.simulator.requests import Context, Prepared, bad, opt_int, resolve_model
-from workers.simulator.scheduler import Seq
+from workers.simulator.seqs import Seq
 from workers.simulator.streams import EventStream
 from workers.simulator.tokens import message_text, render_chat
 

@@ -1,11 +1,18 @@
-"""A small continuous-batching scheduler shaped like vLLM V1's.
+"""A small continuous-batching scheduler shaped like vLLM V1's (read against vLLM 0.32's
+`v1/core/sched/scheduler.py` and `kv_cache_manager.py`).
 
 Each step: running sequences first (one decode token each, or the next chunk of a prefill),
-then waiting ones, FIFO, while there is room in max_num_seqs, the step's token budget, the
-KV cache and the LoRA slots. A running sequence that cannot get a block preempts the most
-recently admitted one (recompute: back to the head of the queue, its blocks freed). The step
-then "runs" for a time taken from the profile, and each sequence that caught up with its
-tokens samples one more, which its request handler streams at once.
+then, if nothing was preempted, waiting ones, FIFO, while there is room in max_num_seqs,
+the step's token budget, the KV cache and the LoRA slots. A waiting sequence is admitted
+only when free blocks hold its whole uncached sequence (vLLM's default
+`scheduler_reserve_full_isl`), its prefix-cached blocks shared; the first that does not fit
+blocks those behind it. A running sequence takes a new block every block_size tokens; when
+none is free it preempts the most recently admitted running one (recompute: its blocks
+freed, back to the head of the queue, counted; its cached blocks may still hit when it is
+admitted again). Full blocks, prompt or generated, enter the prefix cache (kvcache.py).
+The step then "runs" for a time taken from the profile, and each sequence that caught up
+with its tokens samples one more, which its request handler streams at once. What the
+step changed (load, admissions, preemptions) is published when it ends (`StepStats`).
 
 The API front-end shares the machine with the engine when the profile says so
 (`frontend_per_request_s`, `frontend_per_token_s`; zero on GPU profiles, whose front-end
@@ -29,89 +36,23 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from itertools import islice
+from typing import Any
 
 from workers.simulator.kvcache import BlockPool, LoraSlots
 from workers.simulator.profiles import Profile
-from workers.simulator.tokens import TextSource
+from workers.simulator.seqs import Event, Limits, SchedulerHooks, Seq, StepStats
 
-Status = Literal["waiting", "running", "finished", "aborted"]
-
-
-@dataclass(frozen=True)
-class Event:
-    """One generated token's text; `finish` is set on the last one. `index` is the choice
-    of the request it belongs to (the choices of one request may share a queue)."""
-
-    text: str
-    finish: str | None = None
-    index: int = 0
-
-
-@dataclass(eq=False, kw_only=True)
-class Seq:
-    """One request inside the engine."""
-
-    id: str
-    prompt_ids: list[int]
-    hashes: list[int]
-    source: TextSource
-    target: int  # tokens to generate
-    target_reason: str  # "length" at max_tokens, "stop" at a natural EOS
-    adapter: str | None = None
-    stop: tuple[str, ...] = ()
-    # A pooling (embedding) request: prefill only; it finishes ("stop") once its prompt is
-    # computed, without sampling, like vLLM's pooling runner.
-    pooling: bool = False
-    index: int = 0  # the choice of its request (n > 1, several prompts)
-    arrival: float = 0.0
-    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
-    status: Status = "waiting"
-    generated: int = 0
-    num_computed: int = 0
-    blocks: list[int] = field(default_factory=list)
-    registered: int = 0
-    cached_tokens: int = 0
-    admitted_at: float | None = None
-    first_token_at: float | None = None
-    tail: str = ""
-
-    @property
-    def num_prompt(self) -> int:
-        return len(self.prompt_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + self.generated
-
-
-class SchedulerHooks(Protocol):
-    """What the metrics see of the scheduler."""
-
-    def on_admitted(self, seq: Seq, now: float) -> None: ...
-    def on_first_token(self, seq: Seq, now: float) -> None: ...
-    def on_tokens(self, n: int) -> None: ...
-    def on_finished(self, seq: Seq, reason: str, now: float) -> None: ...
-    def on_preempted(self) -> None: ...
-    def on_lora_loads(self, n: int) -> None: ...
-
-
-@dataclass(frozen=True, kw_only=True)
-class Limits:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    num_gpu_blocks: int
-    block_size: int
-    max_loras: int
-    time_scale: float
-    # Adapters in GPU memory from start to end (LMDeploy's start-time adapters).
-    pinned_loras: tuple[str, ...] = ()
+__all__ = ["Event", "Limits", "Scheduler", "SchedulerHooks", "Seq", "StepStats"]
 
 
 @dataclass
 class _Plan:
     work: list[tuple[Seq, int]] = field(default_factory=list)
     lora_loads: int = 0
+    # Reported when the step ends, as vLLM's stats of the step are.
+    admitted: list[Seq] = field(default_factory=list)
+    preempted: int = 0
 
 
 class Scheduler:
@@ -129,6 +70,12 @@ class Scheduler:
         self.admitting: set[Seq] = set()  # in the front-end, not yet in `waiting`
         self._frontend_free_at = 0.0
         self._frontend_debt = 0.0  # front-end seconds the next step pays for
+        # Queued since the last schedule (at the tail of `waiting`): vLLM's engine core
+        # takes them from its input queue only before the next step, so its stats of the
+        # running step do not count them.
+        self._late: set[Seq] = set()
+        self.deferred: set[Seq] = set()  # waiting, skipped for want of a LoRA slot
+        self.published = StepStats()
 
     @staticmethod
     def _now() -> float:
@@ -166,6 +113,7 @@ class Scheduler:
 
     def _enqueue(self, seq: Seq) -> None:
         self.waiting.append(seq)
+        self._late.add(seq)
         self._wake.set()
 
     def _take_frontend_debt(self) -> float:
@@ -178,6 +126,8 @@ class Scheduler:
             self.admitting.discard(seq)
         elif seq.status == "waiting":
             self.waiting.remove(seq)
+            self._late.discard(seq)
+            self.deferred.discard(seq)
         elif seq.status == "running":
             self.running.remove(seq)
             self.pool.release(seq.blocks)
@@ -196,6 +146,7 @@ class Scheduler:
         self.loras = LoraSlots(self.limits.max_loras, self.limits.pinned_loras)
         self.preemptions = 0
         self.steps = 0
+        self._publish()
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -222,6 +173,7 @@ class Scheduler:
                 self._frontend_debt = 0.0  # done while the engine had nothing to run
             plan = self._schedule()
             if not plan.work:
+                self._end_step(plan)
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), 0.01)
@@ -251,29 +203,27 @@ class Scheduler:
     def _schedule(self) -> _Plan:
         plan = _Plan()
         budget = self.limits.max_num_batched_tokens
-        preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
             need = self._blocks_needed(seq, n, len(seq.blocks))
             while need > self.pool.num_free and self.running[-1] is not seq:
-                self._preempt(self.running[-1])
-                preempted = True
+                self._preempt(self.running[-1], plan)
             if need > self.pool.num_free:
                 if len(self.running) == 1:  # alone and still too big: the cache is full
                     self._finish(seq, "length", self._now())
                 else:
-                    self._preempt(seq)
-                    preempted = True
+                    self._preempt(seq, plan)
                 break
             seq.blocks += self.pool.allocate(need)
             self._cache_blocks(seq, seq.num_computed + n)
             plan.work.append((seq, n))
             budget -= n
             i += 1
-        if not preempted:
+        if not plan.preempted:  # vLLM admits nothing in a step that preempted
             budget = self._admit(plan, budget)
+        self._late.clear()
         if plan.lora_loads:
             self.hooks.on_lora_loads(plan.lora_loads)
         return plan
@@ -288,6 +238,7 @@ class Scheduler:
                 got = self.loras.acquire(seq.adapter, busy)
                 if got is None:  # every slot serves a running adapter: let others pass
                     skipped.append(seq)
+                    self.deferred.add(seq)
                     continue
                 plan.lora_loads += int(got)
             # Full prompt blocks only, and never the whole prompt: the last token is computed.
@@ -295,19 +246,26 @@ class Scheduler:
             seq.num_computed = len(hit) * bs
             n = min(seq.num_tokens - seq.num_computed, budget)
             need = self._blocks_needed(seq, n, len(hit))
+            # Blocks for the whole sequence, not only this step's chunk, must be free. A
+            # sequence longer than the whole cache (vLLM would refuse to start) is let in
+            # chunk by chunk.
+            whole = self._blocks_needed(seq, seq.num_tokens - seq.num_computed, len(hit))
+            if whole <= self.pool.num_blocks:
+                need = max(need, whole)
             if need > self.pool.num_free - self.pool.evictable_among(hit):
                 seq.num_computed = 0
                 self.waiting.appendleft(seq)
                 break
+            self.deferred.discard(seq)
             self.pool.touch(hit)
-            seq.blocks = hit + self.pool.allocate(need)
+            seq.blocks = hit + self.pool.allocate(self._blocks_needed(seq, n, len(hit)))
             seq.registered = len(hit)
             self._cache_blocks(seq, seq.num_computed + n)
             seq.status = "running"
-            if seq.admitted_at is None:
+            if seq.admitted_at is None:  # a preempted sequence's queries are not counted
                 seq.admitted_at = self._now()
                 seq.cached_tokens = seq.num_computed
-                self.hooks.on_admitted(seq, seq.admitted_at)
+                plan.admitted.append(seq)
             if seq.adapter:
                 busy.add(seq.adapter)
             self.running.append(seq)
@@ -317,22 +275,29 @@ class Scheduler:
         return budget
 
     def _cache_blocks(self, seq: Seq, num_tokens: int) -> None:
-        """Enter the full prompt blocks among the first `num_tokens` into the prefix cache
-        when they are scheduled, as vLLM V1 does (not once computed): a sequence admitted
-        later in the same step, such as the next choice of an n > 1 request, hits them."""
-        full = min(num_tokens // self.limits.block_size, len(seq.hashes))
+        """Enter the full blocks among the first `num_tokens` into the prefix cache when
+        they are scheduled, as vLLM V1 does (not once computed): a sequence admitted later
+        in the same step, such as the next choice of an n > 1 request, hits them.
+
+        Blocks of generated tokens are cached too (vLLM hashes every full block), under
+        hashes of their own: only this sequence, recomputed after a preemption, hits them.
+        """
+        full = num_tokens // self.limits.block_size
+        while len(seq.hashes) < full:
+            prev = seq.hashes[-1] if seq.hashes else 0
+            seq.hashes.append(hash((prev, "generated", seq.id, len(seq.hashes))))
         for j in range(seq.registered, full):
             self.pool.register(seq.blocks[j], seq.hashes[j])
         seq.registered = max(seq.registered, full)
 
-    def _preempt(self, seq: Seq) -> None:
+    def _preempt(self, seq: Seq, plan: _Plan) -> None:
         self.running.remove(seq)
         self.pool.release(seq.blocks)
         seq.blocks, seq.num_computed, seq.registered = [], 0, 0
         seq.status = "waiting"
         self.waiting.appendleft(seq)
         self.preemptions += 1
-        self.hooks.on_preempted()
+        plan.preempted += 1
 
     def _complete(self, plan: _Plan, now: float) -> None:
         self.steps += 1
@@ -352,6 +317,30 @@ class Scheduler:
         # during the next step, on its CPU.
         self._frontend_debt += outputs * self.profile.frontend_per_token_s * self.limits.time_scale
         self.hooks.on_tokens(sampled)
+        self._end_step(plan)
+
+    def _end_step(self, plan: _Plan) -> None:
+        """Publish the step's stats: its admissions (prefix cache queries and hits, queue
+        times), its preemptions, and the load as it stands after the step."""
+        for seq in plan.admitted:
+            assert seq.admitted_at is not None
+            self.hooks.on_admitted(seq, seq.admitted_at)
+        for _ in range(plan.preempted):
+            self.hooks.on_preempted()
+        self._publish()
+
+    def _publish(self) -> None:
+        queued = len(self.waiting) - len(self._late)  # the late ones are the tail
+        self.published = StepStats(
+            running=len(self.running),
+            waiting=queued,
+            deferred=len(self.deferred),
+            kv_cache_usage=self.pool.usage,
+            running_lora_adapters=tuple(sorted({s.adapter for s in self.running if s.adapter})),
+            waiting_lora_adapters=tuple(
+                sorted({s.adapter for s in islice(self.waiting, queued) if s.adapter})
+            ),
+        )
 
     def _pooled(self, seq: Seq, now: float) -> None:
         # vLLM counts the pooled output as the first "token" (TTFT, prompt tokens) and the

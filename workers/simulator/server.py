@@ -29,7 +29,8 @@ from workers.simulator.pooling import (
 )
 from workers.simulator.requests import Context, Kind, Prepared, Prompt, prepare
 from workers.simulator.responses import Responses
-from workers.simulator.scheduler import Event, Limits, Scheduler, Seq
+from workers.simulator.scheduler import Scheduler
+from workers.simulator.seqs import Event, Limits, Seq
 from workers.simulator.streams import respond_json, respond_stream
 from workers.simulator.tokenizing import detokenize, tokenize
 from workers.simulator.tokens import MEAN_OUTPUT_TOKENS, TextSource, load_tokens, stable_hash
@@ -294,7 +295,7 @@ async def models(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     sim = request.app[SIM]
-    text = sim.metrics.render(sim.scheduler.snapshot())
+    text = sim.metrics.render(sim.scheduler.published)
     return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from workers.simulator.flavors import Flavor
 from workers.simulator.requests import Prepared
-from workers.simulator.scheduler import Seq
+from workers.simulator.seqs import Seq
 
 # Top-level fields vLLM appends after `usage` in a whole body.
 _CHAT_TAIL = ("prompt_logprobs", "prompt_token_ids", "prompt_text",

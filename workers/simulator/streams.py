@@ -12,7 +12,7 @@ from aiohttp import web
 from workers.simulator.config import Faults
 from workers.simulator.flavors import Flavor
 from workers.simulator.requests import Prepared
-from workers.simulator.scheduler import Event, Seq
+from workers.simulator.seqs import Event, Seq
 from workers.simulator.shapes import Shape
 
 
