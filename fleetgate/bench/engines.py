@@ -31,6 +31,7 @@ class WorkerRef(msgspec.Struct, frozen=True):
     id: str
     url: str
     engine: str = ""
+    state: str = ""  # the registry's: ready, draining, ... ("" when not given)
 
 
 def parse_counters(text: str) -> dict[str, float]:
@@ -53,7 +54,8 @@ async def list_workers(client: httpx.AsyncClient, gateway: str, admin_token: str
                             headers={"authorization": f"Bearer {admin_token}"})  # fmt: skip
     resp.raise_for_status()
     return sorted(
-        (WorkerRef(w["id"], w["url"], w.get("engine", "")) for w in resp.json()["data"]),
+        (WorkerRef(w["id"], w["url"], w.get("engine", ""), w.get("state", ""))
+         for w in resp.json()["data"]),
         key=lambda w: w.id,
     )
 
