@@ -20,7 +20,7 @@ from fleetgate.bench.herding import Routed, herding, off_majority
 from fleetgate.bench.loadgen import Outcome, error_code, run_requests
 from fleetgate.bench.report import format_routing, ratios, summarise
 from fleetgate.bench.runner import BenchOptions, attached_policies, known_policies, plan, rotated
-from fleetgate.bench.search import find_capacity
+from fleetgate.bench.search import find_capacity, passes
 from fleetgate.bench.strategies import direct_round_robin, tenant_affinity, tenant_of
 from fleetgate.bench.workloads import (
     BenchRequest,
@@ -246,13 +246,16 @@ def test_capacity_search_brackets_then_bisects(start: float, limit: float) -> No
 
 
 def test_capacity_search_counts_errors_and_gives_up() -> None:
-    """A run with more than 1% failed requests does not pass, whatever its p50; if even the
-    smallest rate fails there is no capacity rate."""
+    """A run with more than 1% failed requests (other than cut at the drain deadline) does
+    not pass, whatever its p50; if even the smallest rate fails there is no capacity rate."""
     def failing(rate: float) -> dict[str, object]:
-        return {"ttft_p50": 0.01, "ttft_p99": 0.02, "errors": 2, "requests": 100}
+        return {"ttft_p50": 0.01, "ttft_p99": 0.02, "errors": 2, "requests": 100,
+                "error_kinds": {"http_5xx": 2}}  # fmt: skip
 
     rate, steps = find_capacity(failing, start=4.0, target_p50=0.2, min_rate=1.0)
     assert rate is None and [s.rate for s in steps] == [4.0, 2.0, 1.0]
+    cut = {"ttft_p50": 0.1, "errors": 5, "requests": 100, "error_kinds": {"timeout": 5}}
+    assert passes(cut, 0.2) and not passes({**cut, "ttft_p50": 0.2}, 0.2)
 
 
 def test_tenant_affinity_client_over_a_real_fleet(tmp_path: Path) -> None:
@@ -304,3 +307,43 @@ def test_tenant_affinity_client_over_a_real_fleet(tmp_path: Path) -> None:
     summary = summarise("pressure", "tenant_affinity", oracle, 1.0, {})
     assert summary["off_majority"] == 0.0
     json.dumps(summary)
+
+
+def test_reset_waits_for_an_idle_vllm_then_empties_its_prefix_cache() -> None:
+    """A real vLLM (no /sim/reset) is reset by POST /reset_prefix_cache, only once its
+    /metrics show nothing running or waiting; an engine with neither is reported."""
+    from aiohttp import web
+
+    calls: list[str] = []
+    scrapes = {"n": 0}
+
+    async def metrics(_: web.Request) -> web.Response:
+        scrapes["n"] += 1
+        running = 1 if scrapes["n"] < 3 else 0
+        calls.append(f"metrics running={running}")
+        text = (f'vllm:num_requests_running{{model_name="m"}} {running}\n'
+                'vllm:num_requests_waiting{model_name="m"} 0\n')  # fmt: skip
+        return web.Response(text=text)
+
+    async def reset_cache(_: web.Request) -> web.Response:
+        calls.append("reset_prefix_cache")
+        return web.Response()
+
+    async def main() -> list[str]:
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        app.router.add_post("/reset_prefix_cache", reset_cache)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with httpx.AsyncClient() as c:
+                return await engines.reset(c, [WorkerRef("v", f"http://127.0.0.1:{port}"),
+                                               WorkerRef("gone", "http://127.0.0.1:1")])  # fmt: skip
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(main()) == ["gone"]
+    assert calls == ["metrics running=1", "metrics running=1", "metrics running=0", "reset_prefix_cache"]
