@@ -160,7 +160,7 @@ def _find_capacity(args: argparse.Namespace, spec: FleetSpec, opts: BenchOptions
     finally:
         progress.close()
     result["wall_s"] = round(time.monotonic() - started, 1)
-    print(format_table(result["runs"]))
+    print(format_table([{**r, "policy": f"{r['policy']} at {r['rate']:g}/s"} for r in result["runs"]]))
     rate = result["capacity_rps"]
     print(f"\ncapacity rate: {rate if rate is not None else 'none found'} req/s "
           f"({AFFINITY} TTFT p50 < {target:g} s); wall time {result['wall_s']} s; JSON {args.out}")

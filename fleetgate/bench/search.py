@@ -4,9 +4,11 @@ target (issue 14: the tenant-affinity client, 0.2 s, on the KV-pressure fleet).
 A coarse search multiplies the rate by `grow` while runs pass (divides it while they fail)
 until one rate passes and the next fails; a fine search then bisects that bracket
 `fine_steps` times. A run passes when its TTFT p50 is under the target and at most 1% of
-its requests failed otherwise than by a timeout (requests cut at the drain deadline count
-in the p50 with their TTFT so far). Each step is one short run at one rate: noisy, so the
-answer is a rate to benchmark at, not a hard limit.
+its requests failed, those still unfinished at the drain deadline included: in a short run
+the queue of an overloaded fleet has not yet reached the median request, but it shows in
+the requests left over at the end (so the drain must exceed a request's normal E2E). Each
+step is one short run at one rate: noisy, so the answer is a rate to benchmark at, not a
+hard limit.
 
 `find_capacity` takes the run as a function, so the search itself is tested without a
 fleet; the runner supplies one that plans and measures a run at the given rate.
@@ -32,7 +34,7 @@ class Step(NamedTuple):
 def passes(run: Mapping[str, Any], target_p50: float) -> bool:
     p50 = run.get("ttft_p50")
     requests = int(run.get("requests") or 0)
-    failed = int(run.get("errors") or 0) - int((run.get("error_kinds") or {}).get("timeout", 0))
+    failed = int(run.get("errors") or 0)
     return p50 is not None and p50 < target_p50 and requests > 0 and failed <= MAX_ERROR_SHARE * requests
 
 
