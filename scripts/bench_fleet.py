@@ -6,11 +6,18 @@
     python scripts/bench_fleet.py --dump-trace /tmp/t.jsonl        # also write the requests
     python scripts/bench_fleet.py --trace /tmp/t-prefix.jsonl      # replay a trace
     python scripts/bench_fleet.py --attach http://127.0.0.1:8000 --admin-token T
+    # issue 14's KV-pressure scenario: client-side strategies beside gateway policies
+    python scripts/bench_fleet.py --fleet config/bench/pressure.yaml --workloads pressure,skew \
+        --policies tenant_affinity,round_robin,least_outstanding,fleet --rate 32 --rounds 2
+    python scripts/bench_fleet.py --fleet config/bench/pressure.yaml --workloads pressure \
+        --find-capacity                                       # the capacity rate
 
 Brings up Redis (FLEETGATE_REDIS_URL, else 127.0.0.1:6379 if it answers, else an embedded
 one), the fleet from --fleet as real `python -m workers --engine sim` agents, and for each
-workload one gateway per policy; prints the table and ratios against round-robin, writes
-JSON and a PNG (TTFT CDFs and throughput bars).
+workload one gateway per policy; prints the table and ratios against round-robin (and
+against the tenant_affinity client when it ran), writes JSON and a PNG (TTFT CDFs and
+throughput bars). `tenant_affinity` and `direct_round_robin` are client-side strategies:
+they send to the engines directly (fleetgate/bench/strategies.py).
 """
 
 from __future__ import annotations
@@ -27,11 +34,18 @@ sys.path.insert(0, str(ROOT))
 
 from fleetgate.bench import png  # noqa: E402
 from fleetgate.bench.cluster import running  # noqa: E402
-from fleetgate.bench.fleet import load_fleet  # noqa: E402
+from fleetgate.bench.fleet import FleetSpec, load_fleet  # noqa: E402
 from fleetgate.bench.progress import Progress  # noqa: E402
-from fleetgate.bench.report import format_ratios, format_table  # noqa: E402
-from fleetgate.bench.runner import BenchOptions, finish, run_attached, run_fleet  # noqa: E402
-from fleetgate.bench.workloads import WORKLOADS  # noqa: E402
+from fleetgate.bench.report import AFFINITY, format_ratios, format_routing, format_table  # noqa: E402
+from fleetgate.bench.runner import (  # noqa: E402
+    BenchOptions,
+    finish,
+    plan,
+    run_attached,
+    run_capacity,
+    run_fleet,
+)
+from fleetgate.bench.workloads import DEFAULT_WORKLOADS, WORKLOADS  # noqa: E402
 
 DEFAULT_POLICIES = "round_robin,random,least_outstanding,fleet"
 
@@ -39,7 +53,8 @@ DEFAULT_POLICIES = "round_robin,random,least_outstanding,fleet"
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fleet", default=str(ROOT / "config/bench/default.yaml"))
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of " + ", ".join(WORKLOADS))
+    p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
+                   help="comma list of " + ", ".join(WORKLOADS))
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help="comma list; ones the gateway does not know are skipped with a warning")
     p.add_argument("--load", type=float, default=0.8, help="fraction of the estimated fleet capacity")
@@ -47,6 +62,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=8.0, help="seconds of arrivals per run")
     p.add_argument("--drain", type=float, default=6.0, help="seconds to wait for stragglers")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1, help="run every policy this often, order rotated")
+    p.add_argument("--find-capacity", action="store_true",
+                   help="search the highest rate at which tenant_affinity keeps TTFT p50 under "
+                   "--capacity-ttft on the first workload (--duration per step), instead of a benchmark")
+    p.add_argument("--capacity-ttft", type=float, default=None,
+                   help="TTFT p50 target in real seconds (default 0.2 x the fleet's time_scale)")
+    p.add_argument("--capacity-start", type=float, default=None,
+                   help="first rate tried (default --rate, else the fleet's cache-blind capacity estimate)")
     p.add_argument("--pool", type=int, default=256, help="max open connections")
     p.add_argument("--trace", type=Path, help="replay this JSONL trace instead of the workloads")
     p.add_argument("--dump-trace", type=Path, help="write each workload's requests as JSONL "
@@ -70,13 +93,15 @@ def main(argv: list[str] | None = None) -> int:
         policies=[p for p in args.policies.split(",") if p],
         load=args.load, rate=args.rate, duration_s=args.duration, drain_s=args.drain,
         seed=args.seed, pool=args.pool, trace=args.trace, dump_trace=args.dump_trace,
-        api_key=args.api_key,
+        api_key=args.api_key, rounds=args.rounds,
     )  # fmt: skip
     for w in opts.workloads:
         if w not in WORKLOADS:
             raise SystemExit(f"unknown workload {w!r}; known: {', '.join(WORKLOADS)}")
     progress = Progress(runs=1)
     run_dir = args.run_dir or ROOT / ".run/bench" / time.strftime("%Y%m%d-%H%M%S")
+    if args.find_capacity:
+        return _find_capacity(args, spec, opts, progress, run_dir)
     try:
         if args.attach:
             result = run_attached(args.attach, args.admin_token, spec, opts, progress)
@@ -95,18 +120,52 @@ def main(argv: list[str] | None = None) -> int:
         cap, rate = p.get("capacity_rps"), p.get("rate_rps")
         print(f"{wl}: {p['requests']} requests at {rate} req/s"
               + (f" (estimated fleet capacity {cap} req/s)" if cap else "")
+              + (f"; prompts ~{p['prompt_tokens_estimate']} tokens by the byte estimate"
+                 if p.get("prompt_tokens_estimate") else "")
               + (f"; no routing can do fewer than {p['lora_floor']} LoRA loads" if p.get("lora_floor") else ""))  # fmt: skip
     print()
     print(format_table(result["runs"]))
-    text = format_ratios(result["ratios"])
-    if text:
-        print()
-        print(text)
+    print()
+    print(format_routing(result["runs"]))
+    for key, baseline in (("ratios", result["baseline"]), ("ratios_affinity", AFFINITY)):
+        text = format_ratios(result.get(key) or [], baseline)
+        if text:
+            print()
+            print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     png_path = args.png or args.out.with_suffix(".png")
     png.render(result["runs"], png_path)
     print(f"\nwall time {result['wall_s']} s; JSON {args.out}; PNG {png_path}")
+    return 0
+
+
+def _find_capacity(args: argparse.Namespace, spec: FleetSpec, opts: BenchOptions, progress: Progress,
+                   run_dir: Path) -> int:  # fmt: skip
+    started = time.monotonic()
+    target = args.capacity_ttft if args.capacity_ttft is not None else 0.2 * spec.time_scale
+    start = args.capacity_start or args.rate
+    if not start:
+        estimate = plan(spec, opts.workloads[0], BenchOptions(duration_s=1, workloads=opts.workloads))
+        start = max(1.0, round(estimate["capacity_rps"] or 2.0, 1))
+    print(f"capacity search: {opts.workloads[0]} with {AFFINITY}, TTFT p50 < {target:g} s, from {start:g} req/s, "
+          f"{opts.duration_s:g} s per step", flush=True)  # fmt: skip
+    kw = {"target_p50": target, "start": start}
+    try:
+        if args.attach:
+            result = run_capacity(spec, opts, progress, attach=args.attach, admin_token=args.admin_token, **kw)
+        else:
+            with running(spec, run_dir) as cluster:
+                result = run_capacity(spec, opts, progress, cluster=cluster, **kw)
+    finally:
+        progress.close()
+    result["wall_s"] = round(time.monotonic() - started, 1)
+    print(format_table([{**r, "policy": f"{r['policy']} at {r['rate']:g}/s"} for r in result["runs"]]))
+    rate = result["capacity_rps"]
+    print(f"\ncapacity rate: {rate if rate is not None else 'none found'} req/s "
+          f"({AFFINITY} TTFT p50 < {target:g} s); wall time {result['wall_s']} s; JSON {args.out}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
     return 0
 
 

@@ -11,6 +11,12 @@
 #   # (DEADLINE_S: no benchmark run starts that would end past T0 + DEADLINE_S, so that the
 #   #  results are collected inside the tool's 10-minute limit; ~6.5 min with REPS=2)
 #
+# Issue 14's KV-pressure benchmark (scripts/gpu_bench_pressure.sh has the details) uses the
+# same first two calls, then the same command again and again, back to back, until it says
+# "all N runs done" (each call resumes where the last stopped; ~3 calls of 9 min):
+#   T0=$(date +%s) DEADLINE_S=540 OUT=$OUT bash scripts/gpu_bench.sh pressure-all  # call 3, carry .vl2 .whl
+#   T0=$(date +%s) DEADLINE_S=540 OUT=$OUT bash scripts/gpu_bench.sh pressure-all  # calls 4.., carry nothing
+#
 # Steps (each also runs alone, e.g. `gpu_bench.sh bench collect` in a later call while the
 # machine is still warm; engines, Redis and agents are started with setsid and survive):
 #   setup     verify + unpack the payloads, install the wheels, build the two models
@@ -26,6 +32,11 @@
 #             engine's flat 400 normalised, /admin/workers load under a burst, metrics parsed
 #   collect   results.md (table), results.json, lmdeploy.json, logs.tgz into $OUT
 #   stop      end everything this script started (by the pids it recorded)
+#   pressure-all  setup (once per machine), then `pressure`, then `pcollect`
+#   pressure  the capacity search (unless P_RATE is given), then P_REPS rounds of every
+#             P_STRATEGIES strategy on the pressure, skew and ample scenarios, two vLLM with
+#             the KV cut to 2106 blocks (ample: 8x), `--engine external` agents
+#   pcapacity the capacity search alone; pcollect: results-pressure.md/.json, logs-pressure.tgz
 #
 # GPU_BENCH_ENGINE=sim runs the same logic on simulated engines (no GPU, no payloads): the
 # dry run of everything but the engines themselves.
@@ -92,7 +103,7 @@ VL_ENV=(PYTHONPATH=/tmp/vl/site HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_
 
 # ------------------------------------------------------------------ setup
 setup() {
-  if [ "$MODE" = sim ]; then log "setup: sim mode, nothing to unpack"; return 0; fi
+  if [ "$MODE" = sim ]; then log "setup: sim mode, nothing to unpack"; touch "$W/setup.done"; return 0; fi
   nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv > "$W/logs/nvidia-smi.csv" 2>&1
   mkdir -p /tmp/vl /tmp/lmd
   (
@@ -107,15 +118,21 @@ setup() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   ) > "$W/logs/setup-wheels.log" 2>&1 &
   local wpid=$!
-  (
-    want=$(cat .lm0/lmdeploy018-slim.sha256); got=$(cat .lm0/lmdeploy018-slim.tar.xz.part* | sha256sum | cut -d' ' -f1)
-    [ "$want" = "$got" ] || { echo "LMDeploy payload sha256 mismatch"; exit 1; }
-    mkdir -p /tmp/lmd/site && cat .lm0/lmdeploy018-slim.tar.xz.part* | xz -d -T0 | tar -x -C /tmp/lmd/site || exit 1
-    env PYTHONPATH=/tmp/lmd/site HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 python3 .lm0/make_weights_model.py /tmp/lmd/m05 /tmp/lmd/lora
-  ) > "$W/logs/setup-lmdeploy.log" 2>&1 &
-  local lpid=$!
-  wait "$vpid" && log "setup: vLLM unpacked, model /tmp/vl/m7 built" || { log "setup: vLLM FAILED"; tail -5 "$W/logs/setup-vllm.log"; }
-  wait "$wpid" && log "setup: wheels installed in /tmp/site" || { log "setup: wheels FAILED"; tail -5 "$W/logs/setup-wheels.log"; }
+  local lpid=""
+  if [ -d .lm0 ]; then  # (pressure-all does not carry it: no LMDeploy there)
+    (
+      want=$(cat .lm0/lmdeploy018-slim.sha256); got=$(cat .lm0/lmdeploy018-slim.tar.xz.part* | sha256sum | cut -d' ' -f1)
+      [ "$want" = "$got" ] || { echo "LMDeploy payload sha256 mismatch"; exit 1; }
+      mkdir -p /tmp/lmd/site && cat .lm0/lmdeploy018-slim.tar.xz.part* | xz -d -T0 | tar -x -C /tmp/lmd/site || exit 1
+      env PYTHONPATH=/tmp/lmd/site HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 python3 .lm0/make_weights_model.py /tmp/lmd/m05 /tmp/lmd/lora
+    ) > "$W/logs/setup-lmdeploy.log" 2>&1 &
+    lpid=$!
+  fi
+  local ok=1
+  wait "$vpid" && log "setup: vLLM unpacked, model /tmp/vl/m7 built" || { ok=0; log "setup: vLLM FAILED"; tail -5 "$W/logs/setup-vllm.log"; }
+  wait "$wpid" && log "setup: wheels installed in /tmp/site" || { ok=0; log "setup: wheels FAILED"; tail -5 "$W/logs/setup-wheels.log"; }
+  [ "$ok" = 1 ] && touch "$W/setup.done"
+  [ -n "$lpid" ] || return $(( 1 - ok ))
   # LMDeploy's setup may still run: start() waits for it.
   echo "$lpid" > "$W/pids/setup-lmdeploy-job"
   SETUP_LMD_PID=$lpid
@@ -565,13 +582,18 @@ stop() {
   log "stop: done"
 }
 
+# shellcheck source=scripts/gpu_bench_pressure.sh
+source "$ROOT/scripts/gpu_bench_pressure.sh"
+
 [ $# -gt 0 ] || set -- all
 for step in "$@"; do
   case $step in
     all) setup; start; bench; lmdeploy_checks; collect ;;
-    setup|start|bench|summarise|lmdeploy_checks|collect|stop) "$step" ;;
+    setup|start|bench|summarise|lmdeploy_checks|collect|stop|pressure|pcollect) "$step" ;;
+    pressure-all) pressure_all ;;
+    pcapacity) mkdir -p "$P_DIR"; p_fleet_yaml; p_redis; p_capacity ;;
     vllm) start_vllm ;;  # the engines alone (after a failed start: agents already wait for them)
     lmdeploy) lmdeploy_checks ;;
-    *) echo "unknown step $step (all|setup|start|bench|lmdeploy|collect|stop)" >&2; exit 2 ;;
+    *) echo "unknown step $step (all|setup|start|bench|lmdeploy|collect|stop|pressure-all|pressure|pcapacity|pcollect)" >&2; exit 2 ;;
   esac
 done

@@ -6,6 +6,10 @@ and queries in tokens (vLLM's names, or LMDeploy's cached/prompt token counters)
 simulator's `fleetgate_sim:lora_loads_total` (adapter weights entering a LoRA slot:
 first use or swap-in after an eviction) and `fleetgate_sim:lora_api_loads_total`
 (runtime loads through /v1/load_lora_adapter), and preemptions.
+
+Before a run every engine is made cold: a simulator by `POST /sim/reset`, a real vLLM by
+`POST /reset_prefix_cache` (served with VLLM_SERVER_DEV_MODE=1) once its /metrics show
+nothing running or waiting (vLLM leaves blocks that are still in use cached).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class WorkerRef(msgspec.Struct, frozen=True):
     id: str
     url: str
     engine: str = ""
+    state: str = ""  # the registry's: ready, draining, ... ("" when not given)
 
 
 def parse_counters(text: str) -> dict[str, float]:
@@ -53,7 +58,8 @@ async def list_workers(client: httpx.AsyncClient, gateway: str, admin_token: str
                             headers={"authorization": f"Bearer {admin_token}"})  # fmt: skip
     resp.raise_for_status()
     return sorted(
-        (WorkerRef(w["id"], w["url"], w.get("engine", "")) for w in resp.json()["data"]),
+        (WorkerRef(w["id"], w["url"], w.get("engine", ""), w.get("state", ""))
+         for w in resp.json()["data"]),
         key=lambda w: w.id,
     )
 
@@ -79,9 +85,22 @@ def deltas(
     return out
 
 
+BUSY_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+def busy(text: str) -> float:
+    """Requests running or waiting, from one vLLM /metrics text."""
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in BUSY_GAUGES:
+                total += sample.value
+    return total
+
+
 async def reset(client: httpx.AsyncClient, workers: list[WorkerRef], wait_s: float = 15.0) -> list[str]:
-    """POST /sim/reset to each simulator (waiting while one is still busy); returns the ids
-    of workers that are not simulators (their state cannot be reset)."""
+    """Empty every engine's prefix cache (and a simulator's LoRA slots), waiting while one
+    is still busy; returns the ids of the workers that could not be reset."""
 
     async def one(w: WorkerRef) -> str | None:
         loop = asyncio.get_running_loop()
@@ -93,11 +112,27 @@ async def reset(client: httpx.AsyncClient, workers: list[WorkerRef], wait_s: flo
                 return w.id
             if resp.status_code == 200:
                 return None
+            if resp.status_code == 404:
+                return await _reset_vllm(client, w, deadline)
             if resp.status_code != 409 or loop.time() > deadline:
                 return w.id
             await asyncio.sleep(0.2)
 
     return [wid for wid in await asyncio.gather(*(one(w) for w in workers)) if wid]
+
+
+async def _reset_vllm(client: httpx.AsyncClient, w: WorkerRef, deadline: float) -> str | None:
+    loop = asyncio.get_running_loop()
+    try:
+        while loop.time() < deadline:
+            resp = await client.get(w.url + "/metrics", timeout=5)
+            if resp.status_code != 200 or not busy(resp.text):
+                break
+            await asyncio.sleep(0.25)
+        resp = await client.post(w.url + "/reset_prefix_cache", timeout=10)
+    except httpx.HTTPError:
+        return w.id
+    return None if resp.status_code == 200 else w.id
 
 
 async def wait_idle(client: httpx.AsyncClient, gateway: str, admin_token: str, wait_s: float = 6.0) -> bool:

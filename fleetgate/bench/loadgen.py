@@ -5,6 +5,9 @@ loop would slow down with the system under test and hide its queues). A bounded 
 pool caps open connections; a request waiting for a connection is already late, and its
 latencies count from its arrival time. TTFT is the time to the first chunk that carries
 generated text, not to the headers or the role-only chunk.
+
+The target is a gateway's URL, or a route (fleetgate/bench/strategies.py) that names the
+engine each request goes to directly.
 """
 
 from __future__ import annotations
@@ -16,15 +19,20 @@ from collections.abc import Callable, Sequence
 import aiohttp
 import msgspec
 
+from fleetgate.bench.engines import WorkerRef
 from fleetgate.bench.workloads import BenchRequest
 
 
 class Outcome(msgspec.Struct, kw_only=True):
     id: int
     tag: str
+    at: float = 0.0  # the request's arrival, seconds after the run started
     status: int = 0
     # "" when it succeeded; else one of ERROR_KINDS.
     error: str = ""
+    # The `code` of an OpenAI-style error body ({"error": {"code": ...}}), e.g. the
+    # gateway's 429 `fleet_overloaded`; "" when the body had none.
+    code: str = ""
     worker: str | None = None
     route: str | None = None
     ttft: float | None = None
@@ -43,6 +51,17 @@ ERROR_KINDS = (
 _chunk = msgspec.json.Decoder()
 
 
+def error_code(body: str) -> str:
+    """The `code` of an OpenAI-style error body, "" if it is not one."""
+    try:
+        obj = _chunk.decode(body)
+    except msgspec.DecodeError:
+        return ""
+    err = obj.get("error") if isinstance(obj, dict) else None
+    code = err.get("code") if isinstance(err, dict) else None
+    return str(code) if code else ""
+
+
 def classify(status: int, body: str, from_engine: bool) -> str:
     if status == 429:
         return "http_429"
@@ -58,18 +77,22 @@ async def _one(
     t0: float,
     headers: dict[str, str],
     out: Outcome,
+    worker: str | None = None,
 ) -> Outcome:
     hdrs = dict(headers)
     if req.session:
         hdrs["x-session-id"] = req.session
+    out.worker = worker
     try:
         async with session.post(url, json=req.body(), headers=hdrs) as resp:
             out.status = resp.status
-            out.worker = resp.headers.get("x-fleetgate-worker")
+            out.worker = resp.headers.get("x-fleetgate-worker") or worker
             out.route = resp.headers.get("x-fleetgate-route")
             if resp.status != 200:
-                text = (await resp.text())[:300]
-                out.error, out.message = classify(resp.status, text, out.worker is not None), text
+                text = await resp.text()
+                out.code = error_code(text)
+                out.error = classify(resp.status, text[:300], out.worker is not None)
+                out.message = text[:300]
                 return out
             chunks = 0
             async for line in resp.content:
@@ -102,8 +125,19 @@ async def _one(
     return out
 
 
+def _targets(
+    target: str | Callable[[BenchRequest], WorkerRef],
+) -> Callable[[BenchRequest], tuple[str, str | None]]:
+    """(chat completions URL, the worker it names or None) per request."""
+    if isinstance(target, str):
+        url = target.rstrip("/") + "/v1/chat/completions"
+        return lambda _req: (url, None)
+    route = target
+    return lambda req: ((w := route(req)).url.rstrip("/") + "/v1/chat/completions", w.id)
+
+
 async def run_requests(
-    base_url: str,
+    target: str | Callable[[BenchRequest], WorkerRef],
     requests: Sequence[BenchRequest],
     *,
     pool: int = 256,
@@ -114,7 +148,7 @@ async def run_requests(
     """Send every request at its time; wait up to `drain_s` after the last arrival for the
     rest, then cancel them (counted as "timeout", their TTFT censored at the cut).
     Returns the outcomes in request order and the run's wall time."""
-    url = base_url.rstrip("/") + "/v1/chat/completions"
+    where = _targets(target)
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     connector = aiohttp.TCPConnector(limit=pool, force_close=False)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
@@ -135,8 +169,9 @@ async def run_requests(
                 await asyncio.sleep(delay)
             t0 = begin + req.at
             starts[req.id] = t0
-            partial[req.id] = Outcome(id=req.id, tag=req.tag)
-            task = asyncio.create_task(_one(session, url, req, t0, headers, partial[req.id]))
+            partial[req.id] = Outcome(id=req.id, tag=req.tag, at=req.at)
+            url, worker = where(req)
+            task = asyncio.create_task(_one(session, url, req, t0, headers, partial[req.id], worker))
             task.add_done_callback(finished)
             tasks[req.id] = task
             if on_progress:

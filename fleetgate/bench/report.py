@@ -1,4 +1,8 @@
-"""Figures of one run, the side-by-side table, ratios against round-robin, and JSON."""
+"""Figures of one run, the side-by-side tables, ratios against a baseline, and JSON.
+
+Ratios are taken against round-robin (the gateway's, else the client's direct one) and,
+where the run has it, against the tenant-affinity client (issue 14's oracle).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,11 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fleetgate.bench.herding import Routed, herding, off_majority
 from fleetgate.bench.loadgen import ERROR_KINDS, Outcome
 
 BASELINE = "round_robin"
+AFFINITY = "tenant_affinity"
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -45,6 +51,13 @@ def summarise(
         return sum(values) if values else None
 
     hits, queries = engine_sum("prefix_hits"), engine_sum("prefix_queries")
+    routed = [Routed(o.at, o.worker, o.tag) for o in outcomes]
+    herd = herding(routed)
+    away = off_majority(routed)
+    codes = Counter(o.code or "-" for o in outcomes if o.error == "http_429")
+    # The engines' own count of prompt tokens (usage), where they reported it: the real
+    # tokenizer's, which differs from the workload's byte estimate on a real vLLM.
+    prompts = [o.prompt_tokens for o in outcomes if o.prompt_tokens]
     return {
         "workload": workload,
         "policy": policy,
@@ -60,6 +73,8 @@ def summarise(
         "e2e_p99": percentile(e2es, 99),
         "errors": sum(kinds.values()),
         "http_429": kinds.get("http_429", 0),
+        "http_429_codes": dict(sorted(codes.items())),
+        "other_errors": sum(kinds.values()) - kinds.get("http_429", 0),
         "engine_ctx_400": kinds.get("engine_ctx_400", 0),
         "error_kinds": {k: kinds[k] for k in ERROR_KINDS if kinds.get(k)},
         "prefix_hit_rate": round(hits / queries, 4) if hits is not None and queries else None,
@@ -69,6 +84,10 @@ def summarise(
         "lora_api_loads": engine_sum("lora_api_loads"),
         "preemptions": engine_sum("preemptions"),
         "worker_share": {w: round(n / total, 3) for w, n in sorted(workers.items())},
+        "herded_windows": herd.herded,
+        "windows": herd.windows,
+        "off_majority": None if away is None else round(away, 4),
+        "prompt_tokens_mean": round(sum(prompts) / len(prompts), 1) if prompts else None,
         "engines": {w: dict(d) for w, d in sorted(engine_deltas.items())},
         "ttft_sorted": [round(t, 4) for t in sorted(ttfts)],
         "error_samples": sorted({o.message for o in outcomes if o.error and o.message})[:3],
@@ -80,18 +99,32 @@ def summarise(
 RATIO_KEYS = (
     ("rps", "req/s"), ("out_tok_s", "tok/s"), ("ttft_p50", "TTFT p50"), ("ttft_p99", "TTFT p99"),
     ("e2e_p99", "E2E p99"), ("prefix_hit_rate", "hit rate"), ("lora_loads", "LoRA loads"),
+    ("preemptions", "preempt"),
 )  # fmt: skip
 
 
+def round_robin_baseline(runs: Sequence[Mapping[str, Any]]) -> str:
+    """The gateway's round_robin if it ran, else the client's direct_round_robin."""
+    names = {r["policy"] for r in runs}
+    return BASELINE if BASELINE in names or "direct_round_robin" not in names else "direct_round_robin"
+
+
 def ratios(runs: Sequence[Mapping[str, Any]], baseline: str = BASELINE) -> list[dict[str, Any]]:
-    """Each run's figures divided by the baseline policy's on the same workload."""
-    base = {r["workload"]: r for r in runs if r["policy"] == baseline}
+    """Each run's figures divided by the baseline policy's on the same workload (and the
+    same round, when runs carry one)."""
+    base: dict[tuple[str, Any], Mapping[str, Any]] = {}
+    for r in runs:
+        if r["policy"] == baseline:
+            base.setdefault((r["workload"], r.get("round")), r)
+            base.setdefault((r["workload"], None), r)
     out = []
     for r in runs:
-        b = base.get(r["workload"])
+        b = base.get((r["workload"], r.get("round"))) or base.get((r["workload"], None))
         if b is None:
             continue
         row: dict[str, Any] = {"workload": r["workload"], "policy": r["policy"]}
+        if r.get("round") is not None:
+            row["round"] = r["round"]
         for key, _ in RATIO_KEYS:
             x, y = r.get(key), b.get(key)
             row[key] = round(x / y, 3) if x is not None and y else None
@@ -138,9 +171,29 @@ def format_table(runs: Sequence[Mapping[str, Any]]) -> str:
     return _table(header, rows)
 
 
+def format_routing(runs: Sequence[Mapping[str, Any]]) -> str:
+    """Where requests went and why some were refused: 429s by the body's `code`, other
+    errors, preemptions, herded 1-s windows, requests off their tenant's majority worker,
+    and the engines' mean prompt length in their own tokens."""
+    header = ["workload", "policy", "429 by code", "other err", "preempt", "herded/windows",
+              "off-home", "prompt tok"]  # fmt: skip
+    rows = []
+    for r in runs:
+        codes = ", ".join(f"{c} {n}" for c, n in (r.get("http_429_codes") or {}).items()) or "0"
+        rows.append([
+            r["workload"], r["policy"] + (f" r{r['round']}" if r.get("round") is not None else ""),
+            codes, str(r.get("other_errors", "-")),
+            _fmt(None if r["preemptions"] is None else int(r["preemptions"])),
+            f"{r.get('herded_windows', 0)}/{r.get('windows', 0)}",
+            _fmt(r.get("off_majority"), "%"), _fmt(r.get("prompt_tokens_mean")),
+        ])  # fmt: skip
+    return _table(header, rows)
+
+
 def format_ratios(rows: Sequence[Mapping[str, Any]], baseline: str = BASELINE) -> str:
     header = ["workload", "policy", *(f"{label} x" for _, label in RATIO_KEYS)]
-    body = [[r["workload"], r["policy"], *(_fmt(r[k]) for k, _ in RATIO_KEYS)] for r in rows
+    label = lambda r: r["policy"] + (f" r{r['round']}" if r.get("round") is not None else "")  # noqa: E731
+    body = [[r["workload"], label(r), *(_fmt(r[k]) for k, _ in RATIO_KEYS)] for r in rows
             if r["policy"] != baseline]  # fmt: skip
     if not body:
         return ""

@@ -2,10 +2,11 @@
 
 A workload is two independent streams drawn from one seed:
 
-* contents (`prefix`, `adapters`, `mixed`): an endless, deterministic sequence of chat
-  requests (model, messages, max_tokens, session);
+* contents (`prefix`, `adapters`, `mixed`, `pressure`, `skew`): an endless, deterministic
+  sequence of chat requests (model, messages, max_tokens, session, tag);
 * arrivals: a bursty Poisson process (a Markov-modulated one: bursts at `burst` times the
-  mean rate alternate with calm spells, so the mean stays at the target rate).
+  mean rate alternate with calm spells, so the mean stays at the target rate), or a plain
+  Poisson process for the tenant workloads (`arrivals: poisson|bursty` in their params).
 
 Contents do not depend on the rate, so the load generator can first look at the shape of
 the requests (their token counts), estimate the fleet's capacity for them, and only then
@@ -205,11 +206,60 @@ def mixed_contents(rng: random.Random, fleet: FleetFacts, p: dict[str, Any]) -> 
                     max_tokens=max_tokens, tag=tag)  # fmt: skip
 
 
+def tenant_contents(rng: random.Random, fleet: FleetFacts, p: dict[str, Any]) -> Iterator[Draft]:
+    """Tenants, each with its own long system prompt; every request is that prompt plus a
+    unique question, tagged `tenant-<i>` (the tag is not sent: only client-side strategies
+    see it). `hot_share` > 0 gives tenant 0 that share of the traffic, the rest split evenly.
+
+    The defaults (16 x ~1,500 tokens of system prompt, ~65-token questions, 64 output
+    tokens) are issue 14's KV-pressure workload: the prefixes fill ~70% of a 33.7k-token
+    cache, so they fit two such workers but not one.
+    """
+    n = int(p.get("tenants", 16))
+    sys_tokens = int(p.get("system_tokens", 1500))
+    user_tokens = int(p.get("user_tokens", 65))
+    max_tokens = int(p.get("max_tokens", 64))
+    hot = float(p.get("hot_share", 0.0))
+    if n < 1 or not 0.0 <= hot < 1.0:
+        raise ValueError("tenant workloads need tenants >= 1 and 0 <= hot_share < 1")
+    prompts = [
+        f"[tenant {i}] " + words(random.Random(rng.random()), sys_tokens) for i in range(n)
+    ]
+    if hot and n > 1:
+        weights = [hot] + [(1 - hot) / (n - 1)] * (n - 1)
+    else:
+        weights = [1 / n] * n
+    cumulative = list(itertools.accumulate(weights))
+    for k in itertools.count():
+        t = _pick(rng, cumulative)
+        # The number makes every question unique (a cache hit beyond the system prompt
+        # would flatter whichever strategy happened to repeat it).
+        head = f"question {k}: "
+        question = head + words(rng, max(1, user_tokens - len(head) // BYTES_PER_TOKEN))
+        messages = [{"role": "system", "content": prompts[t]}, {"role": "user", "content": question}]
+        yield Draft(model=fleet.model, messages=messages, max_tokens=max_tokens, tag=f"tenant-{t}")
+
+
+def _with_defaults(gen: ContentGen, **defaults: Any) -> ContentGen:
+    def wrapped(rng: random.Random, fleet: FleetFacts, p: dict[str, Any]) -> Iterator[Draft]:
+        return gen(rng, fleet, {**defaults, **p})
+
+    wrapped.__doc__ = gen.__doc__
+    return wrapped
+
+
 WORKLOADS: dict[str, ContentGen] = {
     "prefix": prefix_contents,
     "adapters": adapter_contents,
     "mixed": mixed_contents,
+    "pressure": _with_defaults(tenant_contents, hot_share=0.0),
+    "skew": _with_defaults(tenant_contents, hot_share=0.4),
 }
+# What `scripts/bench_fleet.py` runs when no --workloads are given: the tenant workloads
+# are sized for their own fleets (config/bench/pressure.yaml, ample.yaml).
+DEFAULT_WORKLOADS = ("prefix", "adapters", "mixed")
+# Workloads whose arrivals are plain Poisson unless their params say `arrivals: bursty`.
+POISSON_WORKLOADS = frozenset({"pressure", "skew"})
 
 
 def contents(
@@ -253,11 +303,36 @@ def bursty_arrivals(
     return out
 
 
-def build(drafts: Iterator[Draft], arrivals: Sequence[float]) -> list[BenchRequest]:
+def poisson_arrivals(rate: float, duration: float, seed: int) -> list[float]:
+    """Arrival times in [0, duration) of a Poisson process at `rate`/s."""
+    if rate <= 0 or duration <= 0:
+        return []
+    rng = random.Random(f"poisson:{seed}")
+    t, out = rng.expovariate(rate), []
+    while t < duration:
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def arrivals(
+    workload: str, rate: float, duration: float, seed: int, params: dict[str, Any] | None = None
+) -> list[float]:
+    """The workload's arrival process: `arrivals` in its params, else its default."""
+    default = "poisson" if workload in POISSON_WORKLOADS else "bursty"
+    kind = str((params or {}).get("arrivals", default))
+    if kind == "poisson":
+        return poisson_arrivals(rate, duration, seed)
+    if kind == "bursty":
+        return bursty_arrivals(rate, duration, seed)
+    raise ValueError(f"unknown arrival process {kind!r}; known: poisson, bursty")
+
+
+def build(drafts: Iterator[Draft], times: Sequence[float]) -> list[BenchRequest]:
     return [
         BenchRequest(id=i, at=round(at, 6), model=d.model, messages=d.messages,
                      max_tokens=d.max_tokens, session=d.session, tag=d.tag)
-        for i, (at, d) in enumerate(zip(arrivals, drafts, strict=False))
+        for i, (at, d) in enumerate(zip(times, drafts, strict=False))
     ]
 
 
