@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import structlog
 
@@ -21,24 +21,27 @@ log = structlog.get_logger("gateway.placement")
 
 
 class Placement:
-    def __init__(self, homes: Homes, routes: Callable[[], Routes], interval_s: float = 1.0) -> None:
+    def __init__(self, homes: Homes, routes: Callable[[], Routes], tokens: Mapping[str, int],
+                 interval_s: float = 1.0, heavy_share: float = 0.3) -> None:
         self.homes = homes
+        self.tokens = tokens
+        self.heavy_share = heavy_share
         self.routes = routes
         self.interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
 
     def live(self, requests: Live) -> Live:
         """The live account with this table's placed work (all views of live dicts)."""
-        return Live(requests.requests, requests.tokens, self.homes.placed, self.homes.prefixes)
+        return Live(requests.requests, requests.tokens, self.homes)
 
-    def lookup(self, key: int | None) -> tuple[str | None, str | None]:
-        """(home, second home) of an affinity key; (None, None) for a key not placed yet."""
+    def lookup(self, key: int | None) -> tuple[str | None, str | None, bool]:
+        """(home, second home, heavy) of an affinity key; (None, None, False) for a key not placed yet."""
         if key is None:
-            return None, None
+            return None, None, False
         entry = self.homes.get(key)
         if entry is None:
-            return None, None
-        return entry.home, entry.live_second(time.monotonic())
+            return None, None, False
+        return entry.home, entry.live_second(time.monotonic()), self.homes.heavy(entry, self.heavy_share)
 
     def record(self, facts: RequestFacts, choice: Choice, work: float) -> None:
         """What a first attempt's decision means for its key's homes."""
@@ -58,7 +61,13 @@ class Placement:
     # -- background ----------------------------------------------------------------------
 
     def rebalance(self) -> None:
-        moved = self.homes.rebalance(self.routes().by_model, time.monotonic())
+        by_model = self.routes().by_model
+        moved = self.homes.rebalance(by_model, time.monotonic(), self.tokens)
+        import os
+        if os.environ.get("FG_DEBUG_HOMES"):
+            for model, r in by_model.items():
+                log.info("debug.pressures", model=model, p=self.homes.pressures(r.routable), rho=self.homes.rho(),
+                         placed=dict(self.homes.placed), prefixes=dict(self.homes.prefixes), kv=dict(self.homes.kv_avg))
         for key, src, dst in moved:
             log.info("gateway.affinity_moved", key=f"{key:016x}", src=src, dst=dst)
 

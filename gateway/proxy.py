@@ -465,9 +465,9 @@ class _Attempt:
         proxy = self.proxy
         if self.key is not None and self.count == 0:
             # Looked up now, not when the request arrived: it may have waited in the queue.
-            home, second = proxy.placement.lookup(self.key)
-            if home != self.facts.home or second != self.facts.second:
-                self.facts = replace(self.facts, home=home, second=second)
+            home, second, heavy = proxy.placement.lookup(self.key)
+            if home != self.facts.home or second != self.facts.second or heavy != self.facts.heavy:
+                self.facts = replace(self.facts, home=home, second=second, heavy=heavy)
         choice = self._choose()
         worker = choice.worker
         if self.count == 0:

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fleetgate.hashing import stable_hash
 from fleetgate.schema import Load, WorkerInfo, WorkerView
 from gateway.routing import POLICIES, FullAt, Live, RequestFacts, Routes, decide, make_policy
+from gateway.routing.homes import Homes
 
 
 def fleet(n: int) -> tuple[WorkerView, ...]:
@@ -41,7 +42,8 @@ def fleet(n: int) -> tuple[WorkerView, ...]:
 def timings_us(workers: tuple[WorkerView, ...], policy_name: str, keyed: bool, rounds: int = 7) -> tuple[float, float]:
     policy = make_policy(policy_name)
     routes = Routes.build(workers)  # once per snapshot, in the background refresh
-    inflight = Live({f"w{i}": i % 7 for i in range(len(workers))}, {f"w{i}": 1000 * (i % 7) for i in range(len(workers))})
+    inflight = Live({f"w{i}": i % 7 for i in range(len(workers))}, {f"w{i}": 1000 * (i % 7) for i in range(len(workers))},
+                    Homes(placed={f"w{i}": 100.0 * (i % 5) for i in range(len(workers))}))
     full_at = FullAt()
     keys = [stable_hash(f"p{k}") for k in range(50)]
     homes = {key: f"w{k * 7 % len(workers)}" for k, key in enumerate(keys)}

@@ -53,8 +53,7 @@ def route(fleet: tuple[WorkerView, ...], homes: Homes, key: int, *, now: float =
     f = RequestFacts("base", affinity_key=key, affinity_kind="prefix", seq=seq, prefix_tokens=prefix,
                      home=entry.home if entry else None, second=entry.live_second(now) if entry else None)
     base = live or Live({})
-    choice = decide(Routes.build(fleet), f, Live(base.requests, base.tokens, homes.placed, homes.prefixes),
-                    POLICY).choices[0]
+    choice = decide(Routes.build(fleet), f, Live(base.requests, base.tokens, homes), POLICY).choices[0]
     if choice.reason.endswith("-placed"):
         homes.place(key, choice.worker.id, "base", prefix, 100, now)
     elif choice.reason.endswith("-spill"):
@@ -106,36 +105,40 @@ def kvw(wid: str, *, kv_tokens: int = 0, running: int = 0, waiting: int = 0, kv:
 
 CASES = [
     # (what it shows, engine loads {id: (running, waiting, kv)}, kv_tokens of each worker,
-    #  gateway account {id: (requests, tokens)}, second home, expected (worker, reason))
+    #  gateway account {id: (requests, tokens)}, second home, heavy key?, expected (worker, reason))
     ("a placed key goes home while its home has room",
-     {}, 0, {}, None, ("a", "prefix-hit")),
+     {}, 0, {}, None, True, ("a", "prefix-hit")),
     ("a second-old engine queue alone does not move a key (the herding of issue 14)",
-     {"a": (50, 5, 0.6)}, 0, {}, None, ("a", "prefix-hit")),
-    ("a home at its sequence slots by the gateway's account spills to a worker with room",
-     {}, 0, {"a": (100, 0)}, None, ("b", "prefix-spill")),
-    ("a home at kv_high of its declared KV cache by the account spills",
-     {}, 10_000, {"a": (20, 9_500)}, None, ("b", "prefix-spill")),
+     {"a": (50, 5, 0.6)}, 0, {}, None, True, ("a", "prefix-hit")),
+    ("a heavy key whose home is at its sequence slots by the account spills to a worker with room",
+     {}, 0, {"a": (100, 0)}, None, True, ("b", "prefix-spill")),
+    ("a light key stays home though its home is saturated (no tenant scatter, no thrash)",
+     {}, 0, {"a": (100, 0)}, None, False, ("a", "prefix-hit")),
+    ("a heavy key whose home is at kv_high of its declared KV cache by the account spills",
+     {}, 10_000, {"a": (20, 9_500)}, None, True, ("b", "prefix-spill")),
     ("where the KV size is unknown, an engine queue with a nearly full cache is saturation",
-     {"a": (20, 3, 0.95)}, 0, {}, None, ("b", "prefix-spill")),
+     {"a": (20, 3, 0.95)}, 0, {}, None, True, ("b", "prefix-spill")),
+    ("a spill needs a worker clearly less loaded than the saturated home",
+     {}, 0, {"a": (100, 0), "b": (97, 0)}, None, True, ("a", "prefix-hit")),
     ("when every worker is saturated the key stays where its prefix is cached",
-     {}, 0, {"a": (100, 0), "b": (100, 0), "c": (100, 0)}, None, ("a", "prefix-hit")),
+     {}, 0, {"a": (100, 0), "b": (100, 0), "c": (100, 0)}, None, True, ("a", "prefix-hit")),
     ("a key with a second home goes to the less loaded of its two homes",
-     {}, 0, {"a": (30, 0)}, "b", ("b", "prefix-spill")),
+     {}, 0, {"a": (30, 0)}, "b", True, ("b", "prefix-spill")),
     ("...and back home when the home is the lighter one",
-     {}, 0, {"b": (30, 0)}, "b", ("a", "prefix-hit")),
+     {}, 0, {"b": (30, 0)}, "b", True, ("a", "prefix-hit")),
 ]
 
 
-@pytest.mark.parametrize(("why", "loads", "kv_tokens", "account", "second", "expected"), CASES,
+@pytest.mark.parametrize(("why", "loads", "kv_tokens", "account", "second", "heavy", "expected"), CASES,
                          ids=[c[0] for c in CASES])
 def test_home_and_spill_table(why: str, loads: dict[str, tuple[int, int, float]], kv_tokens: int,
-                              account: dict[str, tuple[int, int]], second: str | None,
+                              account: dict[str, tuple[int, int]], second: str | None, heavy: bool,
                               expected: tuple[str, str]) -> None:
     fleet = tuple(kvw(i, kv_tokens=kv_tokens, running=loads.get(i, (0, 0, 0.0))[0],
                       waiting=loads.get(i, (0, 0, 0.0))[1], kv=loads.get(i, (0, 0, 0.0))[2]) for i in ("a", "b", "c"))
     account = {"c": (95, 0), **account}  # a busy third worker: never the lightest
     live = Live({k: v[0] for k, v in account.items()}, {k: v[1] for k, v in account.items()})
-    f = RequestFacts("base", affinity_key=KEY, affinity_kind="prefix", home="a", second=second)
+    f = RequestFacts("base", affinity_key=KEY, affinity_kind="prefix", home="a", second=second, heavy=heavy)
     choice = decide(Routes.build(fleet), f, live, POLICY).choices[0]
     assert (choice.worker.id, choice.reason) == expected
 
@@ -145,7 +148,8 @@ def test_a_new_key_goes_where_least_work_is_placed_and_its_prefix_fits() -> None
     cannot hold the prefix beside the keys already placed there."""
     fleet = (kvw("a", kv_tokens=10_000), kvw("b", kv_tokens=10_000), kvw("c", kv_tokens=10_000))
     f = RequestFacts("base", affinity_key=KEY, affinity_kind="prefix", prefix_tokens=2_000)
-    live = Live({}, {}, placed={"a": 500.0, "b": 100.0, "c": 300.0}, prefixes={"b": 8_000})
+    homes = Homes(placed={"a": 500.0, "b": 100.0, "c": 300.0}, prefixes={"b": 8_000})
+    live = Live({}, {}, homes)
     choice = decide(Routes.build(fleet), f, live, POLICY).choices[0]
     assert (choice.worker.id, choice.reason) == ("c", "prefix-placed")
 
@@ -303,7 +307,7 @@ def test_a_key_leaves_its_home_only_when_the_account_says_it_is_saturated(
     old = fleet[home % len(fleet)]
     home_view = WorkerView(info=old.info, state="ready", load=Load(), id_hash=old.id_hash)
     fleet = tuple(home_view if x.id == old.id else x for x in fleet)
-    f = RequestFacts("base", affinity_key=key, affinity_kind="prefix", home=old.id)
+    f = RequestFacts("base", affinity_key=key, affinity_kind="prefix", home=old.id, heavy=True)
     choice = decide(Routes.build(fleet), f, Live({old.id: busy}), POLICY).choices[0]
     if choice.worker.id != old.id:
         assert busy >= Slot(home_view).capacity

@@ -12,6 +12,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
+from gateway.routing.homes import Homes
 from gateway.routing.table import ModelRoutes, Routes, Slot
 
 Verdict = Literal["ok", "unknown_model", "no_worker", "wrong_task", "context_length", "saturated"]
@@ -62,6 +63,10 @@ class RequestFacts:
     # second home while it has one; None for a key not placed yet.
     home: str | None = None
     second: str | None = None
+    # The key carries a large share of its home's placed work (a hot tenant): only such a
+    # key may get a second home when its home saturates. Light keys stay home, so a busy
+    # worker does not spread all of its tenants over the fleet (which thrashes every cache).
+    heavy: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,9 +78,9 @@ class Live:
 
     requests: Mapping[str, int]
     tokens: Mapping[str, int] = field(default_factory=dict)
-    # Worker -> work placed there through affinity homes, and the prefix tokens of those keys.
-    placed: Mapping[str, float] = field(default_factory=dict)
-    prefixes: Mapping[str, int] = field(default_factory=dict)
+    # Where affinity keys live and the work placed on each worker (gateway/routing/homes.py);
+    # None: no placement (a new key goes by load alone).
+    homes: Homes | None = None
 
     @staticmethod
     def of(inflight: Mapping[str, int] | Live) -> Live:

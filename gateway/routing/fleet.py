@@ -10,10 +10,12 @@
    not move together.
 2. Affinity: a key (system prompt, session, prompt head) is placed once on the worker with
    the least work already placed there per unit of capacity (`gateway/routing/homes.py`),
-   which partitions the working set across the fleet; its requests then go home. Only
-   when the home is saturated by the account (its sequence slots, or `kv_high` of its KV
-   cache) does a key get a second home: the least loaded worker with room, kept for a
-   while (hysteresis) and shared with the home by load.
+   which partitions the working set across the fleet; its requests then go home. Only a
+   heavy key (a hot tenant, `heavy_share` of its home's work) whose home is saturated by
+   the account (its sequence slots, or `kv_high` of its KV cache) gets a second home: the
+   least loaded worker with room, kept for a while (hysteresis) and shared with the home
+   by load. Light keys stay home; the background rebalance moves them when a worker's
+   placed work is above its share.
 3. Adapters: where the adapter is warm, else a free slot, else a swap, load permitting.
 """
 
@@ -39,6 +41,10 @@ class FleetOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     jitter: float = 0.05
     # Weight of engine-reported work beyond the gateways' own in-flight count (other clients').
     foreign_weight: float = 0.5
+    # A key doing this share of its home's placed work is heavy: it may get a second home.
+    heavy_share: float = 0.3
+    # A second home must be this much less loaded than the saturated home.
+    spill_margin: float = 0.1
     # How long a key keeps its second home after its home was last saturated, and the
     # half-life of the work by which keys are placed.
     second_hold_s: float = 10.0
@@ -102,10 +108,16 @@ class FleetPolicy:
             pick, reason = (home, f"{kind}-hit") if home[0] <= second[0] else (second, f"{kind}-spill")
         elif not self.saturated(home[2], live):
             pick, reason = home, f"{kind}-hit"
-        else:
-            room = [x for x in scored if x is not home and not self.saturated(x[2], live)]
-            # Everyone saturated: stay where the prefix is cached; the engine queues it.
+        elif facts.heavy:
+            # A hot key saturating its home: a worker with room, clearly less loaded, shares it.
+            bar = home[0] * (1.0 - opts.spill_margin)
+            room = [x for x in scored if x is not home and x[0] < bar and not self.saturated(x[2], live)]
             pick, reason = (min(room), f"{kind}-spill") if room else (home, f"{kind}-hit")
+        else:
+            # A light key stays where its prefix is cached even on a saturated home; the
+            # engine queues it, and the background rebalance moves light keys off a worker
+            # whose placed work is above its share.
+            pick, reason = home, f"{kind}-hit"
         if limit == 1:
             return [Choice(pick[2], reason)]
         rest = best([x for x in scored if x is not pick], limit - 1)
@@ -119,19 +131,20 @@ class FleetPolicy:
         placed work per unit of capacity, among workers whose cache has room for its prefix
         beside the keys already placed there and that are not saturated; ties go in the
         key's ring order, so replicas agree."""
+        homes = live.homes
         by_id = {x[1]: x for x in scored}
-        placed = live.placed.get
-        prefixes = live.prefixes.get
         need = facts.prefix_tokens
         work = max(1, facts.prompt_tokens - need) + (facts.max_tokens or 256)
+        # Without a placement table (a bare decision), the key's ring order alone decides.
+        costs = homes.placement_costs([x[2] for x in scored], work, need) if homes is not None else {}
         chosen: tuple[float, str, Slot] | None = None
         chosen_cost = 0.0
         for s in routes.ring_order(key):
             x = by_id.get(s.id)
             if x is None:
                 continue
-            cost = (placed(s.id, 0.0) + work) / s.weight
-            if s.kv_tokens and prefixes(s.id, 0) + need > s.kv_tokens * self.opts.kv_high:
+            cost = costs.get(s.id, 0.0)
+            if homes is not None and s.kv_tokens and homes.prefixes.get(s.id, 0) + need > s.kv_tokens * self.opts.kv_high:
                 cost += 1e6  # its cache cannot hold another prefix beside its keys'
             if self.saturated(s, live):
                 cost += 1e12

@@ -21,10 +21,10 @@ so. No I/O and no clock: callers pass `now`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gateway.routing.table import ModelRoutes
+from gateway.routing.table import ModelRoutes, Slot
 
 
 @dataclass(slots=True)
@@ -57,10 +57,17 @@ class Homes:
     placed: dict[str, float] = field(default_factory=dict)
     # Worker -> prefix tokens of the keys homed there (what its cache must hold for them).
     prefixes: dict[str, int] = field(default_factory=dict)
+    # Worker -> KV tokens its requests in flight held, by the gateway's account, averaged
+    # over the last few passes: what a worker's cache must really hold besides its prefixes.
+    kv_avg: dict[str, float] = field(default_factory=dict)
     moves: int = 0
 
     def get(self, key: int) -> KeyHome | None:
         return self.keys.get(key)
+
+    def heavy(self, entry: KeyHome, share: float) -> bool:
+        """The key does at least `share` of the work placed on its home."""
+        return entry.work >= share * self.placed.get(entry.home, 0.0) > 0
 
     # -- writes, from the gateway after each decision ----------------------------------
 
@@ -80,8 +87,7 @@ class Homes:
         entry.work = self._decayed(entry, now) + work
         entry.at = now
         entry.need = max(entry.need, need)
-        if worker == entry.home or entry.live_second(now) is None:
-            self.placed[entry.home] = self.placed.get(entry.home, 0.0) + work
+        self.placed[worker] = self.placed.get(worker, 0.0) + work
 
     def spill(self, key: int, worker: str, now: float) -> None:
         """`key`'s home was saturated: `worker` is its second home for a while."""
@@ -92,11 +98,19 @@ class Homes:
 
     # -- background ---------------------------------------------------------------------
 
-    def rebalance(self, by_model: Mapping[str, ModelRoutes], now: float) -> list[tuple[int, str, str]]:
+    def rebalance(
+        self, by_model: Mapping[str, ModelRoutes], now: float, tokens: Mapping[str, int] | None = None,
+    ) -> list[tuple[int, str, str]]:
         """Drop homes on workers that left or stopped taking traffic, recompute the placed work,
-        and move at most one key per model from the most to the least loaded worker when
-        their placed work per unit of capacity differs by more than `imbalance` x the mean."""
+        and move at most one key per model from the most to the least pressed worker (see
+        `pressures`) when theirs differ by more than `imbalance` (of the mean), if the move
+        lowers the peak. `tokens`: the KV tokens in flight per worker now, by the account."""
         routable = {s.id for routes in by_model.values() for s in routes.routable}
+        for wid in routable:
+            held = float((tokens or {}).get(wid, 0))
+            self.kv_avg[wid] = 0.7 * self.kv_avg.get(wid, held) + 0.3 * held
+        for wid in [w for w in self.kv_avg if w not in routable]:
+            del self.kv_avg[wid]
         placed: dict[str, float] = {}
         prefixes: dict[str, int] = {}
         for key, entry in list(self.keys.items()):
@@ -109,7 +123,12 @@ class Homes:
                 continue
             if entry.second is not None and entry.live_second(now) is None:
                 entry.second = None
-            placed[entry.home] = placed.get(entry.home, 0.0) + work
+            if entry.second is not None and entry.second in routable:
+                # A key with two homes loads both (they share it by load).
+                placed[entry.home] = placed.get(entry.home, 0.0) + work / 2
+                placed[entry.second] = placed.get(entry.second, 0.0) + work / 2
+            else:
+                placed[entry.home] = placed.get(entry.home, 0.0) + work
             prefixes[entry.home] = prefixes.get(entry.home, 0) + entry.prefix_tokens
         # In place: the gateway's `Live` view holds these very dicts.
         self.placed.clear()
@@ -133,27 +152,86 @@ class Homes:
         self.moves += len(moved)
         return moved
 
+    # -- the measure both placement and rebalancing balance ---------------------------------
+
+    def rho(self) -> float:
+        """KV tokens in flight per unit of placed work, fleet-wide (what a key's work costs the
+        cache besides its prefix), from the account's recent average."""
+        work = sum(self.placed.values())
+        held = sum(self.kv_avg.values()) - sum(self.prefixes.values())
+        return held / work if work > 0 and held > 0 else 0.0
+
+    def pressures(
+        self, slots: Sequence[Slot], extra: tuple[str, float, int] | None = None, rho: float | None = None,
+    ) -> dict[str, float]:
+        """Each worker's bottleneck use, relative to the fleet's mean (1.0 = its fair share):
+        the larger of its placed work per unit of capacity and, where every worker declared
+        its KV size, its cache demand (placed prefixes + the KV their work holds in flight)
+        per cache token. `extra` = (worker, work, prefix tokens) adds a key there first."""
+        rho = self.rho() if rho is None else rho
+        work = {s.id: self.placed.get(s.id, 0.0) for s in slots}
+        prefix = {s.id: float(self.prefixes.get(s.id, 0)) for s in slots}
+        if extra is not None:
+            work[extra[0]] = work.get(extra[0], 0.0) + extra[1]
+            prefix[extra[0]] = prefix.get(extra[0], 0.0) + extra[2]
+        total_work = sum(work.values())
+        total_weight = sum(s.weight for s in slots)
+        use = {s.id: (work[s.id] / s.weight) / (total_work / total_weight) if total_work > 0 else 0.0
+               for s in slots}
+        if all(s.kv_tokens for s in slots):
+            demand = {s.id: prefix[s.id] + rho * work[s.id] for s in slots}
+            total_demand = sum(demand.values())
+            total_kv = sum(s.kv_tokens for s in slots)
+            if total_demand > 0:
+                for s in slots:
+                    use[s.id] = max(use[s.id], (demand[s.id] / s.kv_tokens) / (total_demand / total_kv))
+        return use
+
+    def placement_costs(self, slots: Sequence[Slot], work: float, prefix: int) -> dict[str, float]:
+        """For a new key (`work`, `prefix` tokens): each worker's own pressure were the key
+        placed there (as `pressures`, in one pass)."""
+        rho = self.rho()
+        placed, prefixes = self.placed, self.prefixes
+        total_work = sum(placed.get(s.id, 0.0) for s in slots) + work
+        total_weight = sum(s.weight for s in slots)
+        kv_known = all(s.kv_tokens for s in slots)
+        total_demand = sum(prefixes.get(s.id, 0) + rho * placed.get(s.id, 0.0) for s in slots) + prefix + rho * work
+        total_kv = sum(s.kv_tokens for s in slots)
+        out: dict[str, float] = {}
+        for s in slots:
+            mine = placed.get(s.id, 0.0) + work
+            cost = (mine / s.weight) / (total_work / total_weight) if total_work > 0 else 0.0
+            if kv_known and total_demand > 0:
+                demand = prefixes.get(s.id, 0) + prefix + rho * mine
+                cost = max(cost, (demand / s.kv_tokens) / (total_demand / total_kv))
+            out[s.id] = cost
+        return out
+
     def _one_move(self, model: str, routes: ModelRoutes) -> tuple[int, str, str] | None:
         slots = routes.routable
         if len(slots) < 2:
             return None
-        placed = self.placed
-        mean = sum(placed.get(s.id, 0.0) for s in slots) / sum(s.weight for s in slots)
-        if mean <= 0:
+        rho = self.rho()
+        now = self.pressures(slots, rho=rho)
+        heavy = max(slots, key=lambda s: (now[s.id], s.id))
+        light = min(slots, key=lambda s: (now[s.id], s.id))
+        if now[heavy.id] - now[light.id] <= self.imbalance:
             return None
-        loads = [(placed.get(s.id, 0.0) / s.weight, s.id, s) for s in slots]
-        heavy_load, _, heavy = max(loads)
-        light_load, _, light = min(loads)
-        if heavy_load - light_load <= self.imbalance * mean:
-            return None
+        peak = now[heavy.id]
         best: tuple[float, int] | None = None
         for key, entry in self.keys.items():
             if entry.home != heavy.id or entry.model != model or entry.need > light.max_len:
                 continue
-            after = max(heavy_load - entry.work / heavy.weight, light_load + entry.work / light.weight)
+            # The pair's pressures with the key moved (placed work and prefix follow it).
+            self.placed[heavy.id] -= entry.work
+            self.prefixes[heavy.id] -= entry.prefix_tokens
+            after = self.pressures(slots, (light.id, entry.work, entry.prefix_tokens), rho)
+            self.placed[heavy.id] += entry.work
+            self.prefixes[heavy.id] += entry.prefix_tokens
+            worst = max(after.values())
             # Only a move that lowers the peak (a hot key that would just swap sides stays).
-            if after < heavy_load * (1 - 1e-9) and (best is None or after < best[0]):
-                best = (after, key)
+            if worst < peak * (1 - 1e-9) and (best is None or worst < best[0]):
+                best = (worst, key)
         return None if best is None else (best[1], heavy.id, light.id)
 
     def _decayed(self, entry: KeyHome, now: float) -> float:
