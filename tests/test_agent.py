@@ -16,6 +16,7 @@ import pytest
 
 from fleetgate.redis_server import free_port
 from fleetgate.registry import Registry, connect
+from fleetgate.schema import WorkerView
 from tests.conftest import ROOT, Fleet, Proc, children, wait_until
 
 MODEL = "agent-model"
@@ -112,6 +113,25 @@ def test_agent_registers_again_after_redis_loses_its_record(fleet_factory: Calla
 
     asyncio.run(wipe())
     wait_until(lambda: fleet.workers(url).get("w", {}).get("state") == "ready", timeout=5)
+
+
+def test_agent_registers_the_engines_kv_cache_size(fleet_factory: Callable[[], Fleet]) -> None:
+    """WorkerInfo.kv_tokens is num_gpu_blocks x block_size as the engine's /metrics states it."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway()
+    fleet.worker("w", "--model", MODEL, "--option", "num_gpu_blocks=2106", "--option", "block_size=16")
+    fleet.wait_ready(url, "w")
+    view = asyncio.run(read_view(fleet, "w"))
+    assert view is not None and (view.info.kv_tokens, view.info.block_size) == (33_696, 16)
+
+
+async def read_view(fleet: Fleet, worker_id: str) -> WorkerView | None:
+    """The worker's record straight from Redis (the admin JSON shows only part of it)."""
+    redis = connect(fleet.redis_url)
+    try:
+        return await Registry(redis, fleet.prefix).read(worker_id)
+    finally:
+        await redis.aclose()
 
 
 @pytest.fixture

@@ -109,11 +109,13 @@ class Agent:
             self.info = await self._discover()
             if self.opts.warmup:
                 await self._warmup()
+            await self._read_kv_cache()
             self.load = await self._scrape() or Load(ts=time.time())
             self.state = "ready"
             await self.registry.register(self.info, "ready", self.load)
             self.log.info("agent.ready", url=self.info.url, model=self.info.model,
-                          adapters=list(self.info.adapters), max_model_len=self.info.max_model_len)
+                          adapters=list(self.info.adapters), max_model_len=self.info.max_model_len,
+                          kv_tokens=self.info.kv_tokens)
             await self._heartbeat_until_stopped()
             await self._drain()
         except EngineDied as exc:
@@ -256,6 +258,23 @@ class Agent:
                           ms=round((time.monotonic() - started) * 1000, 1))
         except httpx.HTTPError as exc:
             self.log.warning("agent.warmup_failed", error=repr(exc))
+
+    async def _read_kv_cache(self) -> None:
+        """Register the KV cache's size, as the engine's metrics state it (0 when they do not)."""
+        assert self.info is not None
+        if self.engine.metrics_path is None:
+            return
+        try:
+            resp = await self.http.get(self.opts.base_url + self.engine.metrics_path, timeout=3)
+            resp.raise_for_status()
+            kv = self.engine.parse_kv_cache(resp.text)
+        except (httpx.HTTPError, ValueError) as exc:
+            self.log.warning("agent.kv_cache_unknown", error=repr(exc))
+            return
+        self.info = msgspec.structs.replace(
+            self.info, kv_tokens=kv.tokens, block_size=kv.block_size or self.info.block_size
+        )
+        self.log.info("agent.kv_cache", tokens=kv.tokens, block_size=kv.block_size)
 
     async def _scrape(self) -> Load | None:
         path = self.engine.metrics_path

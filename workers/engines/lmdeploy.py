@@ -18,6 +18,7 @@ from fleetgate.schema import Load
 from workers.engines.base import (
     AdapterError,
     EngineSpec,
+    KvCache,
     engine_environment,
     engine_python,
     flag_args,
@@ -110,6 +111,10 @@ class LmdeployEngine:
 
     def parse_metrics(self, text: str) -> Load:
         return parse_lmdeploy_metrics(text)
+
+    def parse_kv_cache(self, text: str) -> KvCache:
+        # LMDeploy publishes only the cache's usage fraction, not its size.
+        return KvCache()
 
     async def load_adapter(self, client: httpx.AsyncClient, base_url: str, name: str, path: str) -> None:
         raise AdapterError(f"cannot load {name!r}: LMDeploy's adapters are fixed at start", 501)

@@ -14,9 +14,9 @@ from typing import Any, ClassVar
 import httpx
 
 from fleetgate.schema import Load
-from workers.engines.base import EngineSpec, engine_environment, flag_args, lora_enabled
+from workers.engines.base import EngineSpec, KvCache, engine_environment, flag_args, lora_enabled
 from workers.engines.lmdeploy import parse_lmdeploy_metrics
-from workers.engines.vllm import load_lora, parse_vllm_metrics, unload_lora
+from workers.engines.vllm import load_lora, parse_vllm_kv_cache, parse_vllm_metrics, unload_lora
 from workers.simulator.profiles import PROFILES, profile_for_gpu, relative_speed
 
 # Options passed through as `--flag value`, in this order.
@@ -108,6 +108,10 @@ class SimEngine:
         if "lmdeploy:" in text:
             return parse_lmdeploy_metrics(text)
         return parse_vllm_metrics(text)
+
+    def parse_kv_cache(self, text: str) -> KvCache:
+        # In LMDeploy's dialect, as LMDeploy itself: no cache size is published.
+        return KvCache() if "lmdeploy:" in text else parse_vllm_kv_cache(text)
 
     async def load_adapter(
         self, client: httpx.AsyncClient, base_url: str, name: str, path: str
