@@ -18,6 +18,7 @@ from fleetgate.redis_server import free_port
 from fleetgate.registry import Registry, connect
 from fleetgate.schema import WorkerView
 from tests.conftest import ROOT, Fleet, Proc, children, wait_until
+from workers.simulator.profiles import PROFILES, relative_speed
 
 MODEL = "agent-model"
 
@@ -134,6 +135,20 @@ async def read_view(fleet: Fleet, worker_id: str) -> WorkerView | None:
         await redis.aclose()
 
 
+def test_operator_remove_of_a_starting_worker_is_not_undone(fleet_factory: Callable[[], Fleet]) -> None:
+    """Removing a worker that is still starting stops its agent; it never registers again."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway()
+    # Nothing listens there: the agent stays `starting`, beating while it waits for /health.
+    agent = fleet.worker("w", "--url", f"http://127.0.0.1:{free_port()}", engine="external")
+    wait_until(lambda: fleet.workers(url).get("w", {}).get("state") == "starting", timeout=15)
+    with fleet.admin(url) as admin:
+        assert admin.delete("/admin/workers/w").status_code == 200
+    assert agent.popen.wait(10) == 0
+    assert "agent.removed" in agent.output() and "agent.reregister" not in agent.output()
+    assert "w" not in fleet.workers(url)
+
+
 @pytest.fixture
 def external(fleet_factory: Callable[[], Fleet], tmp_path: Path) -> Iterator[tuple[Fleet, str, Proc, Proc, str]]:
     """A simulator started by the test (not by fleetgate) and an agent attached to it."""
@@ -170,6 +185,74 @@ def test_sigterm_to_external_agent_leaves_the_engine_running(external) -> None: 
     agent.send(signal.SIGTERM)
     assert agent.popen.wait(20) == 0
     assert _up(f"{engine_url}/health")
+
+
+def _simulator(tmp_path: Path, *args: str) -> tuple[Proc, str]:
+    """A simulator started by the test (an engine fleetgate did not start), once healthy."""
+    port = free_port()
+    engine = Proc([sys.executable, "-m", "workers.simulator", "--port", str(port),
+                   "--served-model-name", "ext-model", *args], tmp_path / f"engine-{port}.log")
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: _up(f"{url}/health"), timeout=20)
+    return engine, url
+
+
+def test_external_engine_speed_is_measured_not_a_default(fleet_factory: Callable[[], Fleet], tmp_path: Path) -> None:
+    """--engine external: no card profile, so a probe batch is timed against the reference card;
+    a simulated T4 at time scale 0.25 measures near its profile's speed / 0.25 (not 0.548)."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway()
+    engine, engine_url = _simulator(tmp_path, "--profile", "t4-7b", "--time-scale", "0.25")
+    try:
+        agent = fleet.worker("ext", "--url", engine_url, engine="external")
+        fleet.wait_ready(url, "ext")
+        view = asyncio.run(read_view(fleet, "ext"))
+        assert view is not None and view.info.speed_source == "measured"
+        expected = relative_speed(PROFILES["t4-7b"]) / 0.25
+        assert 0.6 * expected <= view.info.speed <= 1.4 * expected, (view.info.speed, expected)
+        assert "reference_s" in agent.output() and "measured_s" in agent.output()
+    finally:
+        engine.stop()
+
+
+def test_declared_speed_wins_and_a_simulated_card_keeps_its_profile(
+    fleet_factory: Callable[[], Fleet], tmp_path: Path,
+) -> None:
+    """--speed X is registered as declared (no probe is sent); a simulated card's speed is its profile's."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway()
+    engine, engine_url = _simulator(tmp_path, "--time-scale", "0.05")
+    try:
+        declared = fleet.worker("ext", "--url", engine_url, "--speed", "0.7", engine="external")
+        fleet.worker("sim", "--model", MODEL, "--sim-profile", "t4-7b")
+        fleet.wait_ready(url, "ext", "sim")
+        ext, sim = (asyncio.run(read_view(fleet, w)) for w in ("ext", "sim"))
+        assert ext is not None and (ext.info.speed, ext.info.speed_source) == (0.7, "declared")
+        assert sim is not None and (sim.info.speed, sim.info.speed_source) == (0.24, "profile")
+        assert "reference_s" not in declared.output()
+    finally:
+        engine.stop()
+
+
+def test_failed_warmup_is_a_failed_start(fleet_factory: Callable[[], Fleet]) -> None:
+    """An engine that answers /health but fails every request: the agent retries the warm-up,
+    then exits non-zero with the engine's last log lines; the worker is never ready."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway()
+    agent = fleet.worker("w", "--model", MODEL, "--option", "faults=error_rate=1.0")
+    states: set[object] = set()
+
+    def exited() -> bool:
+        states.add(fleet.workers(url).get("w", {}).get("state"))
+        return not agent.alive()
+
+    wait_until(exited, timeout=30, interval=0.1)
+    assert agent.popen.returncode == 1
+    assert "ready" not in states and "w" not in fleet.workers(url)
+    out = agent.output()
+    assert out.count("agent.start_retry") == 2 and "agent.start_failed" in out and "agent.ready" not in out
+    assert "warm-up failed 3 times" in out and "Simulated engine failure" in out
+    assert "--- the last" in out and "--- end of the engine's log ---" in out
 
 
 def _up(url: str) -> bool:

@@ -199,7 +199,7 @@ def test_workers_register_their_cards_speed(gpu: str, options: dict[str, float],
     """WorkerInfo.speed, what the gateway weighs a worker's batch by, follows the card's timing profile."""
     from fleetgate.schema import GpuInfo
     from workers.engines import EngineSpec
-    from workers.engines.sim import card_speed
+    from workers.speed import card_speed
 
     spec = EngineSpec(model="m", served_name="m", port=1, gpu=GpuInfo(name=gpu), options=dict(options))
     assert low <= card_speed(spec) <= high

@@ -24,7 +24,8 @@ import yaml
 from fleetgate.logs import configure_logging
 from fleetgate.redis_server import free_port
 from fleetgate.schema import GpuInfo
-from workers.agent import AgentOptions, default_worker_id, die_with_parent, run_agent
+from workers.agent import AgentOptions, default_worker_id, run_agent
+from workers.engine_process import die_with_parent
 from workers.engines import Engine, EngineSpec, get_engine
 from workers.gpu import DEFAULT_PROFILES, CardProfile, load_profiles, profile_for, query_gpus
 
@@ -64,6 +65,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-grace", type=float, default=60.0, help="seconds to wait for in-flight work")
     p.add_argument("--health-timeout", type=float, default=900.0)
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--speed", type=float, default=0.0,
+                   help="the card's speed relative to an H100 with a 7B model (1.0); default: the "
+                   "card's timing profile, else measured at start with a probe batch")
+    p.add_argument("--probe-timeout", type=float, default=1.0,
+                   help="seconds each health/metrics probe of the engine may take (default 1)")
+    p.add_argument("--unhealthy-after", type=int, default=3,
+                   help="failed probes in a row that take the worker out of routing (default 3)")
+    p.add_argument("--warmup-attempts", type=int, default=3,
+                   help="tries of the warm-up before the start counts as failed (default 3)")
     p.add_argument("--engine-log", default="", help="file for the engine's output")
     p.add_argument("--log-level", default=os.environ.get("FLEETGATE_LOG_LEVEL", "info"))
     p.add_argument("--dry-run", action="store_true", help="print the engine command and exit")
@@ -151,7 +161,9 @@ def plan(args: argparse.Namespace) -> tuple[AgentOptions, list[str]]:
         worker_id=worker_id, engine=flavor, spec=spec, managed=engine_name != "external", url=url,
         redis_url=args.redis_url, redis_prefix=args.redis_prefix, heartbeat_ttl_s=args.heartbeat_ttl,
         drain_grace_s=args.drain_grace, health_timeout_s=args.health_timeout,
-        warmup=not args.no_warmup, engine_log=args.engine_log or None,
+        warmup=not args.no_warmup, engine_log=args.engine_log or None, speed=max(0.0, args.speed),
+        probe_timeout_s=args.probe_timeout, unhealthy_after=args.unhealthy_after,
+        warmup_attempts=max(1, args.warmup_attempts),
     )
     return opts, why
 
