@@ -56,7 +56,9 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     kv_tokens: int = 0
     block_size: int = 16
     # Where `speed` came from: "profile" (the card's timing profile), "declared"
-    # (--speed), "measured"; "" for records written before this field existed.
+    # (--speed), "measured" (a probe batch timed at start), "assumed" (1.0: nothing to
+    # time, e.g. an embedding model; the agent warns); "" before the agent knows (while
+    # starting) and for records written before this field existed.
     speed_source: str = ""
     agent_pid: int = 0
     started_at: float = 0.0
