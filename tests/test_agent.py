@@ -286,14 +286,37 @@ def test_spawn_worker_starts_in_background_and_prints_the_id(
     wait_until(lambda: worker_id not in fleet.workers(url), timeout=15)
 
 
-def test_spawn_worker_dry_run_without_gpu_says_so_and_uses_the_simulator() -> None:
-    """--engine auto on a machine without nvidia-smi explains that it falls back to the simulator."""
+@pytest.mark.parametrize(
+    ("smi", "gpu", "problem"),
+    [
+        ("none.txt", "0", "no GPU 0 (nvidia-smi is missing or finds no card)"),
+        ("h200.txt", "3", "GPU 3 not found by nvidia-smi (it lists 0)"),
+        ("h200.txt", "", "--engine auto needs the card to run on (--gpu N)"),
+    ],
+    ids=["no-gpu", "gpu-beyond-the-cards", "no-gpu-given"],
+)
+def test_engine_auto_without_a_usable_gpu_fails_and_suggests_the_simulator(
+    smi: str, gpu: str, problem: str, tmp_path: Path,
+) -> None:
+    """--engine auto never runs the simulator under a real model's name: without the card it
+    fails, saying so and how to run a demo; nothing is started."""
+    env = {**os.environ, "FLEETGATE_PYTHON": sys.executable,
+           "FLEETGATE_NVIDIA_SMI_FILE": str(ROOT / "tests" / "data" / "nvidia-smi" / smi)}
+    gpu_args = ["--gpu", gpu] if gpu else []
+    for extra in (["--dry-run"], ["--run-dir", str(tmp_path)]):
+        out = subprocess.run(
+            ["bash", "scripts/spawn_worker.sh", *gpu_args, "--model", "/models/qwen2.5-7b-instruct",
+             "--port", "9123", *extra],
+            cwd=ROOT, capture_output=True, text=True, timeout=60, env=env,
+        )
+        assert out.returncode == 1 and out.stdout == ""
+        assert problem in out.stderr and "--engine sim" in out.stderr
+    assert list(tmp_path.iterdir()) == []
     out = subprocess.run(
-        ["bash", "scripts/spawn_worker.sh", "--gpu", "1", "--dry-run", "--port", "9123"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
-        env={**os.environ, "FLEETGATE_PYTHON": sys.executable, "PATH": "/usr/bin:/bin"},
+        ["bash", "scripts/spawn_worker.sh", *gpu_args, "--engine", "sim", "--model", "/models/qwen2.5-7b-instruct",
+         "--port", "9123", "--dry-run"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, env=env, check=True,
     )
-    assert "no GPU 1 found by nvidia-smi: using the simulator" in out.stdout
     assert "-m workers.simulator" in out.stdout and "--port 9123" in out.stdout
 
 

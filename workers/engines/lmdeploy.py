@@ -81,7 +81,10 @@ class LmdeployEngine:
         python = engine_python(spec, "FLEETGATE_LMDEPLOY_PYTHON")
         chosen = backend(spec)
         if spec.adapters and chosen != "pytorch":
-            raise ValueError(f"LMDeploy serves LoRA adapters only with --backend pytorch, not {chosen}")
+            raise ValueError(
+                f"LMDeploy serves LoRA adapters only with its PyTorch backend, not {chosen}: "
+                "pass --option backend=pytorch (or drop --adapters)"
+            )
         options = dict(spec.options)
         options["max_batch_size"] = self.capacity(spec)
         if len(spec.gpu_ids) > 1:
