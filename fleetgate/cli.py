@@ -2,7 +2,7 @@
 
     fleetgate status                 the fleet as a table (--json for the raw records)
     fleetgate drain|undrain|remove ID
-    fleetgate spawn --gpu 0 ...      scripts/spawn_worker.sh, arguments passed through
+    fleetgate spawn --gpu 0 ...      scripts/spawn_worker.sh --wait, arguments passed through
     fleetgate bench ...              scripts/bench_fleet.py, arguments passed through
 
 `--gateway` (FLEETGATE_URL) and `--token` (FLEETGATE_ADMIN_TOKEN) say which gateway
@@ -142,7 +142,7 @@ def _circuit(w: dict[str, Any]) -> str | None:
     return str(value.get("state", value)) if isinstance(value, dict) else str(value)
 
 
-_STATE_STYLE = {"ready": "green", "draining": "yellow", "starting": "cyan"}
+_STATE_STYLE = {"ready": "green", "draining": "yellow", "starting": "cyan", "unhealthy": "red"}
 
 
 def fleet_table(workers: list[dict[str, Any]]) -> Table:
@@ -238,11 +238,17 @@ def _run_script(argv: list[str], script: Path) -> NoReturn:
     raise typer.Exit(rc)
 
 
+# Arguments after which spawn_worker.sh neither detaches nor waits.
+_NO_WAIT = {"--no-wait", "--dry-run", "--foreground", "-h", "--help"}
+
+
 @app.command(context_settings=_PASS_THROUGH)
 def spawn(ctx: typer.Context) -> None:
-    """Start a worker agent: scripts/spawn_worker.sh with these arguments (try `spawn --help`)."""
+    """Start a worker agent and wait until it is ready or its start failed: scripts/spawn_worker.sh
+    --wait with these arguments (`--no-wait` returns once it is started; try `spawn --help`)."""
     script = ROOT / "scripts" / "spawn_worker.sh"
-    _run_script(["bash", str(script), *ctx.args], script)
+    wait = [] if _NO_WAIT & set(ctx.args) else ["--wait"]
+    _run_script(["bash", str(script), *wait, *ctx.args], script)
 
 
 @app.command(context_settings=_PASS_THROUGH)

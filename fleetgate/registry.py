@@ -5,7 +5,8 @@ Layout (``P`` is the key prefix, ``v1`` the schema version)::
     {P}:v1:workers        SET   ids of registered workers (an index; stale ids are pruned by readers)
     {P}:v1:w:<id>         HASH  info  -> WorkerInfo JSON (written by the agent)
                                 state -> starting|ready|draining (written by the agent)
-                                drain -> "1" when an operator drained it (written by the admin API)
+                                drain -> "1" when an operator drained it (written by the admin API;
+                                         re-asserted by its agent after a Redis restart)
                                 load  -> Load JSON (refreshed by the agent's heartbeat)
                                 hb    -> unix time of the last heartbeat
                                 sig   -> HMAC-SHA256 of `info` with the registration secret
@@ -67,6 +68,7 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 if tonumber(ARGV[1]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
 if redis.call('HGET', KEYS[1], 'stop') == '1' then return 2 end
+if redis.call('HGET', KEYS[1], 'drain') == '1' then return 3 end
 return 1
 """
 
@@ -88,8 +90,8 @@ redis.call('SET', KEYS[1], string.format('%d', next_tat), 'PX', string.format('%
 return {1, math.floor((tolerance - (next_tat - now)) / interval) + 1, 0}
 """
 
-HeartbeatReply = Literal["ok", "missing", "stop"]
-_REPLIES: dict[int, HeartbeatReply] = {0: "missing", 1: "ok", 2: "stop"}
+HeartbeatReply = Literal["ok", "missing", "stop", "drained"]
+_REPLIES: dict[int, HeartbeatReply] = {0: "missing", 1: "ok", 2: "stop", 3: "drained"}
 
 
 def sign(secret: str, info: bytes) -> str:
@@ -245,8 +247,14 @@ class Registry:
 
     # -- agent side ---------------------------------------------------------
 
-    async def register(self, info: WorkerInfo, state: WorkerState, load: Load | None = None) -> None:
-        """Create (or replace) a worker's record and announce it."""
+    async def register(
+        self, info: WorkerInfo, state: WorkerState, load: Load | None = None, *, admin_drain: bool = False
+    ) -> None:
+        """Create (or replace) a worker's record and announce it.
+
+        `admin_drain` re-asserts an operator's drain that the agent was told of (a Redis
+        restart lost it with the record); otherwise the field is left as it is.
+        """
         key = self.keys.worker(info.id)
         raw = _info_encoder.encode(info)
         fields: dict[str, bytes | str] = {"info": raw, "state": state, "hb": repr(time.time())}
@@ -254,6 +262,8 @@ class Registry:
             fields["sig"] = sign(self.secret, raw)
         if load is not None:
             fields["load"] = _info_encoder.encode(load)
+        if admin_drain:
+            fields["drain"] = "1"
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping=fields)  # type: ignore[arg-type]
             pipe.pexpire(key, self.ttl_ms)
@@ -262,16 +272,21 @@ class Registry:
             await pipe.execute()
         await self._announce(info.id)
 
-    async def heartbeat(self, worker_id: str, load: Load) -> HeartbeatReply:
-        """Refresh a worker's TTL and load.
+    async def heartbeat(self, worker_id: str, load: Load, *, announce: bool = False) -> HeartbeatReply:
+        """Refresh a worker's TTL and load; `announce` tells readers at once (a change that
+        routing must see now, such as the engine turning unhealthy).
 
         "missing": the record is gone (expired, Redis restarted, or removed): register again
         unless `was_removed`. "stop": an operator asked this worker to drain and stop.
+        "drained": an operator drained it (the agent remembers, to re-assert it when it
+        registers again).
         """
         reply = await self._update(
             keys=[self.keys.worker(worker_id)],
             args=[self.ttl_ms, "load", _info_encoder.encode(load), "hb", repr(time.time())],
         )
+        if announce and reply:
+            await self._announce(worker_id)
         return _REPLIES.get(int(reply), "ok")
 
     async def set_state(self, worker_id: str, state: WorkerState) -> bool:

@@ -56,7 +56,9 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     kv_tokens: int = 0
     block_size: int = 16
     # Where `speed` came from: "profile" (the card's timing profile), "declared"
-    # (--speed), "measured"; "" for records written before this field existed.
+    # (--speed), "measured" (a probe batch timed at start), "assumed" (1.0: nothing to
+    # time, e.g. an embedding model; the agent warns); "" before the agent knows (while
+    # starting) and for records written before this field existed.
     speed_source: str = ""
     agent_pid: int = 0
     started_at: float = 0.0
@@ -74,6 +76,9 @@ class Load(msgspec.Struct, kw_only=True, frozen=True):
     preemptions: float = 0.0
     # Adapters with requests in the engine right now (vLLM's lora_requests_info).
     lora_active: tuple[str, ...] = ()
+    # Why the agent's probes find the engine unhealthy (hung, refusing, failing); "" while
+    # healthy. The figures above are then the last good scrape's.
+    unhealthy: str = ""
     ts: float = 0.0
 
 
@@ -101,12 +106,18 @@ class WorkerView(msgspec.Struct, kw_only=True, frozen=True):
         return self.admin_drain or self.state == "draining"
 
     @property
+    def unhealthy(self) -> bool:
+        return bool(self.load.unhealthy)
+
+    @property
     def effective_state(self) -> str:
-        return "draining" if self.draining else self.state
+        if self.draining:
+            return "draining"
+        return "unhealthy" if self.unhealthy and self.state == "ready" else self.state
 
     @property
     def routable(self) -> bool:
-        return self.state == "ready" and not self.admin_drain and not self.circuit
+        return self.state == "ready" and not self.admin_drain and not self.circuit and not self.unhealthy
 
     def serves(self, model: str) -> bool:
         return model == self.info.model or model in self.info.adapters

@@ -192,6 +192,7 @@ def _worker_json(w: WorkerView, inflight: int) -> dict[str, object]:
             "inflight": inflight,
         },
         "circuit": {"state": "open", "reason": w.circuit} if w.circuit else {"state": "closed"},
+        "unhealthy": w.load.unhealthy,
         "last_heartbeat": w.last_heartbeat,
         "heartbeat_age_s": round(time.time() - w.last_heartbeat, 3) if w.last_heartbeat else None,
     }

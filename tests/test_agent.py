@@ -16,7 +16,9 @@ import pytest
 
 from fleetgate.redis_server import free_port
 from fleetgate.registry import Registry, connect
+from fleetgate.schema import WorkerView
 from tests.conftest import ROOT, Fleet, Proc, children, wait_until
+from workers.simulator.profiles import PROFILES, relative_speed
 
 MODEL = "agent-model"
 
@@ -114,6 +116,39 @@ def test_agent_registers_again_after_redis_loses_its_record(fleet_factory: Calla
     wait_until(lambda: fleet.workers(url).get("w", {}).get("state") == "ready", timeout=5)
 
 
+def test_agent_registers_the_engines_kv_cache_size(fleet_factory: Callable[[], Fleet]) -> None:
+    """WorkerInfo.kv_tokens is num_gpu_blocks x block_size as the engine's /metrics states it."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway()
+    fleet.worker("w", "--model", MODEL, "--option", "num_gpu_blocks=2106", "--option", "block_size=16")
+    fleet.wait_ready(url, "w")
+    view = asyncio.run(read_view(fleet, "w"))
+    assert view is not None and (view.info.kv_tokens, view.info.block_size) == (33_696, 16)
+
+
+async def read_view(fleet: Fleet, worker_id: str) -> WorkerView | None:
+    """The worker's record straight from Redis (the admin JSON shows only part of it)."""
+    redis = connect(fleet.redis_url)
+    try:
+        return await Registry(redis, fleet.prefix).read(worker_id)
+    finally:
+        await redis.aclose()
+
+
+def test_operator_remove_of_a_starting_worker_is_not_undone(fleet_factory: Callable[[], Fleet]) -> None:
+    """Removing a worker that is still starting stops its agent; it never registers again."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway()
+    # Nothing listens there: the agent stays `starting`, beating while it waits for /health.
+    agent = fleet.worker("w", "--url", f"http://127.0.0.1:{free_port()}", engine="external")
+    wait_until(lambda: fleet.workers(url).get("w", {}).get("state") == "starting", timeout=15)
+    with fleet.admin(url) as admin:
+        assert admin.delete("/admin/workers/w").status_code == 200
+    assert agent.popen.wait(10) == 0
+    assert "agent.removed" in agent.output() and "agent.reregister" not in agent.output()
+    assert "w" not in fleet.workers(url)
+
+
 @pytest.fixture
 def external(fleet_factory: Callable[[], Fleet], tmp_path: Path) -> Iterator[tuple[Fleet, str, Proc, Proc, str]]:
     """A simulator started by the test (not by fleetgate) and an agent attached to it."""
@@ -152,6 +187,74 @@ def test_sigterm_to_external_agent_leaves_the_engine_running(external) -> None: 
     assert _up(f"{engine_url}/health")
 
 
+def _simulator(tmp_path: Path, *args: str) -> tuple[Proc, str]:
+    """A simulator started by the test (an engine fleetgate did not start), once healthy."""
+    port = free_port()
+    engine = Proc([sys.executable, "-m", "workers.simulator", "--port", str(port),
+                   "--served-model-name", "ext-model", *args], tmp_path / f"engine-{port}.log")
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: _up(f"{url}/health"), timeout=20)
+    return engine, url
+
+
+def test_external_engine_speed_is_measured_not_a_default(fleet_factory: Callable[[], Fleet], tmp_path: Path) -> None:
+    """--engine external: no card profile, so a probe batch is timed against the reference card;
+    a simulated T4 at time scale 0.25 measures near its profile's speed / 0.25 (not 0.548)."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway()
+    engine, engine_url = _simulator(tmp_path, "--profile", "t4-7b", "--time-scale", "0.25")
+    try:
+        agent = fleet.worker("ext", "--url", engine_url, engine="external")
+        fleet.wait_ready(url, "ext")
+        view = asyncio.run(read_view(fleet, "ext"))
+        assert view is not None and view.info.speed_source == "measured"
+        expected = relative_speed(PROFILES["t4-7b"]) / 0.25
+        assert 0.6 * expected <= view.info.speed <= 1.4 * expected, (view.info.speed, expected)
+        assert "reference_s" in agent.output() and "measured_s" in agent.output()
+    finally:
+        engine.stop()
+
+
+def test_declared_speed_wins_and_a_simulated_card_keeps_its_profile(
+    fleet_factory: Callable[[], Fleet], tmp_path: Path,
+) -> None:
+    """--speed X is registered as declared (no probe is sent); a simulated card's speed is its profile's."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway()
+    engine, engine_url = _simulator(tmp_path, "--time-scale", "0.05")
+    try:
+        declared = fleet.worker("ext", "--url", engine_url, "--speed", "0.7", engine="external")
+        fleet.worker("sim", "--model", MODEL, "--sim-profile", "t4-7b")
+        fleet.wait_ready(url, "ext", "sim")
+        ext, sim = (asyncio.run(read_view(fleet, w)) for w in ("ext", "sim"))
+        assert ext is not None and (ext.info.speed, ext.info.speed_source) == (0.7, "declared")
+        assert sim is not None and (sim.info.speed, sim.info.speed_source) == (0.24, "profile")
+        assert "reference_s" not in declared.output()
+    finally:
+        engine.stop()
+
+
+def test_failed_warmup_is_a_failed_start(fleet_factory: Callable[[], Fleet]) -> None:
+    """An engine that answers /health but fails every request: the agent retries the warm-up,
+    then exits non-zero with the engine's last log lines; the worker is never ready."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway()
+    agent = fleet.worker("w", "--model", MODEL, "--option", "faults=error_rate=1.0")
+    states: set[object] = set()
+
+    def exited() -> bool:
+        states.add(fleet.workers(url).get("w", {}).get("state"))
+        return not agent.alive()
+
+    wait_until(exited, timeout=30, interval=0.1)
+    assert agent.popen.returncode == 1
+    assert "ready" not in states and "w" not in fleet.workers(url)
+    out = agent.output()
+    assert out.count("agent.start_retry") == 2 and "agent.start_failed" in out and "agent.ready" not in out
+    assert "warm-up failed 3 times" in out and "Simulated engine failure" in out
+    assert "--- the last" in out and "--- end of the engine's log ---" in out
+
+
 def _up(url: str) -> bool:
     try:
         return httpx.get(url, timeout=1).status_code == 200
@@ -183,14 +286,37 @@ def test_spawn_worker_starts_in_background_and_prints_the_id(
     wait_until(lambda: worker_id not in fleet.workers(url), timeout=15)
 
 
-def test_spawn_worker_dry_run_without_gpu_says_so_and_uses_the_simulator() -> None:
-    """--engine auto on a machine without nvidia-smi explains that it falls back to the simulator."""
+@pytest.mark.parametrize(
+    ("smi", "gpu", "problem"),
+    [
+        ("none.txt", "0", "no GPU 0 (nvidia-smi is missing or finds no card)"),
+        ("h200.txt", "3", "GPU 3 not found by nvidia-smi (it lists 0)"),
+        ("h200.txt", "", "--engine auto needs the card to run on (--gpu N)"),
+    ],
+    ids=["no-gpu", "gpu-beyond-the-cards", "no-gpu-given"],
+)
+def test_engine_auto_without_a_usable_gpu_fails_and_suggests_the_simulator(
+    smi: str, gpu: str, problem: str, tmp_path: Path,
+) -> None:
+    """--engine auto never runs the simulator under a real model's name: without the card it
+    fails, saying so and how to run a demo; nothing is started."""
+    env = {**os.environ, "FLEETGATE_PYTHON": sys.executable,
+           "FLEETGATE_NVIDIA_SMI_FILE": str(ROOT / "tests" / "data" / "nvidia-smi" / smi)}
+    gpu_args = ["--gpu", gpu] if gpu else []
+    for extra in (["--dry-run"], ["--run-dir", str(tmp_path)]):
+        out = subprocess.run(
+            ["bash", "scripts/spawn_worker.sh", *gpu_args, "--model", "/models/qwen2.5-7b-instruct",
+             "--port", "9123", *extra],
+            cwd=ROOT, capture_output=True, text=True, timeout=60, env=env,
+        )
+        assert out.returncode == 1 and out.stdout == ""
+        assert problem in out.stderr and "--engine sim" in out.stderr
+    assert list(tmp_path.iterdir()) == []
     out = subprocess.run(
-        ["bash", "scripts/spawn_worker.sh", "--gpu", "1", "--dry-run", "--port", "9123"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
-        env={**os.environ, "FLEETGATE_PYTHON": sys.executable, "PATH": "/usr/bin:/bin"},
+        ["bash", "scripts/spawn_worker.sh", *gpu_args, "--engine", "sim", "--model", "/models/qwen2.5-7b-instruct",
+         "--port", "9123", "--dry-run"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, env=env, check=True,
     )
-    assert "no GPU 1 found by nvidia-smi: using the simulator" in out.stdout
     assert "-m workers.simulator" in out.stdout and "--port 9123" in out.stdout
 
 

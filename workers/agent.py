@@ -1,13 +1,17 @@
 """The worker agent: one engine, from start to deregistration.
 
     launch engine (own process group) -> register `starting` -> wait for /health
-    -> read /v1/models -> one warm-up request -> register `ready`
-    -> every second: scrape /metrics, heartbeat (TTL) with the load
+    -> read /v1/models -> warm-up (and, where no profile or --speed gives the card's
+       speed, a timed probe batch) -> read the KV cache size -> register `ready`
+    -> every second: probe the engine (metrics, short timeout), heartbeat (TTL) with the load
     -> SIGTERM: `draining`, wait until the engine is idle (or the grace period ends),
        stop the engine's whole group, deregister.
 
-If the engine dies, the agent deregisters and exits non-zero. If Redis loses the
-record (a restart), the next heartbeat notices and registers again.
+If the engine dies, the agent deregisters and exits non-zero; if the warm-up fails (after
+retries), likewise, printing the engine's last log lines. A hung engine (probes time out
+a few times in a row) is published unhealthy, out of routing, until a probe passes again.
+If Redis loses the record (a restart), the next heartbeat notices and registers again,
+re-asserting an operator's drain; a worker an operator removed never registers again.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import signal
 import socket
 import sys
 import time
-from typing import IO
 
 import httpx
 import msgspec
@@ -33,9 +36,12 @@ from fleetgate.registry import (
     connect,
 )
 from fleetgate.schema import Load, WorkerInfo, WorkerState
+from workers.engine_process import EngineDied, EngineProcess
 from workers.engines import Engine, EngineSpec
 from workers.engines.base import pooling
-from workers.engines.sim import card_speed
+from workers.probes import EngineProbe
+from workers.speed import card_speed, known_profile
+from workers.warmup import StartFailed, log_tail, probe_speed, retrying, warm_up
 
 log = structlog.get_logger("workers.agent")
 
@@ -54,8 +60,16 @@ class AgentOptions(msgspec.Struct, kw_only=True):
     health_timeout_s: float = 900.0
     drain_grace_s: float = 60.0
     warmup: bool = True
+    warmup_attempts: int = 3
     engine_log: str | None = None
-    # An external engine that fails this many heartbeats in a row counts as dead.
+    # The card's speed as declared (--speed); 0: from its profile, else measured at start.
+    speed: float = 0.0
+    # Each probe of the engine (metrics or health) gives up after this long; this many
+    # failures in a row make the engine unhealthy (out of routing) until one passes.
+    probe_timeout_s: float = 1.0
+    unhealthy_after: int = 3
+    # An external engine that fails this many probes in a row (over at least as many
+    # heartbeat intervals) counts as dead.
     max_missed_scrapes: int = 5
     # How often the engine's model list is re-read (adapters loaded or unloaded at runtime).
     rediscover_s: float = 5.0
@@ -63,10 +77,6 @@ class AgentOptions(msgspec.Struct, kw_only=True):
     @property
     def base_url(self) -> str:
         return self.url or f"http://{self.spec.host}:{self.spec.port}"
-
-
-class EngineDied(Exception):
-    pass
 
 
 class RemovedByOperator(Exception):
@@ -77,12 +87,15 @@ class Agent:
     def __init__(self, options: AgentOptions, engine: Engine) -> None:
         self.opts = options
         self.engine = engine
-        self.proc: asyncio.subprocess.Process | None = None
+        self.process: EngineProcess | None = None
         self.stopping = asyncio.Event()
         self.state: WorkerState = "starting"
         self.info: WorkerInfo | None = None
         self.load = Load()
-        self._log_file: IO[bytes] | None = None
+        # What the registry last told this agent an operator wants: re-asserted if Redis
+        # loses the record.
+        self.admin_drain = False
+        self._published_unhealthy = False
         self._discovered_at = time.monotonic()
         self.log = log.bind(worker=options.worker_id, engine=options.engine)
 
@@ -98,26 +111,34 @@ class Agent:
             secret=os.environ.get("FLEETGATE_REGISTRATION_SECRET", ""),
         )
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=2.0))
+        self.probe = EngineProbe(self.http, self.opts.base_url, self.engine, self.log,
+                                 self.opts.probe_timeout_s, self.opts.unhealthy_after)
         code = 0
         try:
             if self.opts.managed:
-                await self._launch()
+                spec = self.opts.spec
+                env = {**os.environ, **self.engine.environment(spec)}
+                self.process = EngineProcess(self.engine.command(spec), env, self.opts.engine_log, self.log)
+                await self.process.start()
             self.info = self._initial_info()
             await self._register_quietly("starting")
             if not await self._wait_healthy():
                 return 0 if self.stopping.is_set() else 1
-            self.info = await self._discover()
-            if self.opts.warmup:
-                await self._warmup()
-            self.load = await self._scrape() or Load(ts=time.time())
-            self.state = "ready"
-            await self.registry.register(self.info, "ready", self.load)
-            self.log.info("agent.ready", url=self.info.url, model=self.info.model,
-                          adapters=list(self.info.adapters), max_model_len=self.info.max_model_len)
+            self.info = await self.probe.discover(self.info, self.opts.spec.served_name)
+            await self._warm_up()
+            kv = await self.probe.kv_cache()
+            self.info = msgspec.structs.replace(
+                self.info, kv_tokens=kv.tokens, block_size=kv.block_size or self.info.block_size
+            )
+            self.load = await self.probe.scrape() or Load(ts=time.time())
+            await self._become_ready()
             await self._heartbeat_until_stopped()
             await self._drain()
         except EngineDied as exc:
             self.log.error("agent.engine_died", reason=str(exc))
+            code = 1
+        except StartFailed as exc:
+            self._report_failed_start(exc)
             code = 1
         except RemovedByOperator:
             self.log.info("agent.removed", reason="an operator removed this worker; stopping")
@@ -125,64 +146,41 @@ class Agent:
             with contextlib.suppress(Exception):
                 await self.registry.deregister(self.opts.worker_id)
                 self.log.info("agent.deregistered")
-            await self._stop_engine()
+            if self.process is not None:
+                await self.process.stop()
+                self.process.close()
             await self.http.aclose()
             await redis.aclose()
-            if self._log_file:
-                self._log_file.close()
         return code
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self.log.info("agent.signal", signal=sig.name)
-        if self.stopping.is_set() and self.proc is not None and self.proc.returncode is None:
+        if self.stopping.is_set() and self.process is not None and self.process.running:
             # A second signal: stop waiting for the drain.
-            self._kill_group(signal.SIGTERM)
+            self.process.signal_group(signal.SIGTERM)
         self.stopping.set()
 
-    # -- engine process ---------------------------------------------------------
-
-    async def _launch(self) -> None:
-        argv = self.engine.command(self.opts.spec)
-        env = {**os.environ, **self.engine.environment(self.opts.spec)}
-        out: int | IO[bytes] | None = None
-        if self.opts.engine_log:
-            self._log_file = open(self.opts.engine_log, "ab")  # noqa: ASYNC230 - once, at start
-            out = self._log_file
-        self.log.info("agent.engine_starting", argv=argv)
-        self.proc = await asyncio.create_subprocess_exec(
-            *argv, env=env, stdout=out, stderr=asyncio.subprocess.STDOUT if out else None,
-            stdin=asyncio.subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
-        )
-
     def _check_alive(self) -> None:
-        if self.proc is not None and self.proc.returncode is not None:
-            raise EngineDied(f"engine exited with code {self.proc.returncode}")
+        if self.process is not None:
+            self.process.check_alive()
 
-    def _kill_group(self, sig: signal.Signals) -> None:
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, sig)
+    def _report_failed_start(self, exc: StartFailed) -> None:
+        tail = log_tail(self.opts.engine_log)
+        self.log.error("agent.start_failed", reason=str(exc), engine_log=self.opts.engine_log,
+                       engine_log_tail=tail)
+        if tail:
+            print(f"--- the last {len(tail)} lines of {self.opts.engine_log} ---", *tail,
+                  "--- end of the engine's log ---", sep="\n", file=sys.stderr, flush=True)
 
-    async def _stop_engine(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.returncode is None:
-            self._kill_group(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.proc.wait(), 15)
-            except TimeoutError:
-                self.log.warning("agent.engine_kill", reason="did not stop within 15 s of SIGTERM")
-        # Also stop helpers the engine left in its group (vLLM's engine core, say).
-        self._kill_group(signal.SIGKILL)
-        with contextlib.suppress(Exception):
-            await self.proc.wait()
-        self.log.info("agent.engine_stopped", code=self.proc.returncode)
-
-    # -- talking to the engine ----------------------------------------------------
+    # -- starting ---------------------------------------------------------------------
 
     def _initial_info(self) -> WorkerInfo:
         spec = self.opts.spec
+        speed, source = 1.0, ""  # "": to be measured once the engine answers
+        if self.opts.speed > 0:
+            speed, source = self.opts.speed, "declared"
+        elif self.opts.managed and known_profile(spec):
+            speed, source = card_speed(spec), "profile"
         return WorkerInfo(
             id=self.opts.worker_id,
             url=self.opts.base_url,
@@ -193,7 +191,8 @@ class Agent:
             gpu=spec.gpu,
             host=socket.gethostname(),
             capacity=self.engine.capacity(spec),
-            speed=card_speed(spec),
+            speed=speed,
+            speed_source=source,
             runtime_lora=self.engine.runtime_lora,
             max_loras=self.engine.max_loras(spec),
             reports_load=self.engine.reports_load,
@@ -204,129 +203,136 @@ class Agent:
 
     async def _wait_healthy(self) -> bool:
         deadline = time.monotonic() + self.opts.health_timeout_s
-        url = self.opts.base_url + self.engine.health_path
         last_beat = 0.0
         while time.monotonic() < deadline:
             if self.stopping.is_set():
                 return False
             self._check_alive()
-            with contextlib.suppress(httpx.HTTPError):
-                if (await self.http.get(url, timeout=2.0)).status_code == 200:
-                    return True
+            if await self.probe.healthy_once():
+                return True
             if time.monotonic() - last_beat >= self.opts.heartbeat_interval_s:
                 last_beat = time.monotonic()
-                if await self._beat(Load(ts=time.time())) == "missing":
-                    await self._register_quietly("starting")
+                await self._handle(await self._beat(Load(ts=time.time())))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), 0.25)
+        url = self.opts.base_url + self.engine.health_path
         raise EngineDied(f"no healthy answer from {url} within {self.opts.health_timeout_s:.0f} s")
 
-    async def _discover(self) -> WorkerInfo:
-        """Read what the engine really serves: its model name, adapters and context length."""
+    async def _warm_up(self) -> None:
+        """The warm-up request, then the speed probe when nothing else gives the speed."""
         assert self.info is not None
-        try:
-            resp = await self.http.get(self.opts.base_url + "/v1/models")
-            entries = resp.json().get("data", []) if resp.status_code == 200 else []
-        except (httpx.HTTPError, ValueError):
-            entries = []
-        ids = [e.get("id") for e in entries if isinstance(e, dict) and e.get("id")]
-        base = next((e for e in entries if isinstance(e, dict) and not e.get("parent")), None)
-        model = self.opts.spec.served_name
-        if base is not None and model not in ids:
-            model = base["id"]
-        if not ids:  # the engine did not answer: keep what we knew
-            return self.info
-        adapters = tuple(i for i in ids if i != model)
-        max_len = self.info.max_model_len
-        if base is not None and isinstance(base.get("max_model_len"), int):
-            max_len = base["max_model_len"]
-        return msgspec.structs.replace(self.info, model=model, adapters=adapters, max_model_len=max_len)
+        info, base = self.info, self.opts.base_url
+        attempts = self.opts.warmup_attempts
+        if self.opts.warmup:
+            ms = await retrying("warm-up", lambda: warm_up(self.http, base, info), self.log, attempts)
+            self.log.info("agent.warmup", ms=ms)
+        if info.speed_source:
+            self.log.info("agent.speed", speed=info.speed, source=info.speed_source)
+            return
+        if not self.opts.warmup or info.pooling:
+            why = "--no-warmup" if not self.opts.warmup else "an embedding model generates nothing to time"
+            self.info = msgspec.structs.replace(info, speed=1.0, speed_source="assumed")
+            self.log.warning("agent.speed_assumed", speed=1.0, reason=f"not measured: {why}",
+                             hint="declare the card's speed with --speed X (an H100 with a 7B model is 1.0)")
+            return
+        speed, figures = await retrying("speed probe", lambda: probe_speed(self.http, base, info), self.log, attempts)
+        self.info = msgspec.structs.replace(info, speed=speed, speed_source="measured")
+        self.log.info("agent.speed", speed=speed, source="measured", **figures)
 
-    async def _warmup(self) -> None:
+    async def _become_ready(self) -> None:
         assert self.info is not None
-        started = time.monotonic()
-        body: dict[str, object]
-        if self.info.pooling:  # an embedding model generates nothing
-            path, body = "/v1/embeddings", {"model": self.info.model, "input": "Hello"}
-        else:
-            path, body = "/v1/completions", {"model": self.info.model, "prompt": "Hello", "max_tokens": 1}
-        try:
-            resp = await self.http.post(self.opts.base_url + path, json=body, timeout=120)
-            self.log.info("agent.warmup", status=resp.status_code,
-                          ms=round((time.monotonic() - started) * 1000, 1))
-        except httpx.HTTPError as exc:
-            self.log.warning("agent.warmup_failed", error=repr(exc))
-
-    async def _scrape(self) -> Load | None:
-        path = self.engine.metrics_path
-        if path is None or not self.engine.reports_load:
-            # No metrics: check liveness through the health path instead.
-            try:
-                ok = (await self.http.get(self.opts.base_url + self.engine.health_path, timeout=3)).status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            return Load(ts=time.time()) if ok else None
-        try:
-            resp = await self.http.get(self.opts.base_url + path, timeout=3)
-            resp.raise_for_status()
-            return msgspec.structs.replace(self.engine.parse_metrics(resp.text), ts=time.time())
-        except (httpx.HTTPError, ValueError) as exc:
-            self.log.warning("agent.scrape_failed", error=repr(exc))
-            return None
+        if await self._was_removed():
+            raise RemovedByOperator
+        self.state = "ready"
+        await self._register_quietly("ready")
+        self.log.info("agent.ready", url=self.info.url, model=self.info.model,
+                      adapters=list(self.info.adapters), max_model_len=self.info.max_model_len,
+                      kv_tokens=self.info.kv_tokens, speed=self.info.speed, speed_source=self.info.speed_source)
 
     # -- registry -----------------------------------------------------------------
 
     async def _register_quietly(self, state: WorkerState) -> None:
         assert self.info is not None
         try:
-            await self.registry.register(self.info, state, self.load)
+            await self.registry.register(self.info, state, self.load, admin_drain=self.admin_drain)
         except Exception as exc:  # Redis down: keep the engine, retry on the next beat
             self.log.warning("agent.registry_unreachable", error=repr(exc))
 
-    async def _beat(self, load: Load) -> HeartbeatReply:
+    async def _was_removed(self) -> bool:
+        """Whether an operator removed this worker since it started (False while Redis is away:
+        the next heartbeat asks again)."""
         try:
-            return await self.registry.heartbeat(self.opts.worker_id, load)
+            return await self.registry.was_removed(self.opts.worker_id)
         except Exception as exc:
             self.log.warning("agent.registry_unreachable", error=repr(exc))
-            return "ok"  # nothing to re-register into while Redis is away
+            return False
 
-    async def _heartbeat_until_stopped(self) -> None:
-        missed = 0
-        while not self.stopping.is_set():
-            await self._tick()
-            if self.load.ts and time.time() - self.load.ts > self.opts.heartbeat_interval_s * 1.5:
-                missed += 1
-                if not self.opts.managed and missed >= self.opts.max_missed_scrapes:
-                    raise EngineDied(f"{self.opts.base_url} failed {missed} scrapes in a row")
-            else:
-                missed = 0
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), self.opts.heartbeat_interval_s)
+    async def _beat(self, load: Load, announce: bool = False) -> HeartbeatReply | None:
+        """The registry's answer to a heartbeat; None when Redis is unreachable."""
+        try:
+            return await self.registry.heartbeat(self.opts.worker_id, load, announce=announce)
+        except Exception as exc:
+            self.log.warning("agent.registry_unreachable", error=repr(exc))
+            return None
 
-    async def _tick(self) -> None:
-        self._check_alive()
-        load = await self._scrape()
-        self._check_alive()
-        if load is not None:
-            self.load = load
-        if self.state == "ready" and time.monotonic() - self._discovered_at >= self.opts.rediscover_s:
-            await self._rediscover()
-        reply = await self._beat(self.load)
+    async def _handle(self, reply: HeartbeatReply | None) -> None:
+        """Act on a heartbeat's answer: remember the operator's drain, stop when asked,
+        register again when the record is gone (unless an operator removed it)."""
+        if reply is None:  # nothing learnt while Redis is away
+            return
+        if reply == "missing":
+            if await self._was_removed():
+                raise RemovedByOperator
+            self.log.warning("agent.reregister", reason="record missing in Redis", state=self.state,
+                             admin_drain=self.admin_drain)
+            await self._register_quietly(self.state)
+            return
+        drained = reply in ("drained", "stop")
+        if drained != self.admin_drain:
+            self.log.info("agent.admin_drain", drained=drained)
+        self.admin_drain = drained
         if reply == "stop" and not self.stopping.is_set():
             self.log.info("agent.stop_requested", reason="an operator drained this worker with stop=true")
             self.stopping.set()
-        elif reply == "missing":
-            if await self.registry.was_removed(self.opts.worker_id):
-                raise RemovedByOperator
-            self.log.warning("agent.reregister", reason="record missing in Redis")
-            await self._register_quietly(self.state)
+
+    # -- running --------------------------------------------------------------------
+
+    async def _heartbeat_until_stopped(self) -> None:
+        while not self.stopping.is_set():
+            await self._tick()
+            failures = self.probe.failures
+            if not self.opts.managed and failures >= self.opts.max_missed_scrapes and (
+                self.probe.failing_for_s >= self.opts.max_missed_scrapes * self.opts.heartbeat_interval_s
+            ):
+                raise EngineDied(f"{self.opts.base_url} failed {failures} probes in a row")
+            # While probes fail, probe again sooner: a hung engine leaves routing within seconds.
+            wait = self.opts.heartbeat_interval_s / (4 if failures else 1)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), wait)
+
+    async def _tick(self) -> None:
+        self._check_alive()
+        load = await self.probe.scrape()
+        self._check_alive()
+        if load is not None:
+            self.load = load
+        unhealthy = self.probe.unhealthy
+        if (self.state == "ready" and not unhealthy
+                and time.monotonic() - self._discovered_at >= self.opts.rediscover_s):
+            await self._rediscover()
+        changed = bool(unhealthy) != self._published_unhealthy
+        reply = await self._beat(msgspec.structs.replace(self.load, unhealthy=unhealthy), announce=changed)
+        if reply is not None:
+            self._published_unhealthy = bool(unhealthy)
+        await self._handle(reply)
 
     async def _rediscover(self) -> None:
         """Adapters can be loaded and unloaded at runtime (by a gateway, or by hand): keep the
         registry's list in step with what the engine really serves."""
         assert self.info is not None
         self._discovered_at = time.monotonic()
-        fresh = await self._discover()
+        fresh = await self.probe.discover(self.info, self.opts.spec.served_name,
+                                          timeout_s=max(self.opts.probe_timeout_s, 2.0))
         if set(fresh.adapters) != set(self.info.adapters) and fresh.model == self.info.model:
             self.log.info("agent.adapters_changed", adapters=list(fresh.adapters))
             self.info = fresh
@@ -363,18 +369,6 @@ class Agent:
             await asyncio.sleep(min(0.5, self.opts.heartbeat_interval_s))
         self.log.warning("agent.drain_timeout", running=self.load.running, waiting=self.load.waiting,
                          inflight=inflight)
-
-
-def die_with_parent() -> None:
-    """In the engine's child process: get SIGTERM if the agent dies (Linux), so a crashed
-    agent never leaves an engine holding a GPU that nobody tracks."""
-    if sys.platform != "linux":
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def default_worker_id(engine: str, port: int, gpu: str = "") -> str:

@@ -36,6 +36,13 @@ class EngineSpec(msgspec.Struct, kw_only=True):
     extra_args: tuple[str, ...] = ()
 
 
+class KvCache(msgspec.Struct, kw_only=True, frozen=True):
+    """The engine's KV cache as it reports it: `tokens` = blocks x block size (0: unknown)."""
+
+    tokens: int = 0
+    block_size: int = 0
+
+
 class AdapterError(Exception):
     """An adapter could not be loaded or unloaded; `status` is the engine's HTTP status."""
 
@@ -71,6 +78,10 @@ class Engine(Protocol):
 
     def parse_metrics(self, text: str) -> Load:
         """One load record from the engine's Prometheus text."""
+        ...
+
+    def parse_kv_cache(self, text: str) -> KvCache:
+        """The KV cache's size from the engine's Prometheus text (KvCache() when it says none)."""
         ...
 
     async def load_adapter(

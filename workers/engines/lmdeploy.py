@@ -18,6 +18,7 @@ from fleetgate.schema import Load
 from workers.engines.base import (
     AdapterError,
     EngineSpec,
+    KvCache,
     engine_environment,
     engine_python,
     flag_args,
@@ -80,7 +81,10 @@ class LmdeployEngine:
         python = engine_python(spec, "FLEETGATE_LMDEPLOY_PYTHON")
         chosen = backend(spec)
         if spec.adapters and chosen != "pytorch":
-            raise ValueError(f"LMDeploy serves LoRA adapters only with --backend pytorch, not {chosen}")
+            raise ValueError(
+                f"LMDeploy serves LoRA adapters only with its PyTorch backend, not {chosen}: "
+                "pass --option backend=pytorch (or drop --adapters)"
+            )
         options = dict(spec.options)
         options["max_batch_size"] = self.capacity(spec)
         if len(spec.gpu_ids) > 1:
@@ -110,6 +114,10 @@ class LmdeployEngine:
 
     def parse_metrics(self, text: str) -> Load:
         return parse_lmdeploy_metrics(text)
+
+    def parse_kv_cache(self, text: str) -> KvCache:
+        # LMDeploy publishes only the cache's usage fraction, not its size.
+        return KvCache()
 
     async def load_adapter(self, client: httpx.AsyncClient, base_url: str, name: str, path: str) -> None:
         raise AdapterError(f"cannot load {name!r}: LMDeploy's adapters are fixed at start", 501)

@@ -14,10 +14,11 @@ from typing import Any, ClassVar
 import httpx
 
 from fleetgate.schema import Load
-from workers.engines.base import EngineSpec, engine_environment, flag_args, lora_enabled
+from workers.engines.base import EngineSpec, KvCache, engine_environment, flag_args, lora_enabled
 from workers.engines.lmdeploy import parse_lmdeploy_metrics
-from workers.engines.vllm import load_lora, parse_vllm_metrics, unload_lora
-from workers.simulator.profiles import PROFILES, profile_for_gpu, relative_speed
+from workers.engines.vllm import load_lora, parse_vllm_kv_cache, parse_vllm_metrics, unload_lora
+from workers.simulator.profiles import PROFILES
+from workers.speed import sim_profile
 
 # Options passed through as `--flag value`, in this order.
 _FLAGS = (
@@ -31,27 +32,6 @@ _FLAGS = (
     "runner",
     "convert",
 )
-
-
-def sim_profile(spec: EngineSpec) -> str:
-    """The timing profile: the option, else the card's profile, else one named by the card."""
-    for candidate in (spec.options.get("profile"), spec.gpu.profile if spec.gpu else None):
-        if candidate:
-            name = str(candidate)
-            if name in PROFILES:
-                return name
-            if f"{name}-7b" in PROFILES:
-                return f"{name}-7b"
-            return profile_for_gpu(name)
-    return profile_for_gpu(spec.gpu.name) if spec.gpu else "l40s-7b"
-
-
-def card_speed(spec: EngineSpec) -> float:
-    """The card's speed for routing (WorkerInfo.speed), from its timing profile, whatever
-    the engine; a simulator's `time_scale` (simulated seconds per real second) scales it."""
-    speed = relative_speed(PROFILES[sim_profile(spec)])
-    scale = float(spec.options.get("time_scale") or 1.0)
-    return round(speed / scale, 3) if scale > 0 else speed
 
 
 def _faults(value: Any) -> Iterable[str]:
@@ -108,6 +88,10 @@ class SimEngine:
         if "lmdeploy:" in text:
             return parse_lmdeploy_metrics(text)
         return parse_vllm_metrics(text)
+
+    def parse_kv_cache(self, text: str) -> KvCache:
+        # In LMDeploy's dialect, as LMDeploy itself: no cache size is published.
+        return KvCache() if "lmdeploy:" in text else parse_vllm_kv_cache(text)
 
     async def load_adapter(
         self, client: httpx.AsyncClient, base_url: str, name: str, path: str

@@ -24,6 +24,7 @@ from fleetgate.schema import Load
 from workers.engines.base import (
     AdapterError,
     EngineSpec,
+    KvCache,
     engine_environment,
     engine_python,
     start_adapter_args,
@@ -131,6 +132,9 @@ class SwiftEngine:
     def parse_metrics(self, text: str) -> Load:
         # No /metrics; the agent never calls this (metrics_path is None).
         return Load()
+
+    def parse_kv_cache(self, text: str) -> KvCache:
+        return KvCache()
 
     async def load_adapter(self, client: httpx.AsyncClient, base_url: str, name: str, path: str) -> None:
         raise AdapterError(f"cannot load {name!r}: swift's adapters are fixed at start", 501)

@@ -12,6 +12,7 @@ from fleetgate.schema import Load
 from workers.engines.base import (
     AdapterError,
     EngineSpec,
+    KvCache,
     engine_environment,
     engine_python,
     flag_args,
@@ -67,6 +68,28 @@ def parse_vllm_metrics(text: str) -> Load:
         preemptions=total(s, "vllm:num_preemptions_total"),
         lora_active=_active_loras(s.get("vllm:lora_requests_info", [])),
     )
+
+
+def parse_vllm_kv_cache(text: str) -> KvCache:
+    """The KV cache from `vllm:cache_config_info` (an info gauge: the figures are labels).
+
+    num_gpu_blocks x block_size tokens. With data parallelism vLLM puts the sum of every
+    rank's blocks on each rank's series, so the series agree; the largest one is taken.
+    Before the cache is profiled num_gpu_blocks reads "None": unknown, KvCache().
+    """
+    best = KvCache()
+    for labels, _ in metric_samples(text).get("vllm:cache_config_info", []):
+        blocks, block_size = _int(labels.get("num_gpu_blocks")), _int(labels.get("block_size"))
+        if blocks > 0 and block_size > 0 and blocks * block_size > best.tokens:
+            best = KvCache(tokens=blocks * block_size, block_size=block_size)
+    return best
+
+
+def _int(text: str | None) -> int:
+    try:
+        return int(text or "")
+    except ValueError:
+        return 0
 
 
 def _active_loras(samples: list[tuple[Mapping[str, str], float]]) -> tuple[str, ...]:
@@ -146,6 +169,9 @@ class VllmEngine:
 
     def parse_metrics(self, text: str) -> Load:
         return parse_vllm_metrics(text)
+
+    def parse_kv_cache(self, text: str) -> KvCache:
+        return parse_vllm_kv_cache(text)
 
     async def load_adapter(self, client: httpx.AsyncClient, base_url: str, name: str, path: str) -> None:
         await load_lora(client, base_url, name, path)
