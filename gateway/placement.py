@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Mapping
 
@@ -63,11 +64,10 @@ class Placement:
     def rebalance(self) -> None:
         by_model = self.routes().by_model
         moved = self.homes.rebalance(by_model, time.monotonic(), self.tokens)
-        import os
-        if os.environ.get("FG_DEBUG_HOMES"):
-            for model, r in by_model.items():
-                log.info("debug.pressures", model=model, p=self.homes.pressures(r.routable), rho=self.homes.rho(),
-                         placed=dict(self.homes.placed), prefixes=dict(self.homes.prefixes), kv=dict(self.homes.kv_avg))
+        if log.is_enabled_for(logging.DEBUG):
+            for model, routes in by_model.items():
+                log.debug("gateway.affinity_pressures", model=model, pressures=self.homes.pressures(routes.routable),
+                          rho=self.homes.rho(), placed=dict(self.homes.placed), prefixes=dict(self.homes.prefixes))
         for key, src, dst in moved:
             log.info("gateway.affinity_moved", key=f"{key:016x}", src=src, dst=dst)
 
