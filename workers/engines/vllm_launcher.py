@@ -23,7 +23,7 @@ import platform
 import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-# Holds only sitecustomize.py; first on every vLLM child's PYTHONPATH.
+# Its sitecustomize.py asks for AMX; the folder goes first on every vLLM child's PYTHONPATH.
 SITE_DIR = os.path.join(_HERE, "vllm_site")
 
 # <asm/prctl.h> and <asm/fpu/xstate.h>, x86_64 only.
