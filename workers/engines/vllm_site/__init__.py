@@ -1,0 +1,1 @@
+"""A folder for PYTHONPATH: only its sitecustomize.py matters (see vllm_launcher.py)."""
