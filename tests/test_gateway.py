@@ -307,7 +307,8 @@ def test_engine_death_before_first_byte_is_retried_on_another_worker(
     """An engine that errors (5xx) is retried elsewhere; the client sees only successes."""
     fleet = fleet_factory()
     _, url = fleet.gateway()
-    fleet.worker("flaky", *FAST, "--option", "faults=[error_rate=1.0]")
+    # --no-warmup: a failing warm-up is a failed start; this engine must get as far as ready.
+    fleet.worker("flaky", *FAST, "--option", "faults=[error_rate=1.0]", "--no-warmup")
     fleet.worker("solid", *FAST)
     fleet.wait_ready(url, "flaky", "solid")
     results = [chat(url) for _ in range(6)]

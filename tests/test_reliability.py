@@ -100,7 +100,9 @@ def test_failing_worker_opens_its_circuit_on_every_gateway_and_recovers(fleet_fa
     fleet = fleet_factory()
     _, url1 = fleet.gateway("--set", "breaker_cooldown_s=1", "--policy", "round_robin")
     _, url2 = fleet.gateway()
-    fleet.worker("bad", "--model", MODEL, "--option", "time_scale=0.05", "--option", "faults=[error_rate=1.0]")
+    # --no-warmup: a failing warm-up is a failed start; this engine must get as far as ready.
+    fleet.worker("bad", "--model", MODEL, "--option", "time_scale=0.05", "--option", "faults=[error_rate=1.0]",
+                 "--no-warmup")
     fleet.worker("good", "--model", MODEL, "--option", "time_scale=0.05")
     fleet.wait_ready(url1, "bad", "good")
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2}

@@ -320,8 +320,10 @@ class Agent:
         if (self.state == "ready" and not unhealthy
                 and time.monotonic() - self._discovered_at >= self.opts.rediscover_s):
             await self._rediscover()
+        # Kept on the load, so that registering again (a lost record) says it too.
+        self.load = msgspec.structs.replace(self.load, unhealthy=unhealthy)
         changed = bool(unhealthy) != self._published_unhealthy
-        reply = await self._beat(msgspec.structs.replace(self.load, unhealthy=unhealthy), announce=changed)
+        reply = await self._beat(self.load, announce=changed)
         if reply is not None:
             self._published_unhealthy = bool(unhealthy)
         await self._handle(reply)
