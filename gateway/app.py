@@ -28,10 +28,11 @@ from fleetgate.schema import WorkerView
 from gateway.adapters import AdapterPlacer
 from gateway.auth import check_api_key, digest
 from gateway.circuit import Breakers
-from gateway.errors import GatewayError, InvalidRequest, NotFound, Unauthorized
+from gateway.errors import GatewayError, InvalidRequest, ModelNotFound, NotFound, Unauthorized
 from gateway.fastpath import FastPath
 from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
+from gateway.known import KnownModels
 from gateway.metrics import GatewayMetrics, metrics_endpoint
 from gateway.openapi import ModelsOperation, StoredResponseOperation, proxied_operation
 from gateway.proxy import Proxy
@@ -142,7 +143,7 @@ async def get_model(request: Request, state: State, model_id: str) -> Response:
     name = model_id.lstrip("/")
     models = gw.watcher.snapshot.models
     if name not in models:
-        raise NotFound(f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        raise gw.watcher.absent(ModelNotFound(f"The model `{name}` does not exist.", param="model"), name)
     body = {"id": name, "object": "model", "owned_by": "fleetgate", "parent": models[name] or None}
     return Response(content=msgspec.json.encode(body), media_type="application/json")
 
@@ -334,7 +335,8 @@ def create_app(settings: GatewaySettings) -> Litestar:
             redis, settings.redis_prefix, settings.heartbeat_ttl_s, secret=settings.registration_secret
         )
         watcher = FleetWatcher(
-            registry, settings.refresh_interval_s, {name: a.base for name, a in settings.adapters.items()}
+            registry, settings.refresh_interval_s, {name: a.base for name, a in settings.adapters.items()},
+            KnownModels(settings.model_memory_s),
         )
         upstream = Upstream(settings.connect_timeout_s)
         await upstream.start()

@@ -19,6 +19,8 @@ import structlog
 
 from fleetgate.registry import Registry
 from fleetgate.schema import WorkerView
+from gateway.errors import GatewayError
+from gateway.known import KnownModels
 from gateway.routing.table import Routes
 
 log = structlog.get_logger("gateway.fleet")
@@ -77,9 +79,11 @@ class FleetSnapshot:
 
 class FleetWatcher:
     def __init__(
-        self, registry: Registry, refresh_interval_s: float = 1.0, loadable: Mapping[str, str] | None = None
+        self, registry: Registry, refresh_interval_s: float = 1.0, loadable: Mapping[str, str] | None = None,
+        known: KnownModels | None = None,
     ) -> None:
         self.registry = registry
+        self.known = known or KnownModels()
         self.loadable = dict(loadable or {})
         self.refresh_interval_s = refresh_interval_s
         self.snapshot = FleetSnapshot()
@@ -113,6 +117,12 @@ class FleetWatcher:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
+    def absent(self, error: GatewayError, model: str) -> GatewayError:
+        """What to answer instead of `error` (a 404) for a model no worker serves now."""
+        return self.known.absent(
+            model, registry_read=bool(self.snapshot.read_at), registry_up=not self.degraded
+        ) or error
+
     def poke(self) -> None:
         """Ask for a re-read now (after an admin write, say)."""
         self._wake.set()
@@ -129,6 +139,8 @@ class FleetWatcher:
         self._version += 1
         old = self.snapshot
         self.snapshot = FleetSnapshot.build(workers, self._version, self.loadable)
+        # Starting workers' models count too: a model about to be served is not unknown.
+        self.known.note([*self.snapshot.models, *(n for w in workers for n in (w.info.model, *w.info.adapters))])
         if self.degraded:
             log.info("gateway.registry_connected", workers=len(workers))
         self.degraded = False

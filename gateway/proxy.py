@@ -175,8 +175,9 @@ class Proxy:
                     result = await self._retry(attempt, first_failure)
                     break
         except GatewayError as exc:
-            self._failed_request(request_id, key_id, probe.model, probe.stream, attempt, exc, started)
-            raise
+            error = self.watcher.absent(exc, probe.model) if isinstance(exc, ModelNotFound) else exc
+            self._failed_request(request_id, key_id, probe.model, probe.stream, attempt, error, started)
+            raise error from None
         choice, resp, data = result
         worker = choice.worker
         route = f"{self.policy.name}:{choice.reason}"
