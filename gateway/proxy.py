@@ -21,7 +21,6 @@ from typing import NoReturn
 
 import aiohttp
 import structlog
-from redis.exceptions import RedisError
 from tenacity import (
     AsyncRetrying,
     retry_if_exception_type,
@@ -38,7 +37,6 @@ from gateway.errors import (
     GatewayError,
     InvalidRequest,
     ModelNotFound,
-    NotFound,
     NoWorkerAvailable,
     Overloaded,
     UpstreamError,
@@ -47,7 +45,7 @@ from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
 from gateway.metrics import GatewayMetrics, usage_of
 from gateway.requests import GENERATES, TokenCounter, affinity, estimate_tokens, parse_request
-from gateway.responses import ResponsesTracker, response_id_of
+from gateway.responses import ResponsesTracker, forward_stored, owner_of, remember, response_id_of
 from gateway.resume import StreamTracker, continuation_body, resumable_request
 from gateway.routing import Choice, Policy, RequestFacts, decide
 from gateway.settings import GatewaySettings
@@ -141,7 +139,7 @@ class Proxy:
         warm, full = self.placer.residency(probe.model) if is_adapter else (frozenset(), frozenset())
         pinned = None
         if probe.previous_response_id is not None:
-            owner = await self._owner(probe.previous_response_id, "previous_response_id")
+            owner = await owner_of(self.watcher, probe.previous_response_id, "previous_response_id")
             pinned = owner.info.id
             if not owner.serves(probe.model):
                 raise InvalidRequest(f"Response `{probe.previous_response_id}` is stored on worker `{pinned}`, "
@@ -204,7 +202,7 @@ class Proxy:
             return Reply(200, headers, stream=self._relay(attempt, choice, resp, tracker, started, fields, stores))
         status, payload = data
         if stores and status == 200 and (response_id := response_id_of(payload)):
-            await self._remember(response_id, worker.id)
+            await remember(self.watcher, response_id, worker.id, self.settings.responses_ttl_s)
         elapsed = time.perf_counter() - started
         prompt_tokens, completion_tokens = usage_of(payload) if status == 200 else (0, 0)
         self.metrics.request_done(probe.model, worker.id, status, False, elapsed, None,
@@ -271,38 +269,11 @@ class Proxy:
         log.info("gateway.retry", model=attempt.facts.model, attempt=attempt.count + 1,
                  error=attempt.last_error.message if attempt.last_error else "")
 
-    async def _owner(self, response_id: str, param: str) -> WorkerView:
-        """The worker that stores Responses API response `response_id` (NotFound if none does)."""
-        try:
-            owner = await self.watcher.registry.response_worker(response_id)
-        except (RedisError, OSError) as exc:  # the registry cannot say
-            raise NoWorkerAvailable("The gateway cannot reach its registry to find where response "
-                                    f"`{response_id}` is stored; try again shortly.", retry_after=1) from exc
-        if owner is None:
-            raise NotFound(f"Response `{response_id}` is not known to this fleet: it was created with "
-                           "`store: false`, has expired, or never existed.", param=param,
-                           code="response_not_found")
-        view = self.watcher.snapshot.by_id.get(owner)
-        if view is None:
-            raise NotFound(f"Response `{response_id}` was stored on worker `{owner}`, which has left the "
-                           "fleet; its state is gone. Send the conversation in `input` instead.",
-                           param=param, code="response_not_found")
-        return view
-
-    async def _remember(self, response_id: str, worker_id: str) -> None:
-        try:
-            await self.watcher.registry.remember_response(response_id, worker_id, self.settings.responses_ttl_s)
-        except (RedisError, OSError) as exc:  # the answer still goes out; only follow-ups will miss it
-            log.warning("gateway.response_not_recorded", response_id=response_id, worker=worker_id,
-                        error=f"{type(exc).__name__}: {exc}")
-
     async def stored(self, method: str, response_id: str, suffix: str, query: str) -> Reply:
         """Forward a retrieve (GET) or cancel (POST) of a stored response to the worker that has it."""
-        worker = await self._owner(response_id, "response_id")
-        url = f"{worker.info.url}/v1/responses/{response_id}{suffix}" + (f"?{query}" if query else "")
-        status, content_type, data = await self.upstream.call(method, url, self.settings.first_byte_timeout_s)
-        if status >= 400:
-            data, content_type = openai_error_body(status, data), "application/json"
+        worker = await owner_of(self.watcher, response_id, "response_id")
+        status, content_type, data = await forward_stored(
+            self.upstream, worker, method, f"{response_id}{suffix}", query, self.settings.first_byte_timeout_s)
         return Reply(status, [("x-fleetgate-worker", worker.info.id), ("content-type", content_type)], body=data)
 
     async def _relay(
@@ -337,7 +308,8 @@ class Proxy:
                             joined = b"".join(out)
                             if stores and tracker.response_id:
                                 # Recorded before the client can see the id, so a follow-up finds it.
-                                await self._remember(tracker.response_id, worker.id)
+                                await remember(self.watcher, tracker.response_id, worker.id,
+                                               self.settings.responses_ttl_s)
                                 stores = False
                             if b'"usage":{' in joined or b'"usage": {' in joined:
                                 for piece in out:
