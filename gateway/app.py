@@ -25,6 +25,7 @@ from litestar.response import Stream
 
 from fleetgate.registry import Registry, connect
 from fleetgate.schema import WorkerView
+from gateway import front
 from gateway.adapters import AdapterPlacer
 from gateway.auth import check_api_key, digest
 from gateway.circuit import Breakers
@@ -87,11 +88,13 @@ async def _proxied(request: Request, state: State, path: str, kind: str) -> Resp
     # Served by gateway/fastpath.py in front of Litestar; this route is the same logic for
     # when the fast path is off, and it documents the operation in the OpenAPI schema.
     gw = _gw(state)
-    key_id = _check_client(gw, request)
-    limits = await gw.limiter.admit(key_id, request.client.host if request.client else None)
-    reply = await gw.proxy.serve(await request.body(), request.headers.get, path, kind, key_id)
-    reply.headers.extend(limits)
+    try:
+        reply, hangup = await front.serve(gw, request.headers.get, request.client.host if request.client else None,
+                                          request.body, request.receive, path, kind)
+    except front.ClientGone:
+        return Response(content=b"", status_code=499)  # nobody reads it
     if reply.stream is not None:
+        await hangup.stop()  # Litestar's streaming response watches the connection itself
         return Stream(reply.stream, status_code=reply.status, media_type="text/event-stream",
                       headers={**dict(reply.headers), **SSE_HEADERS})
     return Response(content=reply.body, status_code=reply.status, media_type="application/json",
@@ -347,6 +350,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
             threshold=settings.breaker_threshold, cooldown_s=settings.breaker_cooldown_s,
         )
         metrics = GatewayMetrics()
+        metrics.model_label = watcher.known.label
         metrics.watch_fleet(watcher, inflight)
         placer = AdapterPlacer(dict(settings.adapters), watcher, registry, inflight)
         proxy = Proxy(

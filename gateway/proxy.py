@@ -7,7 +7,8 @@ in attempts and in time, with jittered backoff and one log event per retry. Once
 stream has started, events are relayed as they arrive; if the engine dies or
 stalls mid-stream, the stream is continued on another worker (gateway/resume.py).
 When every eligible worker is full, the request waits in a bounded queue, then
-gets 429 + Retry-After. A client that goes away closes the engine's request.
+gets 429 + Retry-After. A client that goes away closes the engine's request (gateway/front.py
+cancels the work). The engine gets the request's `x-request-id`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tenacity import (
 )
 
 from fleetgate.schema import WorkerView
+from gateway import outcomes
 from gateway.adapters import AdapterPlacer
 from gateway.circuit import Breakers
 from gateway.errors import (
@@ -113,7 +115,9 @@ class Proxy:
         try:
             return await self._serve(body, header, path, kind, key_id, request_id, started)
         except GatewayError as exc:
-            exc.request_id = request_id
+            if exc.request_id is None:  # refused before routing (a bad body): not logged yet
+                exc.request_id = request_id
+                outcomes.failed(self.metrics, exc, started, request_id=request_id, key_id=key_id)
             raise
 
     async def _serve(
@@ -160,6 +164,7 @@ class Proxy:
             pooling=True if kind == "embeddings" else False if generates else None,
         )
         attempt = _Attempt(self, path, kind, body, probe.stream, facts, floor)
+        attempt.headers = {**_FORWARD_HEADERS, "x-request-id": request_id}
         try:
             if facts.adapter and self.placer.known(probe.model):
                 await self.placer.ensure(probe.model)
@@ -176,6 +181,10 @@ class Proxy:
             error = self.watcher.absent(exc, probe.model) if isinstance(exc, ModelNotFound) else exc
             self._failed_request(request_id, key_id, probe.model, probe.stream, attempt, error, started)
             raise error from None
+        except asyncio.CancelledError:  # the client hung up (gateway/front.py) or the server stops
+            outcomes.client_gone(self.metrics, started, request_id=request_id, key_id=key_id, model=probe.model,
+                                 stream=probe.stream)
+            raise
         choice, resp, data = result
         worker = choice.worker
         route = f"{self.policy.name}:{choice.reason}"
@@ -208,20 +217,23 @@ class Proxy:
         self.metrics.request_done(probe.model, worker.id, status, False, elapsed, None,
                                   prompt_tokens, completion_tokens)
         log.info("gateway.request", **fields, status=status, ms=round(elapsed * 1000, 2),
-                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 error=outcomes.error_code(payload) if status >= 400 else None)
         return Reply(status, headers, body=payload)
 
     def _failed_request(
         self, request_id: str, key_id: str, model: str, stream: bool, attempt: _Attempt, exc: GatewayError,
         started: float,
     ) -> None:
-        elapsed = time.perf_counter() - started
-        self.metrics.request_done(model, "", exc.status, stream, elapsed)
-        if exc.status in (429, 503):
-            self.metrics.shed(model, exc.status)
-        self.metrics.record_decision(request_id, model, "", type(exc).__name__, attempt.count, exc.status)
-        log.info("gateway.request", request_id=request_id, key_id=key_id, model=model, stream=stream,
-                 status=exc.status, error=exc.code, attempts=attempt.count, ms=round(elapsed * 1000, 2))
+        exc.request_id = request_id
+        outcomes.failed(self.metrics, exc, started, request_id=request_id, key_id=key_id, model=model,
+                        stream=stream, attempts=attempt.count)
+
+    def refused(self, exc: GatewayError, header: Callable[[str], str | None], key_id: str, started: float) -> None:
+        """Log and count a request refused before `serve` (its key, rate limit or body)."""
+        self.seq += 1
+        exc.request_id = header("x-request-id") or self._next_id()
+        outcomes.failed(self.metrics, exc, started, request_id=exc.request_id, key_id=key_id)
 
     async def _wait_for_room(self, attempt: _Attempt) -> None:
         """Hold a request while every eligible worker is full; bounded in count and time."""
@@ -406,6 +418,7 @@ class _Attempt:
         self.count = 0
         self.last_error: GatewayError | None = None
         self.queue_deadline: float | None = None
+        self.headers = _FORWARD_HEADERS
 
     def first_byte_timeout(self) -> float:
         s = self.proxy.settings
@@ -426,11 +439,14 @@ class _Attempt:
         proxy.inflight.add(worker.id)
         url = worker.info.url + self.path
         try:
-            resp = await proxy.upstream.post(url, body or self.body, _FORWARD_HEADERS, self.stream,
+            resp = await proxy.upstream.post(url, body or self.body, self.headers, self.stream,
                                              self.first_byte_timeout())
         except UpstreamError as exc:
             proxy.inflight.done(worker.id)
             self._failed(worker, exc)
+        except BaseException:  # cancelled: the client hung up, the engine's request is closed
+            proxy.inflight.done(worker.id)
+            raise
         if self.stream and resp.status == 200:
             return choice, resp, (200, b"")
         try:
