@@ -8,7 +8,8 @@ stream has started, events are relayed as they arrive; if the engine dies or
 stalls mid-stream, the stream is continued on another worker (gateway/resume.py).
 When every eligible worker is full, the request waits in a bounded queue, then
 gets 429 + Retry-After. A client that goes away closes the engine's request (gateway/front.py
-cancels the work). The engine gets the request's `x-request-id`.
+cancels the work). The engine gets the request's `x-request-id`; a stream always asks it for
+usage (the client's stream loses that chunk unless it asked for it).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from gateway.inflight import SharedInflight
 from gateway.metrics import GatewayMetrics, usage_of
 from gateway.requests import GENERATES, TokenCounter, affinity, estimate_tokens, parse_request
 from gateway.responses import ResponsesTracker, forward_stored, owner_of, remember, response_id_of
-from gateway.resume import StreamTracker, continuation_body, resumable_request
+from gateway.resume import StreamTracker, continuation_body, resumable_request, with_usage
 from gateway.routing import Choice, Policy, RequestFacts, decide
 from gateway.settings import GatewaySettings
 from gateway.upstream import RETRYABLE_STATUS, Upstream, openai_error_body
@@ -163,6 +164,9 @@ class Proxy:
             pinned=pinned,
             pooling=True if kind == "embeddings" else False if generates else None,
         )
+        hide_usage = probe.stream and kind in ("chat", "completion") and not probe.wants_usage
+        if hide_usage:  # count every stream's tokens: ask the engine for usage anyway
+            body = with_usage(body)
         attempt = _Attempt(self, path, kind, body, probe.stream, facts, floor)
         attempt.headers = {**_FORWARD_HEADERS, "x-request-id": request_id}
         try:
@@ -206,7 +210,8 @@ class Proxy:
         stores = kind == "responses" and probe.store is not False
         if resp is not None:
             tracker: StreamTracker | ResponsesTracker = (
-                ResponsesTracker() if kind == "responses" else StreamTracker(kind, lambda: resumable_request(body, kind))
+                ResponsesTracker() if kind == "responses"
+                else StreamTracker(kind, lambda: resumable_request(body, kind), hide_usage)
             )
             return Reply(200, headers, stream=self._relay(attempt, choice, resp, tracker, started, fields, stores))
         status, payload = data
@@ -384,6 +389,7 @@ class Proxy:
                     resp.close()
                 self.inflight.done(worker.id)
             elapsed = time.perf_counter() - started
+            tokens = tokens if tokens[1] else tracker.hidden_usage
             self.metrics.request_done(
                 str(fields["model"]), worker.id, 200, True, elapsed,
                 first_chunk_ms / 1000 if first_chunk_ms is not None else None, *tokens,

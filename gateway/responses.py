@@ -63,6 +63,7 @@ class ResponsesTracker:
     resumable = False
     finished = False
     text = ""
+    hidden_usage = (0, 0)
 
     def __init__(self) -> None:
         self.response_id = ""

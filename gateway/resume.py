@@ -5,7 +5,7 @@ breaks, decodes them for the text so far, the response id and whether the reques
 can be resumed faithfully. When the engine dies or stalls, `continuation_body` builds the
 request that makes another engine carry on from that text, and the tracker rewrites
 the new engine's events so the client sees one stream: the same id, no repeated
-role chunk, one finish_reason, usage summed.
+role chunk, one finish_reason, usage summed (and kept from a client that did not ask for it).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from gateway.metrics import usage_of
 from gateway.upstream import sse_error
 
 DONE = b"data: [DONE]\n\n"
@@ -46,6 +47,27 @@ class _Chunk(msgspec.Struct):
 _chunk = msgspec.json.Decoder(_Chunk)
 
 
+def _usage_only(payload: bytes) -> bool:
+    """The chunk `stream_options.include_usage` adds: `"choices": []` and the usage."""
+    return (b'"choices":[]' in payload or b'"choices": []' in payload) and b'"usage"' in payload
+
+
+_INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'
+
+
+def with_usage(body: bytes) -> bytes:
+    """A stream request's body that asks the engine for its usage chunk, so that the gateway
+    counts the tokens of every stream (the relay drops that chunk for a client that did not
+    ask for it). `body` is a JSON object with fields (parse_request checked it)."""
+    if b'"stream_options"' not in body:
+        start = body.index(b"{") + 1
+        return body[:start] + _INCLUDE_USAGE + body[start:]
+    d = msgspec.json.decode(body)
+    options = d.get("stream_options")
+    d["stream_options"] = {**options, "include_usage": True} if isinstance(options, dict) else {"include_usage": True}
+    return msgspec.json.encode(d)
+
+
 def resumable_request(body: bytes, kind: str) -> bool:
     """Whether a stream of this request can be continued elsewhere without changing its meaning."""
     try:
@@ -67,8 +89,11 @@ class StreamTracker:
     """Follows one stream. The common case (nothing breaks) costs a list append and two byte
     searches per event: events are only decoded when the stream must be resumed."""
 
-    def __init__(self, kind: str, resumable: Callable[[], bool]) -> None:
+    def __init__(self, kind: str, resumable: Callable[[], bool], hide_usage: bool = False) -> None:
         self.kind = kind
+        # The gateway asked the engine for usage, the client did not: its chunk is dropped.
+        self.hide_usage = hide_usage
+        self.hidden_usage = (0, 0)
         # Asked only when the stream breaks (it decodes the whole request body).
         self._resumable = resumable
         self.resumable = True
@@ -91,6 +116,11 @@ class StreamTracker:
         if payload == b"[DONE]":
             self.done = True
             return DONE
+        if self.hide_usage and _usage_only(payload):
+            prompt, completion = usage_of(payload)
+            before = self._usage_before  # summed over segments as _merge_usage does
+            self.hidden_usage = (max(0, prompt - before), completion + before)
+            return None
         if self.segment == 0:
             self.sent.append(payload)
             if b'"finish_reason":"' in payload or b'"finish_reason": "' in payload:

@@ -5,6 +5,8 @@ engine's work stopped when the client hangs up. Real gateway, agents and simulat
 from __future__ import annotations
 
 import json
+import os
+import signal
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -14,7 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import Fleet, wait_until
+from tests.conftest import Fleet, children, wait_until
 
 MODEL = "obs-model"
 EMBED = "obs-embed"
@@ -98,6 +100,56 @@ def test_request_id_reaches_the_engine(keyed: tuple[Fleet, str]) -> None:
     assert raw.http_response.json()["id"] == "embd-trace-4711"
     raw = client.embeddings.with_raw_response.create(model=EMBED, input="trace me")
     assert raw.http_response.json()["id"] == f"embd-{raw.headers['x-request-id']}"
+
+
+def test_stream_tokens_are_counted_without_include_usage_and_the_chunk_stays_hidden(
+    keyed: tuple[Fleet, str],
+) -> None:
+    """A stream whose client did not ask for usage is still counted (the gateway asks the engine)
+    and the client never sees the `choices: []` usage chunk; one that asked gets it."""
+    _, url = keyed
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=3)
+    before = total(url, "fleetgate_tokens_total", model=MODEL, kind="completion")
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "count"}], max_tokens=9, stream=True,
+        extra_body={"ignore_eos": True}))
+    assert chunks and all(c.choices for c in chunks) and all(c.usage is None for c in chunks)
+    with httpx.stream("POST", f"{url}/v1/completions", headers={"authorization": f"Bearer {KEY}"}, json={
+            "model": MODEL, "prompt": "count", "max_tokens": 5, "ignore_eos": True, "stream": True}) as resp:
+        events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and not any('"usage"' in e for e in events)
+    assert total(url, "fleetgate_tokens_total", model=MODEL, kind="completion") - before == 14
+    asked = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "count"}], max_tokens=4, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert asked[-1].choices == [] and asked[-1].usage is not None and asked[-1].usage.completion_tokens == 4
+    assert total(url, "fleetgate_tokens_total", model=MODEL, kind="completion") - before == 18
+
+
+def test_resumed_stream_without_include_usage_is_counted_whole(fleet_factory: Callable[[], Fleet]) -> None:
+    """The engine dies mid-stream: the continuation also reports usage, the client sees none, and
+    the gateway counts every token of both engines."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway("--set", "stall_timeout_s=2")
+    agents = {wid: fleet.worker(wid, "--model", MODEL, "--option", "time_scale=0.3") for wid in ("a", "b")}
+    fleet.wait_ready(url, "a", "b")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 40,
+            "ignore_eos": True, "stream": True}
+    raw: list[str] = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as resp:
+        victim = resp.headers["x-fleetgate-worker"]
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                raw.append(line[6:])
+                if len(raw) == 8:
+                    for pid in children(agents[victim].pid):
+                        os.kill(pid, signal.SIGKILL)
+    assert raw[-1] == "[DONE]" and not any('"usage"' in r for r in raw)
+    pieces = [c for r in raw[:-1] for c in json.loads(r)["choices"] if c["delta"].get("content")]
+    assert len(pieces) == 40
+    line = wait_until(lambda: [x for x in request_lines(fleet) if x.get("resumes")], timeout=5)
+    assert line[0]["completion_tokens"] == 40  # type: ignore[index]
+    assert total(url, "fleetgate_tokens_total", model=MODEL, kind="completion") == 40
 
 
 def _running(engine_url: str) -> float:
