@@ -348,6 +348,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
         breakers = Breakers(
             registry, lambda worker_id: watcher.snapshot.by_id.get(worker_id), watcher.poke,
             threshold=settings.breaker_threshold, cooldown_s=settings.breaker_cooldown_s,
+            max_cooldown_s=settings.breaker_max_cooldown_s,
         )
         metrics = GatewayMetrics()
         metrics.model_label = watcher.known.label

@@ -462,10 +462,13 @@ class _Attempt:
         finally:
             resp.release()
             proxy.inflight.done(worker.id)
+        if resp.status == 429:  # full, not sick: retried elsewhere, never held against it
+            self._failed(worker, Overloaded(f"Worker {worker.id} is at capacity.", retry_after=1), sick=False)
         if resp.status in RETRYABLE_STATUS:
             message = openai_error_body(resp.status, data).decode()
             self._failed(worker, UpstreamError(f"engine {worker.id} answered {resp.status}: {message[:300]}"))
-        proxy.breakers.success(worker.id)
+        if resp.status < 400:  # the client's 4xx says nothing of the engine's health
+            proxy.breakers.success(worker.id)
         if resp.status >= 400:
             data = openai_error_body(resp.status, data)
         return choice, None, (resp.status, data)
@@ -523,9 +526,10 @@ class _Attempt:
             retry_after=1,
         )
 
-    def _failed(self, worker: WorkerView, error: GatewayError) -> NoReturn:
+    def _failed(self, worker: WorkerView, error: GatewayError, sick: bool = True) -> NoReturn:
         self.last_error = error
-        self.proxy.breakers.failure(worker.id, error.message)
+        if sick:
+            self.proxy.breakers.failure(worker.id, error.message)
         log.warning("gateway.attempt_failed", worker=worker.id, attempt=self.count, error=error.message)
         raise _Retryable(error)
 
