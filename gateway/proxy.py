@@ -7,9 +7,8 @@ in attempts and in time, with jittered backoff and one log event per retry. Once
 stream has started, events are relayed as they arrive; if the engine dies or
 stalls mid-stream, the stream is continued on another worker (gateway/resume.py).
 When every eligible worker is full, the request waits in a bounded queue, then
-gets 429 + Retry-After. A client that goes away closes the engine's request (gateway/front.py
-cancels the work). The engine gets the request's `x-request-id`; a stream always asks it for
-usage (the client's stream loses that chunk unless it asked for it).
+gets 429 + Retry-After. A client that goes away closes the engine's request (gateway/front.py).
+The engine gets the request's `x-request-id`; a stream always asks it for usage.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from tenacity import (
 from fleetgate.schema import WorkerView
 from gateway import outcomes
 from gateway.adapters import AdapterPlacer
+from gateway.capabilities import continues_trailing_assistant, shaped
 from gateway.circuit import Breakers
 from gateway.errors import (
     ContextLengthExceeded,
@@ -49,7 +49,7 @@ from gateway.inflight import SharedInflight
 from gateway.metrics import GatewayMetrics, usage_of
 from gateway.requests import GENERATES, TokenCounter, affinity, estimate_tokens, parse_request
 from gateway.responses import ResponsesTracker, forward_stored, owner_of, remember, response_id_of
-from gateway.resume import StreamTracker, continuation_body, resumable_request, with_usage
+from gateway.resume import StreamTracker, continuation, unresumable, with_usage
 from gateway.routing import Choice, Policy, RequestFacts, decide
 from gateway.settings import GatewaySettings
 from gateway.upstream import RETRYABLE_STATUS, Upstream, openai_error_body
@@ -211,7 +211,7 @@ class Proxy:
         if resp is not None:
             tracker: StreamTracker | ResponsesTracker = (
                 ResponsesTracker() if kind == "responses"
-                else StreamTracker(kind, lambda: resumable_request(body, kind), hide_usage)
+                else StreamTracker(kind, lambda sent: unresumable(body, kind, sent), hide_usage)
             )
             return Reply(200, headers, stream=self._relay(attempt, choice, resp, tracker, started, fields, stores))
         status, payload = data
@@ -355,17 +355,17 @@ class Proxy:
                     if not tracker.resumable or resumes >= settings.max_resumes:
                         outcome = f"broken:{reason}"
                         yield tracker.error_event("The engine serving this stream failed and the stream cannot be "
-                                        "resumed elsewhere; the answer is incomplete.")
+                                                  f"resumed elsewhere{tracker.why_not}; the answer is incomplete.")
                         return
                     assert isinstance(tracker, StreamTracker)  # the only resumable kind
-                    body = continuation_body(attempt.body, attempt.kind, tracker.text,
-                                             tracker.content_chunks, worker.info.engine)
-                    if body is None:
+                    plan = continuation(attempt.body, attempt.kind, tracker.text, tracker.content_chunks,
+                                        continues_trailing_assistant(worker.info))
+                    if plan is None:
                         yield tracker.final_length_chunk()
                         return
                     resumes += 1
-                    try:
-                        choice, resp = await attempt.resume(body)
+                    try:  # shaped for whichever engine takes over, by what its worker declares
+                        choice, resp = await attempt.resume(shaped(plan.body))
                     except GatewayError as err:
                         outcome = f"broken:{reason}"
                         yield tracker.error_event(f"The stream could not be resumed on another worker: {err.message}")
@@ -436,7 +436,8 @@ class _Attempt:
                           self.tried, limit=1, full_at=proxy.settings.full_at)
         return decision.verdict == "saturated"
 
-    async def next(self, body: bytes | None = None) -> _Result:
+    async def next(self, body: Callable[[WorkerView], bytes] | None = None) -> _Result:
+        """Send the request (or `body(worker)`, shaped for the chosen worker) to the best worker left."""
         proxy = self.proxy
         choice = self._choose()
         worker = choice.worker
@@ -445,7 +446,7 @@ class _Attempt:
         proxy.inflight.add(worker.id)
         url = worker.info.url + self.path
         try:
-            resp = await proxy.upstream.post(url, body or self.body, self.headers, self.stream,
+            resp = await proxy.upstream.post(url, body(worker) if body else self.body, self.headers, self.stream,
                                              self.first_byte_timeout())
         except UpstreamError as exc:
             proxy.inflight.done(worker.id)
@@ -473,7 +474,7 @@ class _Attempt:
             data = openai_error_body(resp.status, data)
         return choice, None, (resp.status, data)
 
-    async def resume(self, body: bytes) -> tuple[Choice, aiohttp.ClientResponse]:
+    async def resume(self, body: Callable[[WorkerView], bytes]) -> tuple[Choice, aiohttp.ClientResponse]:
         """Start the continuation of a broken stream on another worker (retried like a request)."""
         for _ in range(self.proxy.settings.retry_attempts):
             try:

@@ -61,6 +61,7 @@ class ResponsesTracker:
     the response's id (the first event carries it) and the stream's last event."""
 
     resumable = False
+    why_not = " (a Responses stream's state is on its engine)"
     finished = False
     text = ""
     hidden_usage = (0, 0)
