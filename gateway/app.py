@@ -27,7 +27,7 @@ from fleetgate.registry import Registry, connect
 from fleetgate.schema import WorkerView
 from gateway import front
 from gateway.adapters import AdapterPlacer
-from gateway.auth import check_api_key, digest
+from gateway.auth import check_api_key, digest, open_data_plane
 from gateway.circuit import Breakers
 from gateway.errors import GatewayError, InvalidRequest, ModelNotFound, NotFound, Unauthorized
 from gateway.fastpath import FastPath
@@ -61,6 +61,8 @@ class Gateway:
     api_key_digests: frozenset[bytes]
     metrics: GatewayMetrics
     limiter: RateLimiter
+    # Said at start and on /health: what an operator must fix (an open data plane, say).
+    warnings: tuple[str, ...] = ()
 
 
 def _gw(state: State) -> Gateway:
@@ -162,6 +164,7 @@ async def health(state: State) -> Response:
         "ready_workers": ready,
         "snapshot_age_s": round(watcher.age_s, 3) if watcher.snapshot.read_at else None,
         **({"registry_error": watcher.last_error} if watcher.degraded else {}),
+        **({"warnings": list(gw.warnings)} if gw.warnings else {}),
     }
     return Response(content=msgspec.json.encode(body), media_type="application/json")
 
@@ -359,13 +362,17 @@ def create_app(settings: GatewaySettings) -> Litestar:
             metrics, placer,
             tokenizers={model: TokenCounter(path) for model, path in settings.tokenizers.items()},
         )
+        exposed = open_data_plane(settings.host, settings.api_keys)
         app.state["gw"] = Gateway(
             settings, registry, watcher, proxy, frozenset(digest(k) for k in settings.api_keys),
             metrics, RateLimiter(registry, settings.rate_limit_rpm, settings.rate_limit_burst),
+            (exposed,) if exposed else (),
         )
         await watcher.start()
         inflight.start()
         log.info("gateway.started", gateway_id=gateway_id, **settings.public())
+        if exposed:
+            log.warning("gateway.open_data_plane", host=settings.host, message=exposed)
         try:
             yield
         finally:

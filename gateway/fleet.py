@@ -97,6 +97,8 @@ class FleetWatcher:
         # agents, heartbeating every second, have registered again).
         self.resync_grace_s = registry.ttl_ms / 1000 + 2.0
         self._keep_until = 0.0
+        # Worker id -> (when its agent was last told its record is ignored, when it was logged).
+        self._told: dict[str, tuple[float, float]] = {}
 
     @property
     def age_s(self) -> float:
@@ -128,7 +130,10 @@ class FleetWatcher:
         self._wake.set()
 
     async def refresh(self) -> None:
-        workers = await self.registry.read_all()
+        rejected: dict[str, str] = {}
+        workers = await self.registry.read_all(rejected)
+        if rejected:
+            await self._rejected(rejected)
         if await self.registry.mark_epoch() and self.snapshot.workers:
             log.warning("gateway.registry_lost_data", keep_s=self.resync_grace_s,
                         workers=len(self.snapshot.workers))
@@ -147,6 +152,23 @@ class FleetWatcher:
         self.last_error = ""
         self._ready.set()
         _log_changes(old, self.snapshot)
+
+    async def _rejected(self, rejected: dict[str, str]) -> None:
+        """Records not signed with the registration secret are ignored. Say so: in the log once a
+        minute per worker, and to its agent (a registry key it reads) every few seconds."""
+        now = time.monotonic()
+        for worker_id, why in rejected.items():
+            told, logged = self._told.get(worker_id, (-1e9, -1e9))
+            if now - logged >= 60:
+                logged = now
+                log.warning("gateway.worker_rejected", worker=worker_id, reason=why,
+                            hint="give its agent this fleet's FLEETGATE_REGISTRATION_SECRET")
+            if now - told >= 2:
+                told = now
+                await self.registry.reject(worker_id, why)
+            self._told[worker_id] = (told, logged)
+        for worker_id in [w for w, (_, at) in self._told.items() if now - at > 120]:
+            del self._told[worker_id]
 
     async def _refresh_loop(self) -> None:
         backoff = 0.1
