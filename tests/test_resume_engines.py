@@ -198,3 +198,23 @@ def test_legacy_record_without_the_capability_field_falls_back_on_its_engine_nam
 
     assert continues_trailing_assistant(info("external:lmdeploy")) and continues_trailing_assistant(info("swift"))
     assert not continues_trailing_assistant(info("vllm")) and not continues_trailing_assistant(info("sim"))
+
+
+def test_continuation_reads_a_clients_trailing_assistant_message_as_the_first_engine_did() -> None:
+    """The client's own trailing assistant message: an engine that continued it gets the text
+    appended to it; one that answered after it (vLLM without the flag) gets a new message."""
+    from gateway.resume import continuation
+
+    body = json.dumps({"model": MODEL, "max_tokens": 10, "messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "Sure: "}]}).encode()
+    plan = continuation(body, "chat", "one two", 2, first_continues=True)
+    assert plan is not None
+    d = json.loads(plan.body(False))
+    assert d["messages"][-1] == {"role": "assistant", "content": "Sure: one two"} and d["max_tokens"] == 8
+    assert d["continue_final_message"] is True and d["add_generation_prompt"] is False
+    plan = continuation(body, "chat", "one two", 2, first_continues=False)
+    assert plan is not None
+    d = json.loads(plan.body(True))
+    assert d["messages"][-2:] == [{"role": "assistant", "content": "Sure: "}, {"role": "assistant", "content": "one two"}]
+    assert "continue_final_message" not in d
+    assert continuation(body, "chat", "all ten tokens", 10, first_continues=True) is None
