@@ -17,7 +17,7 @@ import pytest
 from fleetgate.redis_server import free_port
 from fleetgate.registry import Registry, connect
 from fleetgate.schema import WorkerInfo
-from tests.conftest import ADMIN_TOKEN, ROOT, Fleet
+from tests.conftest import ADMIN_TOKEN, ROOT, Fleet, wait_until
 
 MODEL = "sec-model"
 API_KEY = "sk-live-0123456789abcdef"
@@ -133,6 +133,61 @@ def test_only_signed_workers_are_routed_to(fleet_factory: Callable[[], Fleet], c
     assert httpx.post(f"{url}/v1/completions", json={"model": "genuine-model", "prompt": "x"}).status_code == 200
     ids = [w["id"] for w in fleet.workers(url).values()]
     assert ids == ["genuine"]
+
+
+def test_open_data_plane_beyond_loopback_is_warned_at_start_and_on_health(fleet_factory: Callable[[], Fleet]) -> None:
+    """Bound to 0.0.0.0 with no API key: a warning at start and on /health; with a key, or on
+    loopback (make demo), none."""
+    fleet = fleet_factory()
+    open_proc, open_url = fleet.gateway("--host", "0.0.0.0")
+    keyed_proc, keyed_url = fleet.gateway("--host", "0.0.0.0", env={"FLEETGATE_API_KEYS": API_KEY})
+    local_proc, local_url = fleet.gateway()  # 127.0.0.1, as make demo runs it
+    warnings = httpx.get(f"{open_url}/health").json()["warnings"]
+    assert len(warnings) == 1 and "FLEETGATE_API_KEYS" in warnings[0] and "0.0.0.0" in warnings[0]
+    assert [json.loads(x)["level"] for x in open_proc.output().splitlines()
+            if '"gateway.open_data_plane"' in x] == ["warning"]
+    for proc, url in ((keyed_proc, keyed_url), (local_proc, local_url)):
+        assert "warnings" not in httpx.get(f"{url}/health").json()
+        assert "gateway.open_data_plane" not in proc.output()
+
+
+def test_agent_without_the_registration_secret_is_logged_and_told(fleet_factory: Callable[[], Fleet]) -> None:
+    """A real agent with no secret, and one with another secret, in front of a gateway that has one:
+    the gateway logs each rejected record (once, not every refresh) and writes why under a
+    registry key the agent can read; the genuine worker serves."""
+    fleet = fleet_factory()
+    proc, url = fleet.gateway(env={"FLEETGATE_REGISTRATION_SECRET": SECRET})
+    fast = ("--model", MODEL, "--option", "time_scale=0.02")
+    fleet.worker("genuine", *fast, env={"FLEETGATE_REGISTRATION_SECRET": SECRET})
+    fleet.worker("nosecret", *fast)
+    fleet.worker("wrongsecret", *fast, env={"FLEETGATE_REGISTRATION_SECRET": "another-secret"})
+    fleet.wait_ready(url, "genuine")
+
+    def rejected() -> dict[str, str]:
+        lines = [json.loads(x) for x in proc.output().splitlines() if '"gateway.worker_rejected"' in x]
+        return {line["worker"]: line["reason"] for line in lines}
+
+    seen = wait_until(lambda: len(rejected()) == 2 and rejected(), timeout=30)
+    assert seen == {"nosecret": "not signed (no registration secret)",
+                    "wrongsecret": "signed with another registration secret"}
+    import time
+
+    time.sleep(3)  # three more refreshes: still one line each
+    lines = [x for x in proc.output().splitlines() if '"gateway.worker_rejected"' in x]
+    assert len(lines) == 2
+
+    async def told(worker_id: str) -> str | None:
+        redis = connect(fleet.redis_url)
+        try:
+            return await Registry(redis, fleet.prefix).rejection(worker_id)
+        finally:
+            await redis.aclose()
+
+    assert asyncio.run(told("nosecret")) == "not signed (no registration secret)"
+    assert asyncio.run(told("genuine")) is None
+    assert set(fleet.workers(url)) == {"genuine"}
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    assert httpx.post(f"{url}/v1/completions", json=body).headers["x-fleetgate-worker"] == "genuine"
 
 
 if __name__ == "__main__":  # pragma: no cover
