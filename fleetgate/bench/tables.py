@@ -112,7 +112,9 @@ def _f(v: Any, unit: str = "") -> str:
         return f"{v:.3f}" if v < 10 else f"{v:.1f}"
     if unit == "x":
         return f"{v:.2f}x"
-    return f"{v:,.0f}" if isinstance(v, (int, float)) and abs(v) >= 10 else (f"{v:.2f}" if isinstance(v, float) else str(v))
+    if isinstance(v, float) and (abs(v) >= 10 or v.is_integer()):
+        return f"{v:,.0f}"
+    return f"{v:.2f}" if isinstance(v, float) else f"{v:,}"
 
 
 def _md(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -134,8 +136,8 @@ def markdown(runs: Sequence[Mapping[str, Any]], capacity: Mapping[str, Any] | No
         share = " / ".join(f"{v:.0%}" for v in (r.get("worker_share") or {}).values())
         other = ", ".join(f"{k} {n}" for k, n in (r.get("error_kinds") or {}).items() if k != "http_429") or "0"
         rows.append([r["scenario"], r["strategy"], str(r["round"]), str(r["requests"]), _f(r["ttft_p50"], "s"),
-                     _f(r["ttft_p99"], "s"), _f(r["e2e_p99"], "s"), _f(r["out_tok_s"]), codes, other, _f(r.get("preemptions")), _f(r.get("prefix_hit_rate"), "%"),
-                     share, f"{r.get('herded_windows', 0)}/{r.get('windows', 0)}", _f(r.get("off_majority"), "%"),
+                     _f(r["ttft_p99"], "s"), _f(r["e2e_p99"], "s"), _f(r["out_tok_s"]), codes, other,
+                     _f(r.get("preemptions")), _f(r.get("prefix_hit_rate"), "%"), share, f"{r.get('herded_windows', 0)}/{r.get('windows', 0)}", _f(r.get("off_majority"), "%"),
                      _f(r.get("peak_waiting"))])  # fmt: skip
     lines += _md(["scenario", "strategy", "round", "requests", "TTFT p50 s", "TTFT p99 s", "E2E p99 s", "out tok/s",
                   "429s by code", "other errors", "preemptions", "hit rate", "share", "herded s", "off-home",
