@@ -12,6 +12,11 @@
 # caches reset (scripts/bench_fleet.py --attach: POST /reset_prefix_cache,
 # VLLM_SERVER_DEV_MODE=1).
 #
+# Token counts: the workload is sized for the simulator's byte estimate (a prompt of ~1,589
+# tokens). The GPU model's tokenizer (make_config_model.py: byte-level BPE trained on Python's
+# stdlib) makes ~1,640 of it (system prompt ~1,560, question ~70; measured with the same
+# script under Python 3.11 here); the tables print the engines' own mean `prompt_tokens`.
+#
 # The capacity rate (P_RATE unset): the highest rate at which tenant_affinity keeps TTFT p50
 # under CAP_TTFT (0.2 s), searched once with short runs (bench_fleet.py --find-capacity) and
 # kept in $W/pres/capacity.json.

@@ -390,5 +390,11 @@ def test_tables_over_runs_and_issue_checks(tmp_path: Path) -> None:
         "ample: TTFT p99 <= 1.3x tenant_affinity": None,
         "skew: TTFT p99 below tenant_affinity": False,
     }
+    # A baseline that never preempted: fleet's preemptions above zero fail, zero passes.
+    zero = {**m, ("pressure", "round_robin"): {**m[("pressure", "round_robin")], "preemptions": 0.0}}
+    row = next(c for c in checks(zero) if "preemptions" in c[0])
+    assert row[1] is False and row[2] == "50 vs round_robin's 0"
+    zero[("pressure", "fleet")] = {**m[("pressure", "fleet")], "preemptions": 0.0}
+    assert next(c for c in checks(zero) if "preemptions" in c[0])[1] is True
     text = markdown(runs, {"capacity_rps": 128.0, "strategy": "tenant_affinity", "target_ttft_p50": 0.2, "steps": []})
     assert "capacity rate: 128.0 req/s" in text and "fleet_overloaded 3" in text and "| FAIL |" in text
