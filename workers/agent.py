@@ -196,6 +196,7 @@ class Agent:
             runtime_lora=self.engine.runtime_lora,
             max_loras=self.engine.max_loras(spec),
             reports_load=self.engine.reports_load,
+            continues_trailing_assistant=self.engine.continues_trailing_assistant(spec),
             pooling=pooling(spec),
             agent_pid=os.getpid(),
             started_at=time.time(),
