@@ -26,7 +26,8 @@ from gateway.upstream import sse_error
 
 DONE = b"data: [DONE]\n\n"
 
-# vLLM's guided decoding fields (older and newer names).
+# Request fields for guided decoding (older and newer names), which some engines accept
+# beyond OpenAI's API.
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
@@ -242,12 +243,13 @@ class Continuation:
         self.kind = kind
         self.text = text
         # Whether the first engine read a trailing assistant message of the client's as the
-        # start of its answer (it continues one by itself, or the client asked vLLM to).
+        # start of its answer (it continues one by itself, or the client asked it to with
+        # `continue_final_message`).
         self.first_continued = first_continued
 
     def body(self, continues_trailing_assistant: bool) -> bytes:
         """The body for an engine that continues a trailing assistant message by itself, or not
-        (vLLM: it needs `continue_final_message`, else it starts a new reply after the text)."""
+        (then it needs `continue_final_message`, else it starts a new reply after the text)."""
         d = dict(self.request)
         if not self.text:
             return msgspec.json.encode(d)

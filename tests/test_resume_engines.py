@@ -187,19 +187,6 @@ def test_constrained_stream_resumes_before_its_text_and_not_after(stalling_pair:
             assert [on_a for on_a, _ in outcomes].count(True) == 1
 
 
-def test_legacy_record_without_the_capability_field_falls_back_on_its_engine_name() -> None:
-    """Until WorkerInfo declares continues_trailing_assistant, LMDeploy and ms-swift records are
-    known by name; a declared value would win."""
-    from fleetgate.schema import WorkerInfo
-    from gateway.capabilities import continues_trailing_assistant
-
-    def info(engine: str) -> WorkerInfo:
-        return WorkerInfo(id="w", url="http://x", engine=engine, model=MODEL)
-
-    assert continues_trailing_assistant(info("external:lmdeploy")) and continues_trailing_assistant(info("swift"))
-    assert not continues_trailing_assistant(info("vllm")) and not continues_trailing_assistant(info("sim"))
-
-
 def test_continuation_reads_a_clients_trailing_assistant_message_as_the_first_engine_did() -> None:
     """The client's own trailing assistant message: an engine that continued it gets the text
     appended to it; one that answered after it (vLLM without the flag) gets a new message."""
