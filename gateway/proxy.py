@@ -202,8 +202,6 @@ class Proxy:
                                      200 if resp is not None else data[0])
         if attempt.count > 1:
             self.metrics.failover(probe.model)
-        if facts.adapter:
-            self.placer.routed(worker.id, probe.model)
         headers = [
             ("x-fleetgate-worker", worker.id),
             ("x-fleetgate-route", route),
@@ -446,9 +444,13 @@ class _Attempt:
 
     def hold(self, worker_id: str) -> None:
         self.proxy.inflight.add(worker_id, self.own_tokens, self.key, self.prefix)
+        if self.facts.adapter:  # never evicted while in flight; a busy adapter gets a replica
+            self.proxy.placer.started(worker_id, self.facts.model)
 
     def release(self, worker_id: str) -> None:
         self.proxy.inflight.done(worker_id, self.own_tokens, self.key, self.prefix)
+        if self.facts.adapter:
+            self.proxy.placer.finished(worker_id, self.facts.model)
 
     def first_byte_timeout(self) -> float:
         s = self.proxy.settings
