@@ -383,6 +383,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
             yield
         finally:
             await placement.stop()
+            await proxy.waits.stop()
             await placer.close()
             await lora_state.stop()
             await breakers.close()

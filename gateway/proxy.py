@@ -35,6 +35,7 @@ from fleetgate.schema import WorkerView
 from gateway.adapters import AdapterPlacer
 from gateway.admission import Admission, Shed
 from gateway.circuit import Breakers
+from gateway.context import error_message, refit, refused_prompt_tokens
 from gateway.errors import (
     ContextLengthExceeded,
     GatewayError,
@@ -61,6 +62,7 @@ from gateway.resume import StreamTracker, continuation_body, resumable_request
 from gateway.routing import Choice, Live, Policy, RequestFacts, decide
 from gateway.settings import GatewaySettings
 from gateway.upstream import RETRYABLE_STATUS, Upstream, openai_error_body
+from gateway.waiting import FirstByteWaits
 
 log = structlog.get_logger("gateway.proxy")
 
@@ -108,8 +110,10 @@ class Proxy:
     tokenizers: dict[str, TokenCounter] = field(default_factory=dict)
     seq: int = 0
     live: Live = field(init=False)
+    waits: FirstByteWaits = field(init=False)
 
     def __post_init__(self) -> None:
+        self.waits = FirstByteWaits(lambda: self.watcher.snapshot)
         self.live = self.placement.live(Live(self.inflight, self.inflight.tokens))
         self.inflight.on_done = self.admission.wake
     # Request ids: a random per-process prefix and a counter (no syscall per request).
@@ -456,6 +460,13 @@ class _Attempt:
         s = self.proxy.settings
         return s.first_byte_timeout_s + s.first_byte_per_1k_tokens_s * self.facts.prompt_tokens / 1000
 
+    def answer_timeout(self, worker: WorkerView) -> float:
+        """A whole non-streamed answer: its first byte's time, plus time for every token asked
+        for (without max_tokens, for what the worker's context leaves)."""
+        facts = self.facts
+        tokens = facts.max_tokens or max(_DEFAULT_COMPLETION_TOKENS, worker.info.max_model_len - facts.prompt_tokens)
+        return self.first_byte_timeout() + self.proxy.settings.answer_per_token_s * tokens
+
     def saturated(self) -> str | None:
         """The limit every eligible worker is at ("slots", "kv"), or None when one has room."""
         proxy = self.proxy
@@ -479,15 +490,17 @@ class _Attempt:
         self.hold(worker.id)
         url = worker.info.url + self.path
         try:
-            resp = await proxy.upstream.post(url, body or self.body, _FORWARD_HEADERS, self.stream,
-                                             self.first_byte_timeout())
+            with proxy.waits.waiting(worker.id):
+                resp = await proxy.upstream.post(url, body or self.body, _FORWARD_HEADERS, self.stream,
+                                                 self.first_byte_timeout() if self.stream else self.answer_timeout(worker))
         except UpstreamError as exc:
             self.release(worker.id)
             self._failed(worker, exc)
         if self.stream and resp.status == 200:
             return choice, resp, (200, b"")
         try:
-            data = await proxy.upstream.read(resp)
+            with proxy.waits.waiting(worker.id):
+                data = await proxy.upstream.read(resp)
         except UpstreamError as exc:
             self._failed(worker, exc)
         finally:
@@ -499,7 +512,20 @@ class _Attempt:
         proxy.breakers.success(worker.id)
         if resp.status >= 400:
             data = openai_error_body(resp.status, data)
+            if (tokens := refused_prompt_tokens(resp.status, data)) is not None:
+                self._refused(worker, tokens, data)
         return choice, None, (resp.status, data)
+
+    def _refused(self, worker: WorkerView, tokens: int, data: bytes) -> None:
+        """The engine's context is too small for the prompt: try a roomier worker, if any."""
+        facts = refit(self.facts, self.proxy.watcher.snapshot.routes, self.tried, tokens)
+        if facts is None:
+            return
+        self.facts, self.floor = facts, tokens
+        log.info("gateway.context_refused", worker=worker.id, prompt_tokens=tokens,
+                 max_model_len=worker.info.max_model_len)
+        self.last_error = ContextLengthExceeded(error_message(data), param="messages")
+        raise _Retryable(self.last_error)
 
     async def resume(self, body: bytes) -> tuple[Choice, aiohttp.ClientResponse]:
         """Start the continuation of a broken stream on another worker (retried like a request)."""
