@@ -207,6 +207,8 @@ class AdapterPlacer:
         adapters = list(info.adapters)
         evicted = ""
         if len(adapters) >= info.max_loras:
+            with contextlib.suppress(RedisError, OSError):  # the last sync's counts must do
+                await self.state.refresh_remote()
             evicted = self._coldest(worker)
             if evicted:
                 await self._post(worker, "/v1/unload_lora_adapter", {"lora_name": evicted})

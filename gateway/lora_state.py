@@ -3,8 +3,9 @@
 follow).
 
 The request path only touches local dicts (`started`, `finished`); a background task
-publishes them about five times a second (the counts under a lease, like
-gateway/inflight.py's, so a crashed gateway leaks nothing) and reads the other replicas'.
+publishes them about five times a second, and at once when an adapter comes into use on
+a worker (the counts under a lease, like gateway/inflight.py's, so a crashed gateway leaks
+nothing), and reads the other replicas'; a gateway about to evict reads them afresh.
 An adapter is evictable from a worker only when no gateway has a request for it there.
 """
 
@@ -35,14 +36,18 @@ class LoraState:
         self.used: dict[tuple[str, str], float] = {}
         self._unpublished: dict[tuple[str, str], float] = {}
         self._remote_at = 0.0
+        self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     # -- the request path ----------------------------------------------------------
 
     def started(self, worker_id: str, adapter: str) -> None:
         key = (worker_id, adapter)
-        self.local[key] = self.local.get(key, 0) + 1
+        n = self.local.get(key, 0)
+        self.local[key] = n + 1
         self.touch(worker_id, adapter)
+        if n == 0:  # an adapter newly in use there: the other replicas hear of it at once
+            self._wake.set()
 
     def finished(self, worker_id: str, adapter: str) -> None:
         key = (worker_id, adapter)
@@ -90,13 +95,17 @@ class LoraState:
             for key, at in unpublished.items():  # sent with the next sync
                 self._unpublished.setdefault(key, at)
             raise
+        await self.refresh_remote()
+        for key, at in (await self.registry.read_lora_used(worker_ids)).items():
+            if at > self.used.get(key, 0.0):
+                self.used[key] = at
+
+    async def refresh_remote(self) -> None:
+        """Read the other replicas' in-flight counts now (before an eviction, say)."""
         remote = await self.registry.read_lora(exclude_gateway=self.gateway_id)
         self.remote.clear()
         self.remote.update(remote)
         self._remote_at = time.monotonic()
-        for key, at in (await self.registry.read_lora_used(worker_ids)).items():
-            if at > self.used.get(key, 0.0):
-                self.used[key] = at
 
     async def _loop(self, workers: Callable[[], list[str]]) -> None:
         failing = False
@@ -114,7 +123,9 @@ class LoraState:
                 failing = True
                 if time.monotonic() - self._remote_at > self.lease_s:
                     self.remote.clear()  # the other replicas' counts expire with their lease
-            await asyncio.sleep(self.interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+            self._wake.clear()
 
 
 __all__ = ["LoraState"]
