@@ -191,6 +191,11 @@ class Proxy:
                 try:
                     result = await attempt.next()
                     break
+                except ModelNotFound:
+                    if not (facts.adapter and self.placer.known(probe.model)) or attempt.replaced:
+                        raise
+                    attempt.replaced = True  # evicted between its placement and now: place it again
+                    await self.placer.ensure(probe.model)
                 except _Saturated:
                     await self._wait_for_room(attempt)
                 except _Retryable as first_failure:
@@ -439,6 +444,7 @@ class _Attempt:
         self.count = 0
         self.last_error: GatewayError | None = None
         self.queue_deadline: float | None = None
+        self.replaced = False
         # The KV tokens this request holds on its worker by the gateway's account: its own
         # prompt tokens and completion budget, and the prefix it shares with its key's others.
         self.prefix = facts.prefix_tokens
