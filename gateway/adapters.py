@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
 import msgspec
@@ -64,6 +64,7 @@ class AdapterPlacer:
         self.specs_every_s = specs_every_s
         self.loads = 0
         self._locks: dict[str, asyncio.Lock] = {}
+        self._worker_locks: dict[str, asyncio.Lock] = {}
         self._replicated_at: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.session: aiohttp.ClientSession | None = None
@@ -203,35 +204,55 @@ class AdapterPlacer:
 
     async def _load(self, worker: WorkerView, model: str) -> None:
         started = time.monotonic()
-        info = worker.info
-        adapters = list(info.adapters)
-        evicted = ""
-        if len(adapters) >= info.max_loras:
-            with contextlib.suppress(RedisError, OSError):  # the last sync's counts must do
-                await self.state.refresh_remote()
-            evicted = self._coldest(worker)
-            if evicted:
-                await self._post(worker, "/v1/unload_lora_adapter", {"lora_name": evicted})
-                adapters.remove(evicted)
-            else:
-                log.info("gateway.adapter_oversubscribed", worker=info.id, adapter=model,
-                         in_use=adapters, max_loras=info.max_loras)
-        spec = self.specs[model]
-        await self._post(worker, "/v1/load_lora_adapter", {"lora_name": model, "lora_path": spec.path})
-        adapters.append(model)
-        self.loads += 1
-        await self.registry.update_info(msgspec.structs.replace(info, adapters=tuple(adapters)))
-        await self.watcher.refresh()
-        log.info("gateway.adapter_loaded", worker=info.id, adapter=model, evicted=evicted or None,
+        # Loads of different adapters onto one worker take turns, each on the worker's record
+        # as it is now: two at once would each write the adapter list they started from.
+        async with self._worker_locks.setdefault(worker.id, asyncio.Lock()):
+            worker = await self._fresh(worker)
+            info = worker.info
+            if model in info.adapters:  # another gateway loaded it meanwhile
+                await self.watcher.refresh()
+                return
+            evicted: list[str] = []
+            if len(info.adapters) >= info.max_loras:
+                with contextlib.suppress(RedisError, OSError):  # the last sync's counts must do
+                    await self.state.refresh_remote()
+                # Down to a free slot: also what an earlier oversubscribed load left behind.
+                while len(info.adapters) - len(evicted) >= info.max_loras and (
+                        victim := self._coldest(worker, skip=evicted)):
+                    await self._post(worker, "/v1/unload_lora_adapter", {"lora_name": victim})
+                    evicted.append(victim)
+                if len(info.adapters) - len(evicted) >= info.max_loras:
+                    log.info("gateway.adapter_oversubscribed", worker=info.id, adapter=model,
+                             in_use=[a for a in info.adapters if a not in evicted], max_loras=info.max_loras)
+            spec = self.specs[model]
+            await self._post(worker, "/v1/load_lora_adapter", {"lora_name": model, "lora_path": spec.path})
+            self.loads += 1
+            await self._write_adapters(worker, add=model, remove=evicted)
+        log.info("gateway.adapter_loaded", worker=info.id, adapter=model, evicted=",".join(evicted) or None,
                  ms=round((time.monotonic() - started) * 1000, 1))
 
-    def _coldest(self, worker: WorkerView) -> str:
+    async def _fresh(self, worker: WorkerView) -> WorkerView:
+        """The worker's record as the registry holds it now (another gateway may have changed it)."""
+        try:
+            return await self.registry.read(worker.id) or worker
+        except (RedisError, OSError):
+            return self.watcher.snapshot.by_id.get(worker.id, worker)
+
+    async def _write_adapters(self, worker: WorkerView, add: str = "", remove: Sequence[str] = ()) -> None:
+        """Record an adapter loaded on (or others removed from) the worker, on its freshest record."""
+        info = (await self._fresh(worker)).info
+        adapters = [a for a in info.adapters if a != add and a not in remove] + ([add] if add else [])
+        await self.registry.update_info(msgspec.structs.replace(info, adapters=tuple(adapters)))
+        await self.watcher.refresh()
+
+    def _coldest(self, worker: WorkerView, skip: Sequence[str] = ()) -> str:
         """The least recently used adapter on the worker that no gateway has a request in
         flight for and its engine is not running ("" when there is none); one the worker
         was started with only when no adapter the gateway placed qualifies."""
         state = self.state
         busy = set(worker.load.lora_active)
-        idle = [a for a in worker.info.adapters if a not in busy and not state.in_flight(worker.id, a)]
+        idle = [a for a in worker.info.adapters
+                if a not in busy and a not in skip and not state.in_flight(worker.id, a)]
         candidates = [a for a in idle if a in self.specs] or idle
         if not candidates:
             return ""
@@ -264,15 +285,13 @@ class AdapterPlacer:
             # Kept in Redis: every replica, and this gateway after a restart, can place it.
             await self.registry.save_adapter(name, msgspec.json.encode(spec))
             self._learn({name: spec})
-        adapters = tuple(dict.fromkeys((*worker.info.adapters, name)))
-        await self.registry.update_info(msgspec.structs.replace(worker.info, adapters=adapters))
-        await self.watcher.refresh()
+        async with self._worker_locks.setdefault(worker.id, asyncio.Lock()):
+            await self._write_adapters(worker, add=name)
 
     async def unload_from(self, worker: WorkerView, name: str) -> None:
-        await self._post(worker, "/v1/unload_lora_adapter", {"lora_name": name})
-        adapters = tuple(a for a in worker.info.adapters if a != name)
-        await self.registry.update_info(msgspec.structs.replace(worker.info, adapters=adapters))
-        await self.watcher.refresh()
+        async with self._worker_locks.setdefault(worker.id, asyncio.Lock()):
+            await self._post(worker, "/v1/unload_lora_adapter", {"lora_name": name})
+            await self._write_adapters(worker, remove=(name,))
 
     # -- adapters added through the admin API, shared by every replica ---------------------
 
