@@ -330,7 +330,7 @@ def test_redis_restart_keeps_an_operators_drain(fleet_factory, tmp_path: Path) -
 
 
 class AdapterLoad(SteadyLoad):
-    """Long streams of two adapters beside whole requests rotating over four others, so that
+    """Long streams of two adapters beside whole requests rotating over six others, so that
     workers with two LoRA slots load and evict adapters all along. Each stream's worker and
     wall-clock span is recorded, to check that no adapter was evicted under one."""
 
@@ -361,7 +361,7 @@ class AdapterLoad(SteadyLoad):
                         self.figures.failed.append(why)
 
     def _adapter_plain(self, client: httpx.Client, index: int, n: int) -> tuple[bool, str]:
-        body = {"model": f"adp{3 + (index * 7 + n) % 4}", "max_tokens": 8, "ignore_eos": True,
+        body = {"model": f"adp{3 + (index * 7 + n) % 6}", "max_tokens": 8, "ignore_eos": True,
                 "messages": [{"role": "user", "content": f"client {index} request {n}"}]}
         resp = client.post("/v1/chat/completions", json=body)
         return resp.status_code == 200, f"{resp.status_code} {resp.text[:200]}"
@@ -398,17 +398,17 @@ def _evictions(log: str) -> list[tuple[str, str, float]]:
         event = json.loads(line)
         if event.get("evicted"):
             at = datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
-            out.append((event["worker"], event["evicted"], at))
+            out.extend((event["worker"], adapter, at) for adapter in event["evicted"].split(","))
     return out
 
 
 def test_adapter_eviction_under_streams_loses_nothing(fleet_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """Two workers with two LoRA slots each, six adapters: two long adapter streams run while whole
-    requests rotate over four other adapters, so adapters are loaded and evicted all along. No
+    """Two workers with two LoRA slots each, eight adapters: two long adapter streams run while whole
+    requests rotate over six other adapters, so adapters are loaded and evicted all along. No
     request fails, every stream is whole, and no adapter is ever evicted from a worker while a
     stream of it runs there (through either of two gateways)."""
     adapters = {}
-    for i in range(1, 7):
+    for i in range(1, 9):
         (tmp_path / f"adp{i}").mkdir()
         adapters[f"adp{i}"] = {"path": str(tmp_path / f"adp{i}"), "base": MODEL}
     cfg = tmp_path / "gateway.yaml"
