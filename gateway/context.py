@@ -16,10 +16,13 @@ import msgspec
 
 from gateway.routing import RequestFacts, Routes
 
-# vLLM: "This model's maximum context length is 2048 tokens. However, your request has 2600
-# input tokens." LMDeploy: "Input length (2600) must be smaller than the model context
-# length (2048)."
+# vLLM 0.32: "This model's maximum context length is 2048 tokens. However, your prompt
+# contains at least 2049 input tokens, ..." (it stops counting past the limit: a lower bound,
+# enough to know a worker with a longer context may fit it); older vLLM (and the simulator):
+# "... However, your request has 2600 input tokens." LMDeploy: "Input length (2600) must be
+# smaller than the model context length (2048)."
 _PATTERNS = (
+    re.compile(rb"maximum context length is \d+ tokens\. However, your prompt contains at least (\d+) input tokens"),
     re.compile(rb"maximum context length is \d+ tokens\. However, your request has (\d+) input tokens"),
     re.compile(rb"maximum context length is \d+ tokens\. However, you requested (\d+) tokens \((\d+) in"),
     re.compile(rb"Input length \((\d+)\) must be smaller than the model context length"),
@@ -35,8 +38,8 @@ class _Body(msgspec.Struct):
 
 
 def refused_prompt_tokens(status: int, data: bytes) -> int | None:
-    """The prompt's tokens by the engine's count when `data` is a context-length refusal
-    (a 400 whose message says so); None for any other answer."""
+    """The prompt's tokens by the engine's count (at least that many) when `data` is a
+    context-length refusal (a 400 whose message says so); None for any other answer."""
     if status != 400 or b"context length" not in data:
         return None
     try:

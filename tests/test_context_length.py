@@ -7,11 +7,13 @@ real engine would; the gateway is given no tokenizer, so it only estimates.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import openai
 import pytest
 
+from gateway.context import refused_prompt_tokens
 from tests.conftest import ROOT, Fleet, require_setup
 
 TINY = ROOT / ".cache" / "tiny" / "model"
@@ -65,3 +67,20 @@ def test_a_prompt_too_long_for_every_worker_gets_the_engines_400(
         client.chat.completions.create(model="model", max_tokens=8,
                                        messages=[{"role": "user", "content": SENTENCE * 160}])
     assert "maximum context length is" in caught.value.message
+
+
+@pytest.mark.parametrize(("message", "tokens"), [
+    # vLLM 0.32, as captured in tests/data/vllm_responses/nostore-toolong.txt
+    ("This model's maximum context length is 2048 tokens. However, your prompt contains at least 2049 input "
+     "tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input "
+     "prompt. (parameter=input_tokens, value=2049)", 2049),
+    ("This model's maximum context length is 2048 tokens. However, your request has 4021 input tokens. "
+     "Please reduce the length of the input messages.", 4021),
+    ("Input length (2600) must be smaller than the model context length (2048).", 2600),  # LMDeploy
+    ("The model `x` does not exist.", None),
+])
+def test_context_refusals_of_each_engine_say_the_prompts_length(message: str, tokens: int | None) -> None:
+    """The prompt's length (at least) is read from vLLM's and LMDeploy's refusals, nothing from other 400s."""
+    body = json.dumps({"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}})
+    assert refused_prompt_tokens(400, body.encode()) == tokens
+    assert refused_prompt_tokens(404, body.encode()) is None
