@@ -17,7 +17,11 @@ Layout (``P`` is the key prefix, ``v1`` the schema version)::
                           agent stops instead of registering again
     {P}:v1:events         PUBSUB a worker id whenever something about it changed
     {P}:v1:circuit:<id>   STRING why a gateway's circuit breaker took the worker out of routing,
-                          PX cooldown: when it expires the worker gets traffic again (half-open)
+                          PX cooldown (+ the probe's timeout): when it expires the worker gets
+                          traffic again (half-open)
+    {P}:v1:rejected:<id>  STRING why gateways ignore worker <id>'s record (not signed, or signed
+                          with another registration secret), written by a gateway that read it,
+                          EX REJECTED_TTL_S: the agent reads it (`rejection`) to learn it is ignored
     {P}:v1:epoch          STRING set once by the first gateway; its absence means Redis lost
                           everything (a restart without persistence)
     {P}:v1:gateways       SET   ids of gateways that publish in-flight counts (pruned by readers)
@@ -65,6 +69,7 @@ DEFAULT_PREFIX = "fleetgate"
 DEFAULT_HEARTBEAT_TTL_S = 3.0
 DEFAULT_INFLIGHT_LEASE_S = 3.0
 REMOVED_TTL_S = 600
+REJECTED_TTL_S = 120
 _LEASE_FIELD = "_at"
 
 _info_encoder = msgspec.json.Encoder()
@@ -184,6 +189,7 @@ class Keys:
         self._worker = f"{base}:w:"
         self._removed = f"{base}:removed:"
         self._circuit = f"{base}:circuit:"
+        self._rejected = f"{base}:rejected:"
         self.gateways = f"{base}:gateways"
         self.epoch = f"{base}:epoch"
         self._inflight = f"{base}:inflight:"
@@ -202,6 +208,9 @@ class Keys:
 
     def circuit(self, worker_id: str) -> str:
         return self._circuit + worker_id
+
+    def rejected(self, worker_id: str) -> str:
+        return self._rejected + worker_id
 
     def inflight(self, gateway_id: str) -> str:
         return self._inflight + gateway_id
@@ -222,15 +231,24 @@ class Keys:
         return self._lora_lock + adapter
 
 
+def unsigned(fields: dict[bytes, bytes], secret: str) -> str:
+    """Why a worker hash is not signed with `secret` ("" when it is, or no secret is set)."""
+    raw_info = fields.get(b"info")
+    if not secret or not raw_info:
+        return ""
+    sig = fields.get(b"sig", b"").decode(errors="replace")
+    if hmac.compare_digest(sig, sign(secret, raw_info)):
+        return ""
+    return "signed with another registration secret" if sig else "not signed (no registration secret)"
+
+
 def decode_worker(
     fields: dict[bytes, bytes], circuit: bytes | None = None, secret: str = ""
 ) -> WorkerView | None:
     """A worker hash as read from Redis, or None if it is incomplete, of another schema,
     or (with a registration secret) not signed with it."""
     raw_info = fields.get(b"info")
-    if not raw_info:
-        return None
-    if secret and not hmac.compare_digest(fields.get(b"sig", b"").decode(errors="replace"), sign(secret, raw_info)):
+    if not raw_info or unsigned(fields, secret):
         return None
     try:
         info = _info_decoder.decode(raw_info)
@@ -300,6 +318,7 @@ class Registry:
             pipe.pexpire(key, self.ttl_ms)
             pipe.sadd(self.keys.workers, info.id)
             pipe.delete(self.keys.removed(info.id))
+            pipe.delete(self.keys.rejected(info.id))  # a gateway says so again if it still is
             await pipe.execute()
         await self._announce(info.id)
 
@@ -360,8 +379,9 @@ class Registry:
 
     # -- reader side --------------------------------------------------------
 
-    async def read_all(self) -> list[WorkerView]:
-        """Every live worker. Ids whose record expired are pruned from the index."""
+    async def read_all(self, rejected: dict[str, str] | None = None) -> list[WorkerView]:
+        """Every live worker. Ids whose record expired are pruned from the index; those whose
+        record is not signed with the registration secret go into `rejected` (id -> why)."""
         members = await self.redis.smembers(self.keys.workers)  # type: ignore[misc]
         ids = sorted(m.decode() if isinstance(m, bytes) else str(m) for m in members)
         if not ids:
@@ -378,6 +398,8 @@ class Registry:
             if not fields:
                 gone.append(worker_id)
                 continue
+            if rejected is not None and (why := unsigned(fields, self.secret)):
+                rejected[worker_id] = why
             view = decode_worker(fields, circuit, self.secret)
             if view is not None:
                 views.append(view)
@@ -399,6 +421,17 @@ class Registry:
     async def close_circuit(self, worker_id: str) -> None:
         await self.redis.delete(self.keys.circuit(worker_id))
         await self._announce(worker_id)
+
+    # -- records gateways ignore (registration secret) --------------------------------
+
+    async def reject(self, worker_id: str, reason: str) -> None:
+        """Tell worker `worker_id`'s agent that gateways ignore its record, and why."""
+        await self.redis.set(self.keys.rejected(worker_id), reason, ex=REJECTED_TTL_S)
+
+    async def rejection(self, worker_id: str) -> str | None:
+        """Why gateways ignore this worker's record (None: they do not, as far as they said)."""
+        raw = await self.redis.get(self.keys.rejected(worker_id))
+        return raw.decode(errors="replace") if isinstance(raw, bytes) else raw
 
     # -- in-flight counts shared by gateway replicas --------------------------------
 

@@ -45,6 +45,10 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     # Whether adapters can be loaded at runtime (vLLM yes, LMDeploy/ms-swift no).
     runtime_lora: bool = False
     max_loras: int = 0
+    # Whether the engine continues a trailing assistant message by itself (LMDeploy, ms-swift)
+    # or needs `continue_final_message` to (vLLM): how a cut stream is resumed on it. None:
+    # a record from an agent older than the field.
+    continues_trailing_assistant: bool | None = None
     # An embedding model (vLLM's pooling runner): it serves /v1/embeddings, not generation.
     pooling: bool = False
     # Whether the engine reports a queue through /metrics; without it the gateway's

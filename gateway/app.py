@@ -25,14 +25,16 @@ from litestar.response import Stream
 
 from fleetgate.registry import Registry, connect
 from fleetgate.schema import WorkerView
+from gateway import front
 from gateway.adapters import AdapterPlacer
 from gateway.admission import Admission
-from gateway.auth import check_api_key, digest
+from gateway.auth import check_api_key, digest, open_data_plane
 from gateway.circuit import Breakers
-from gateway.errors import GatewayError, InvalidRequest, NotFound, Unauthorized
+from gateway.errors import GatewayError, InvalidRequest, ModelNotFound, NotFound, Unauthorized
 from gateway.fastpath import FastPath
 from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
+from gateway.known import KnownModels
 from gateway.lora_state import LoraState
 from gateway.metrics import GatewayMetrics, metrics_endpoint
 from gateway.openapi import ModelsOperation, StoredResponseOperation, proxied_operation
@@ -63,6 +65,8 @@ class Gateway:
     api_key_digests: frozenset[bytes]
     metrics: GatewayMetrics
     limiter: RateLimiter
+    # Said at start and on /health: what an operator must fix (an open data plane, say).
+    warnings: tuple[str, ...] = ()
 
 
 def _gw(state: State) -> Gateway:
@@ -90,11 +94,13 @@ async def _proxied(request: Request, state: State, path: str, kind: str) -> Resp
     # Served by gateway/fastpath.py in front of Litestar; this route is the same logic for
     # when the fast path is off, and it documents the operation in the OpenAPI schema.
     gw = _gw(state)
-    key_id = _check_client(gw, request)
-    limits = await gw.limiter.admit(key_id, request.client.host if request.client else None)
-    reply = await gw.proxy.serve(await request.body(), request.headers.get, path, kind, key_id)
-    reply.headers.extend(limits)
+    try:
+        reply, hangup = await front.serve(gw, request.headers.get, request.client.host if request.client else None,
+                                          request.body, request.receive, path, kind)
+    except front.ClientGone:
+        return Response(content=b"", status_code=499)  # nobody reads it
     if reply.stream is not None:
+        await hangup.stop()  # Litestar's streaming response watches the connection itself
         return Stream(reply.stream, status_code=reply.status, media_type="text/event-stream",
                       headers={**dict(reply.headers), **SSE_HEADERS})
     return Response(content=reply.body, status_code=reply.status, media_type="application/json",
@@ -146,7 +152,7 @@ async def get_model(request: Request, state: State, model_id: str) -> Response:
     name = model_id.lstrip("/")
     models = gw.watcher.snapshot.models
     if name not in models:
-        raise NotFound(f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        raise gw.watcher.absent(ModelNotFound(f"The model `{name}` does not exist.", param="model"), name)
     body = {"id": name, "object": "model", "owned_by": "fleetgate", "parent": models[name] or None}
     return Response(content=msgspec.json.encode(body), media_type="application/json")
 
@@ -162,6 +168,7 @@ async def health(state: State) -> Response:
         "ready_workers": ready,
         "snapshot_age_s": round(watcher.age_s, 3) if watcher.snapshot.read_at else None,
         **({"registry_error": watcher.last_error} if watcher.degraded else {}),
+        **({"warnings": list(gw.warnings)} if gw.warnings else {}),
     }
     return Response(content=msgspec.json.encode(body), media_type="application/json")
 
@@ -339,7 +346,8 @@ def create_app(settings: GatewaySettings) -> Litestar:
             redis, settings.redis_prefix, settings.heartbeat_ttl_s, secret=settings.registration_secret
         )
         watcher = FleetWatcher(
-            registry, settings.refresh_interval_s, {name: a.base for name, a in settings.adapters.items()}
+            registry, settings.refresh_interval_s, {name: a.base for name, a in settings.adapters.items()},
+            KnownModels(settings.model_memory_s),
         )
         upstream = Upstream(settings.connect_timeout_s)
         await upstream.start()
@@ -348,8 +356,10 @@ def create_app(settings: GatewaySettings) -> Litestar:
         breakers = Breakers(
             registry, lambda worker_id: watcher.snapshot.by_id.get(worker_id), watcher.poke,
             threshold=settings.breaker_threshold, cooldown_s=settings.breaker_cooldown_s,
+            max_cooldown_s=settings.breaker_max_cooldown_s,
         )
         metrics = GatewayMetrics()
+        metrics.model_label = watcher.known.label
         metrics.watch_fleet(watcher, inflight)
         lora_state = LoraState(registry, gateway_id)
         placer = AdapterPlacer(dict(settings.adapters), watcher, registry, inflight, lora_state)
@@ -367,9 +377,11 @@ def create_app(settings: GatewaySettings) -> Litestar:
             settings, watcher, upstream, policy, inflight, breakers, metrics, placer, placement, admission,
             tokenizers={model: TokenCounter(path) for model, path in settings.tokenizers.items()},
         )
+        exposed = open_data_plane(settings.host, settings.api_keys)
         app.state["gw"] = Gateway(
             settings, registry, watcher, proxy, frozenset(digest(k) for k in settings.api_keys),
             metrics, RateLimiter(registry, settings.rate_limit_rpm, settings.rate_limit_burst),
+            (exposed,) if exposed else (),
         )
         with contextlib.suppress(Exception):  # Redis away at start: the placer's loop retries
             await placer.restore()  # before the first snapshot, which lists what it learnt
@@ -379,6 +391,8 @@ def create_app(settings: GatewaySettings) -> Litestar:
         inflight.start()
         placement.start()
         log.info("gateway.started", gateway_id=gateway_id, **settings.public())
+        if exposed:
+            log.warning("gateway.open_data_plane", host=settings.host, message=exposed)
         try:
             yield
         finally:

@@ -2,17 +2,23 @@
 
 A worker that fails `threshold` attempts in a row (connection refused, timeout,
 5xx, a stream that broke) is taken out of routing on every gateway: the gateway
-that saw it writes `circuit:<id>` with a cooldown TTL. That gateway then probes
-the worker's health; a healthy answer closes the circuit at once, a failed one
-renews it with a doubled cooldown. If nobody probes (that gateway died), the key
-simply expires and the worker gets traffic again: half-open, one failure away from
-opening again.
+that saw it writes `circuit:<id>` with a cooldown TTL. An engine's 429 (it is full,
+not sick) and the client's 4xx count neither way. That gateway then probes the
+worker with a real one-token request (`/health` proves only that the HTTP server
+runs: an engine failing every request still answers it); an answer closes the
+circuit, a failure renews it with a doubled cooldown, up to `max_cooldown_s`. A
+circuit that opens again soon after closing resumes from its last cooldown, so a
+flapping worker backs off too. If nobody probes (that gateway died), the key simply
+expires and the worker gets traffic again: half-open, one failure away from opening
+again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
+import time
 from collections.abc import Callable
 
 import aiohttp
@@ -33,6 +39,7 @@ class Breakers:
         threshold: int = 3,
         cooldown_s: float = 5.0,
         max_cooldown_s: float = 60.0,
+        probe_timeout_s: float = 10.0,
     ) -> None:
         self.registry = registry
         self.lookup = lookup
@@ -40,7 +47,10 @@ class Breakers:
         self.threshold = threshold
         self.cooldown_s = cooldown_s
         self.max_cooldown_s = max_cooldown_s
+        self.probe_timeout_s = probe_timeout_s
         self.failures: dict[str, int] = {}
+        # Worker -> (its last cooldown, when its circuit closed): where the next one starts.
+        self._last: dict[str, tuple[float, float]] = {}
         self._probes: dict[str, asyncio.Task[None]] = {}
         self.session: aiohttp.ClientSession | None = None
 
@@ -56,41 +66,60 @@ class Breakers:
                 self._open_and_probe(worker_id, reason), name=f"circuit-{worker_id}"
             )
 
+    def _first_cooldown(self, worker_id: str) -> float:
+        last = self._last.get(worker_id)
+        if last is not None and time.monotonic() - last[1] < self.max_cooldown_s:
+            return min(last[0] * 2, self.max_cooldown_s)  # it failed again soon after healing
+        return self.cooldown_s
+
     async def _open_and_probe(self, worker_id: str, reason: str) -> None:
-        cooldown = self.cooldown_s
+        cooldown = self._first_cooldown(worker_id)
         try:
             while True:
                 why = f"{self.failures.get(worker_id, 0)} failures in a row, last: {reason}"[:300]
                 try:
-                    await self.registry.open_circuit(worker_id, why, cooldown)
+                    # Held through the probe too, so that a slow probe leaves no half-open gap.
+                    await self.registry.open_circuit(worker_id, why, cooldown + self.probe_timeout_s)
                 except Exception as exc:
                     log.warning("gateway.circuit_write_failed", worker=worker_id, error=repr(exc))
                 self.on_change()
                 log.warning("gateway.circuit_open", worker=worker_id, reason=why, cooldown_s=cooldown)
-                await asyncio.sleep(cooldown * 0.8)
+                await asyncio.sleep(cooldown * random.uniform(0.9, 1.0))
                 worker = self.lookup(worker_id)
                 if worker is None:
                     return  # it left the fleet
-                if await self._healthy(worker):
+                failed = await self._probe(worker)
+                if failed is None:
                     with contextlib.suppress(Exception):
                         await self.registry.close_circuit(worker_id)
                     self.failures.pop(worker_id, None)
+                    self._last[worker_id] = (cooldown, time.monotonic())
                     self.on_change()
-                    log.info("gateway.circuit_closed", worker=worker_id)
+                    log.info("gateway.circuit_closed", worker=worker_id, cooldown_s=cooldown)
                     return
-                reason = "health probe failed"
+                reason = f"probe failed: {failed}"
+                log.info("gateway.circuit_probe_failed", worker=worker_id, error=failed)
                 cooldown = min(cooldown * 2, self.max_cooldown_s)
         finally:
             self._probes.pop(worker_id, None)
 
-    async def _healthy(self, worker: WorkerView) -> bool:
+    async def _probe(self, worker: WorkerView) -> str | None:
+        """A real one-token request to the engine: None if it answered (any status below 500:
+        a 429 or 4xx is an answer), else what went wrong."""
         if self.session is None:
-            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3))
+            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.probe_timeout_s))
+        info = worker.info
+        body: dict[str, object]
+        if info.pooling:
+            path, body = "/v1/embeddings", {"model": info.model, "input": "ping"}
+        else:
+            path, body = "/v1/completions", {"model": info.model, "prompt": "ping", "max_tokens": 1}
         try:
-            async with self.session.get(worker.info.url + "/health") as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            return False
+            async with self.session.post(info.url + path, json=body) as resp:
+                await resp.read()
+                return None if resp.status < 500 else f"engine answered {resp.status}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return f"{type(exc).__name__}: {exc}"[:200]
 
     async def close(self) -> None:
         for task in list(self._probes.values()):

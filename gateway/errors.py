@@ -8,7 +8,9 @@
     │   └── ModelNotFound            404 invalid_request_error / model_not_found
     ├── Overloaded                   429 rate_limit_error / fleet_overloaded (+ Retry-After)
     ├── RateLimited                  429 requests / rate_limit_exceeded (+ Retry-After, x-ratelimit-*)
-    ├── NoWorkerAvailable            503 service_unavailable / no_worker_available (+ Retry-After)
+    ├── NoWorkerAvailable            503 service_unavailable / no_worker_available (+ Retry-After),
+    │                                    model_unavailable (served recently, no worker now),
+    │                                    registry_unavailable (Redis cannot be read)
     ├── UpstreamError                502 upstream_error / engine_error
     └── UpstreamTimeout              504 upstream_error / engine_timeout
 

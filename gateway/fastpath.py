@@ -10,14 +10,13 @@ else (lifespan, admin, models, metrics, docs) goes to Litestar unchanged.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import structlog
 from litestar import Litestar
 
-from gateway.auth import check_api_key
+from gateway import front
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.proxy import Reply
 from gateway.requests import KINDS
@@ -50,7 +49,9 @@ class FastPath:
             await self.app(scope, receive, send)  # type: ignore[arg-type]
             return
         try:
-            reply = await self._serve(gw, scope, receive, kind)  # type: ignore[arg-type]
+            reply, hangup = await self._serve(gw, scope, receive, kind)  # type: ignore[arg-type]
+        except front.ClientGone:
+            return  # nobody to answer; the engine's request was closed
         except GatewayError as exc:
             await _send_error(send, exc)
             return
@@ -64,9 +65,9 @@ class FastPath:
             await send({"type": "http.response.start", "status": reply.status, "headers": headers})
             await send({"type": "http.response.body", "body": reply.body})
             return
-        await _stream(reply, headers + _SSE, receive, send)
+        await _stream(reply, headers + _SSE, hangup, send)
 
-    async def _serve(self, gw: Any, scope: Scope, receive: Receive, kind: str) -> Reply:
+    async def _serve(self, gw: Any, scope: Scope, receive: Receive, kind: str) -> tuple[Reply, front.Hangup]:
         raw = scope["headers"]
 
         def header(name: str) -> str | None:
@@ -76,13 +77,11 @@ class FastPath:
                     return v.decode("latin-1")
             return None
 
-        key_id = check_api_key(gw.api_key_digests, header("authorization") or "")
         client = scope.get("client")
-        limits = await gw.limiter.admit(key_id, client[0] if client else None)
-        body = await _read_body(receive, gw.settings.max_body_bytes)
-        reply: Reply = await gw.proxy.serve(body, header, scope["path"], kind, key_id)
-        reply.headers.extend(limits)
-        return reply
+        return await front.serve(
+            gw, header, client[0] if client else None, lambda: _read_body(receive, gw.settings.max_body_bytes),
+            receive, scope["path"], kind,
+        )
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes:
@@ -101,43 +100,23 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def _stream(reply: Reply, headers: list[tuple[bytes, bytes]], receive: Receive, send: Send) -> None:
+async def _stream(reply: Reply, headers: list[tuple[bytes, bytes]], hangup: front.Hangup, send: Send) -> None:
     """Relay an SSE stream; a client that hangs up cancels it (which closes the engine's request)."""
     assert reply.stream is not None
-    task = asyncio.current_task()
-    assert task is not None
-    finishing = False
-    client_left = False
-
-    async def watch() -> None:
-        nonlocal client_left
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        # The server also answers "disconnect" once the response is complete: only a
-        # hang-up before that may cancel the relay (cancelling a finished request would
-        # break the keep-alive connection it came on).
-        if not finishing:
-            client_left = True
-            task.cancel()
-
-    watcher = asyncio.create_task(watch())
     stream = reply.stream
     try:
         await send({"type": "http.response.start", "status": reply.status, "headers": headers})
         async for chunk in stream:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        finishing = True
+        hangup.finish()
         await send({"type": "http.response.body", "body": b""})
     except asyncio.CancelledError:
-        if client_left:  # the generator's cleanup closed the engine's request; end quietly
-            task.uncancel()
+        hangup.finish()
+        if hangup.absorb():  # the generator's cleanup closed the engine's request; end quietly
             return
         raise
     finally:
-        finishing = True
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await watcher
+        await hangup.stop()
         await stream.aclose()  # type: ignore[attr-defined]
 
 

@@ -19,6 +19,8 @@ import structlog
 
 from fleetgate.registry import Registry
 from fleetgate.schema import WorkerView
+from gateway.errors import GatewayError
+from gateway.known import KnownModels
 from gateway.routing.table import Routes
 
 log = structlog.get_logger("gateway.fleet")
@@ -77,9 +79,11 @@ class FleetSnapshot:
 
 class FleetWatcher:
     def __init__(
-        self, registry: Registry, refresh_interval_s: float = 1.0, loadable: Mapping[str, str] | None = None
+        self, registry: Registry, refresh_interval_s: float = 1.0, loadable: Mapping[str, str] | None = None,
+        known: KnownModels | None = None,
     ) -> None:
         self.registry = registry
+        self.known = known or KnownModels()
         self.loadable = dict(loadable or {})
         self.refresh_interval_s = refresh_interval_s
         self.snapshot = FleetSnapshot()
@@ -93,6 +97,8 @@ class FleetWatcher:
         # agents, heartbeating every second, have registered again).
         self.resync_grace_s = registry.ttl_ms / 1000 + 2.0
         self._keep_until = 0.0
+        # Worker id -> (when its agent was last told its record is ignored, when it was logged).
+        self._told: dict[str, tuple[float, float]] = {}
 
     @property
     def age_s(self) -> float:
@@ -113,12 +119,21 @@ class FleetWatcher:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
+    def absent(self, error: GatewayError, model: str) -> GatewayError:
+        """What to answer instead of `error` (a 404) for a model no worker serves now."""
+        return self.known.absent(
+            model, registry_read=bool(self.snapshot.read_at), registry_up=not self.degraded
+        ) or error
+
     def poke(self) -> None:
         """Ask for a re-read now (after an admin write, say)."""
         self._wake.set()
 
     async def refresh(self) -> None:
-        workers = await self.registry.read_all()
+        rejected: dict[str, str] = {}
+        workers = await self.registry.read_all(rejected)
+        if rejected:
+            await self._rejected(rejected)
         if await self.registry.mark_epoch() and self.snapshot.workers:
             log.warning("gateway.registry_lost_data", keep_s=self.resync_grace_s,
                         workers=len(self.snapshot.workers))
@@ -129,12 +144,31 @@ class FleetWatcher:
         self._version += 1
         old = self.snapshot
         self.snapshot = FleetSnapshot.build(workers, self._version, self.loadable)
+        # Starting workers' models count too: a model about to be served is not unknown.
+        self.known.note([*self.snapshot.models, *(n for w in workers for n in (w.info.model, *w.info.adapters))])
         if self.degraded:
             log.info("gateway.registry_connected", workers=len(workers))
         self.degraded = False
         self.last_error = ""
         self._ready.set()
         _log_changes(old, self.snapshot)
+
+    async def _rejected(self, rejected: dict[str, str]) -> None:
+        """Records not signed with the registration secret are ignored. Say so: in the log once a
+        minute per worker, and to its agent (a registry key it reads) every few seconds."""
+        now = time.monotonic()
+        for worker_id, why in rejected.items():
+            told, logged = self._told.get(worker_id, (-1e9, -1e9))
+            if now - logged >= 60:
+                logged = now
+                log.warning("gateway.worker_rejected", worker=worker_id, reason=why,
+                            hint="give its agent this fleet's FLEETGATE_REGISTRATION_SECRET")
+            if now - told >= 2:
+                told = now
+                await self.registry.reject(worker_id, why)
+            self._told[worker_id] = (told, logged)
+        for worker_id in [w for w, (_, at) in self._told.items() if now - at > 120]:
+            del self._told[worker_id]
 
     async def _refresh_loop(self) -> None:
         backoff = 0.1

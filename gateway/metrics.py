@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -139,6 +139,14 @@ class GatewayMetrics:
             "them (status: the HTTP status sent; reason: the limit, queue_full or queue_timeout "
             "for 429, the error code for 503).", ["model", "status", "reason"], registry=r,
         )
+        self._errors = Counter(
+            "fleetgate_errors", "Requests the gateway answered itself with an error (bad body, bad "
+            "key, rate limit, no worker, engines failing), by HTTP status and OpenAI error code.",
+            ["status", "code"], registry=r,
+        )
+        # A requested model as a label value. Models are chosen by clients: the app sets this
+        # to keep only names the fleet serves (or served recently), the rest as `unknown`.
+        self.model_label: Callable[[str], str] = lambda model: model
         # Label children by label values: `.labels()` takes a lock and validates each call.
         self._children: dict[tuple[Any, ...], Any] = {}
         # Answered requests per worker since start; the dashboard turns these into rates.
@@ -161,6 +169,7 @@ class GatewayMetrics:
     ) -> None:
         """Once per request, when its last byte went out (or it failed); `worker` may be ''."""
         worker = worker or NO_WORKER
+        model = self.model_label(model)
         self._child(self._requests, model, worker, str(status)).inc()
         self._child(self._duration, model, "true" if stream else "false").observe(seconds)
         if ttft_seconds is not None:
@@ -172,16 +181,20 @@ class GatewayMetrics:
         self.by_worker[worker] = self.by_worker.get(worker, 0) + 1
 
     def retry(self, model: str) -> None:
-        self._child(self._retries, model).inc()
+        self._child(self._retries, self.model_label(model)).inc()
 
     def failover(self, model: str) -> None:
-        self._child(self._failovers, model).inc()
+        self._child(self._failovers, self.model_label(model)).inc()
 
     def resumed_stream(self, model: str) -> None:
-        self._child(self._resumed, model).inc()
+        self._child(self._resumed, self.model_label(model)).inc()
 
     def shed(self, model: str, status: int, reason: str) -> None:
-        self._child(self._shed, model, str(status), reason).inc()
+        self._child(self._shed, self.model_label(model), str(status), reason).inc()
+
+    def error(self, status: int, code: str | None) -> None:
+        """An error the gateway answered itself (its codes are a fixed set)."""
+        self._child(self._errors, str(status), code or "").inc()
 
     def record_decision(
         self, request_id: str, model: str, worker: str, reason: str, attempts: int = 1,
@@ -204,6 +217,7 @@ class GatewayMetrics:
         for name, metric in (
             ("requests", self._requests), ("retries", self._retries),
             ("failovers", self._failovers), ("resumed_streams", self._resumed), ("shed", self._shed),
+            ("errors", self._errors),
         ):
             out[name] = sum(
                 s.value for m in metric.collect() for s in m.samples if s.name.endswith("_total")

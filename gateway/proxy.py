@@ -8,7 +8,8 @@ stream has started, events are relayed as they arrive; if the engine dies or
 stalls mid-stream, the stream is continued on another worker (gateway/resume.py).
 When every eligible worker is full by the gateway's own account, the request waits in a
 bounded FIFO queue woken by completions (gateway/admission.py), then gets 429 +
-Retry-After. A client that goes away closes the engine's request.
+Retry-After. A client that goes away closes the engine's request (gateway/front.py).
+The engine gets the request's `x-request-id`; a stream always asks it for usage.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from typing import NoReturn
 
 import aiohttp
 import structlog
-from redis.exceptions import RedisError
 from tenacity import (
     AsyncRetrying,
     retry_if_exception_type,
@@ -32,8 +32,10 @@ from tenacity import (
 )
 
 from fleetgate.schema import WorkerView
+from gateway import outcomes
 from gateway.adapters import AdapterPlacer
-from gateway.admission import Admission, Shed
+from gateway.admission import Admission
+from gateway.capabilities import continues_trailing_assistant, shaped
 from gateway.circuit import Breakers
 from gateway.context import error_message, refit, refused_prompt_tokens
 from gateway.errors import (
@@ -41,8 +43,8 @@ from gateway.errors import (
     GatewayError,
     InvalidRequest,
     ModelNotFound,
-    NotFound,
     NoWorkerAvailable,
+    Overloaded,
     UpstreamError,
 )
 from gateway.fleet import FleetWatcher
@@ -57,8 +59,8 @@ from gateway.requests import (
     parse_request,
     shared_prefix_tokens,
 )
-from gateway.responses import ResponsesTracker, response_id_of
-from gateway.resume import StreamTracker, continuation_body, resumable_request
+from gateway.responses import ResponsesTracker, forward_stored, owner_of, remember, response_id_of
+from gateway.resume import StreamTracker, continuation, unresumable, with_usage
 from gateway.routing import Choice, Live, Policy, RequestFacts, decide
 from gateway.settings import GatewaySettings
 from gateway.upstream import RETRYABLE_STATUS, Upstream, openai_error_body
@@ -136,7 +138,9 @@ class Proxy:
         try:
             return await self._serve(body, header, path, kind, key_id, request_id, started)
         except GatewayError as exc:
-            exc.request_id = request_id
+            if exc.request_id is None:  # refused before routing (a bad body): not logged yet
+                exc.request_id = request_id
+                outcomes.failed(self.metrics, exc, started, request_id=request_id, key_id=key_id)
             raise
 
     async def _serve(
@@ -162,7 +166,7 @@ class Proxy:
         warm, full = self.placer.residency(probe.model) if is_adapter else (frozenset(), frozenset())
         pinned = None
         if probe.previous_response_id is not None:
-            owner = await self._owner(probe.previous_response_id, "previous_response_id")
+            owner = await owner_of(self.watcher, probe.previous_response_id, "previous_response_id")
             pinned = owner.info.id
             if not owner.serves(probe.model):
                 raise InvalidRequest(f"Response `{probe.previous_response_id}` is stored on worker `{pinned}`, "
@@ -183,7 +187,11 @@ class Proxy:
             pooling=True if kind == "embeddings" else False if generates else None,
             prefix_tokens=shared_prefix_tokens(probe, key_kind, estimate),
         )
+        hide_usage = probe.stream and kind in ("chat", "completion") and not probe.wants_usage
+        if hide_usage:  # count every stream's tokens: ask the engine for usage anyway
+            body = with_usage(body)
         attempt = _Attempt(self, path, kind, body, probe.stream, facts, floor)
+        attempt.headers = {**_FORWARD_HEADERS, "x-request-id": request_id}
         try:
             if facts.adapter and self.placer.known(probe.model):
                 await self.placer.ensure(probe.model)
@@ -202,7 +210,12 @@ class Proxy:
                     result = await self._retry(attempt, first_failure)
                     break
         except GatewayError as exc:
-            self._failed_request(request_id, key_id, probe.model, probe.stream, attempt, exc, started)
+            error = self.watcher.absent(exc, probe.model) if isinstance(exc, ModelNotFound) else exc
+            self._failed_request(request_id, key_id, probe.model, probe.stream, attempt, error, started)
+            raise error from None
+        except asyncio.CancelledError:  # the client hung up (gateway/front.py) or the server stops
+            outcomes.client_gone(self.metrics, started, request_id=request_id, key_id=key_id, model=probe.model,
+                                 stream=probe.stream)
             raise
         choice, resp, data = result
         worker = choice.worker
@@ -223,31 +236,35 @@ class Proxy:
         stores = kind == "responses" and probe.store is not False
         if resp is not None:
             tracker: StreamTracker | ResponsesTracker = (
-                ResponsesTracker() if kind == "responses" else StreamTracker(kind, lambda: resumable_request(body, kind))
+                ResponsesTracker() if kind == "responses"
+                else StreamTracker(kind, lambda sent: unresumable(body, kind, sent), hide_usage)
             )
             return Reply(200, headers, stream=self._relay(attempt, choice, resp, tracker, started, fields, stores))
         status, payload = data
         if stores and status == 200 and (response_id := response_id_of(payload)):
-            await self._remember(response_id, worker.id)
+            await remember(self.watcher, response_id, worker.id, self.settings.responses_ttl_s)
         elapsed = time.perf_counter() - started
         prompt_tokens, completion_tokens = usage_of(payload) if status == 200 else (0, 0)
         self.metrics.request_done(probe.model, worker.id, status, False, elapsed, None,
                                   prompt_tokens, completion_tokens)
         log.info("gateway.request", **fields, status=status, ms=round(elapsed * 1000, 2),
-                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 error=outcomes.error_code(payload) if status >= 400 else None)
         return Reply(status, headers, body=payload)
 
     def _failed_request(
         self, request_id: str, key_id: str, model: str, stream: bool, attempt: _Attempt, exc: GatewayError,
         started: float,
     ) -> None:
-        elapsed = time.perf_counter() - started
-        self.metrics.request_done(model, "", exc.status, stream, elapsed)
-        if exc.status in (429, 503):
-            self.metrics.shed(model, exc.status, exc.reason if isinstance(exc, Shed) else exc.code or "")
-        self.metrics.record_decision(request_id, model, "", type(exc).__name__, attempt.count, exc.status)
-        log.info("gateway.request", request_id=request_id, key_id=key_id, model=model, stream=stream,
-                 status=exc.status, error=exc.code, attempts=attempt.count, ms=round(elapsed * 1000, 2))
+        exc.request_id = request_id
+        outcomes.failed(self.metrics, exc, started, request_id=request_id, key_id=key_id, model=model,
+                        stream=stream, attempts=attempt.count)
+
+    def refused(self, exc: GatewayError, header: Callable[[str], str | None], key_id: str, started: float) -> None:
+        """Log and count a request refused before `serve` (its key, rate limit or body)."""
+        self.seq += 1
+        exc.request_id = header("x-request-id") or self._next_id()
+        outcomes.failed(self.metrics, exc, started, request_id=exc.request_id, key_id=key_id)
 
     async def _wait_for_room(self, attempt: _Attempt) -> None:
         """Hold a request while every eligible worker is full; bounded in count and time."""
@@ -281,38 +298,11 @@ class Proxy:
         log.info("gateway.retry", model=attempt.facts.model, attempt=attempt.count + 1,
                  error=attempt.last_error.message if attempt.last_error else "")
 
-    async def _owner(self, response_id: str, param: str) -> WorkerView:
-        """The worker that stores Responses API response `response_id` (NotFound if none does)."""
-        try:
-            owner = await self.watcher.registry.response_worker(response_id)
-        except (RedisError, OSError) as exc:  # the registry cannot say
-            raise NoWorkerAvailable("The gateway cannot reach its registry to find where response "
-                                    f"`{response_id}` is stored; try again shortly.", retry_after=1) from exc
-        if owner is None:
-            raise NotFound(f"Response `{response_id}` is not known to this fleet: it was created with "
-                           "`store: false`, has expired, or never existed.", param=param,
-                           code="response_not_found")
-        view = self.watcher.snapshot.by_id.get(owner)
-        if view is None:
-            raise NotFound(f"Response `{response_id}` was stored on worker `{owner}`, which has left the "
-                           "fleet; its state is gone. Send the conversation in `input` instead.",
-                           param=param, code="response_not_found")
-        return view
-
-    async def _remember(self, response_id: str, worker_id: str) -> None:
-        try:
-            await self.watcher.registry.remember_response(response_id, worker_id, self.settings.responses_ttl_s)
-        except (RedisError, OSError) as exc:  # the answer still goes out; only follow-ups will miss it
-            log.warning("gateway.response_not_recorded", response_id=response_id, worker=worker_id,
-                        error=f"{type(exc).__name__}: {exc}")
-
     async def stored(self, method: str, response_id: str, suffix: str, query: str) -> Reply:
         """Forward a retrieve (GET) or cancel (POST) of a stored response to the worker that has it."""
-        worker = await self._owner(response_id, "response_id")
-        url = f"{worker.info.url}/v1/responses/{response_id}{suffix}" + (f"?{query}" if query else "")
-        status, content_type, data = await self.upstream.call(method, url, self.settings.first_byte_timeout_s)
-        if status >= 400:
-            data, content_type = openai_error_body(status, data), "application/json"
+        worker = await owner_of(self.watcher, response_id, "response_id")
+        status, content_type, data = await forward_stored(
+            self.upstream, worker, method, f"{response_id}{suffix}", query, self.settings.first_byte_timeout_s)
         return Reply(status, [("x-fleetgate-worker", worker.info.id), ("content-type", content_type)], body=data)
 
     async def _relay(
@@ -347,7 +337,8 @@ class Proxy:
                             joined = b"".join(out)
                             if stores and tracker.response_id:
                                 # Recorded before the client can see the id, so a follow-up finds it.
-                                await self._remember(tracker.response_id, worker.id)
+                                await remember(self.watcher, tracker.response_id, worker.id,
+                                               self.settings.responses_ttl_s)
                                 stores = False
                             if b'"usage":{' in joined or b'"usage": {' in joined:
                                 for piece in out:
@@ -376,17 +367,17 @@ class Proxy:
                     if not tracker.resumable or resumes >= settings.max_resumes:
                         outcome = f"broken:{reason}"
                         yield tracker.error_event("The engine serving this stream failed and the stream cannot be "
-                                        "resumed elsewhere; the answer is incomplete.")
+                                                  f"resumed elsewhere{tracker.why_not}; the answer is incomplete.")
                         return
                     assert isinstance(tracker, StreamTracker)  # the only resumable kind
-                    body = continuation_body(attempt.body, attempt.kind, tracker.text,
-                                             tracker.content_chunks, worker.info.engine)
-                    if body is None:
+                    plan = continuation(attempt.body, attempt.kind, tracker.text, tracker.content_chunks,
+                                        continues_trailing_assistant(worker.info))
+                    if plan is None:
                         yield tracker.final_length_chunk()
                         return
                     resumes += 1
-                    try:
-                        choice, resp = await attempt.resume(body)
+                    try:  # shaped for whichever engine takes over, by what its worker declares
+                        choice, resp = await attempt.resume(shaped(plan.body))
                     except GatewayError as err:
                         outcome = f"broken:{reason}"
                         yield tracker.error_event(f"The stream could not be resumed on another worker: {err.message}")
@@ -410,6 +401,7 @@ class Proxy:
                     resp.close()
                 attempt.release(worker.id)
             elapsed = time.perf_counter() - started
+            tokens = tokens if tokens[1] else tracker.hidden_usage
             self.metrics.request_done(
                 str(fields["model"]), worker.id, 200, True, elapsed,
                 first_chunk_ms / 1000 if first_chunk_ms is not None else None, *tokens,
@@ -451,6 +443,7 @@ class _Attempt:
         self.own_tokens = max(0, facts.prompt_tokens - self.prefix) + (
             facts.max_tokens or _DEFAULT_COMPLETION_TOKENS)
         self.key = facts.affinity_key
+        self.headers = _FORWARD_HEADERS
 
     def hold(self, worker_id: str) -> None:
         self.proxy.inflight.add(worker_id, self.own_tokens, self.key, self.prefix)
@@ -480,7 +473,8 @@ class _Attempt:
                           self.tried, limit=1, full_at=proxy.settings.full_at)
         return decision.why or "slots" if decision.verdict == "saturated" else None
 
-    async def next(self, body: bytes | None = None) -> _Result:
+    async def next(self, body: Callable[[WorkerView], bytes] | None = None) -> _Result:
+        """Send the request (or `body(worker)`, shaped for the chosen worker) to the best worker left."""
         proxy = self.proxy
         if self.key is not None and self.count == 0:
             # Looked up now, not when the request arrived: it may have waited in the queue.
@@ -497,11 +491,14 @@ class _Attempt:
         url = worker.info.url + self.path
         try:
             with proxy.waits.waiting(worker.id):
-                resp = await proxy.upstream.post(url, body or self.body, _FORWARD_HEADERS, self.stream,
+                resp = await proxy.upstream.post(url, body(worker) if body else self.body, self.headers, self.stream,
                                                  self.first_byte_timeout() if self.stream else self.answer_timeout(worker))
         except UpstreamError as exc:
             self.release(worker.id)
             self._failed(worker, exc)
+        except BaseException:  # cancelled: the client hung up, the engine's request is closed
+            self.release(worker.id)
+            raise
         if self.stream and resp.status == 200:
             return choice, resp, (200, b"")
         try:
@@ -512,10 +509,13 @@ class _Attempt:
         finally:
             resp.release()
             self.release(worker.id)
+        if resp.status == 429:  # full, not sick: retried elsewhere, never held against it
+            self._failed(worker, Overloaded(f"Worker {worker.id} is at capacity.", retry_after=1), sick=False)
         if resp.status in RETRYABLE_STATUS:
             message = openai_error_body(resp.status, data).decode()
             self._failed(worker, UpstreamError(f"engine {worker.id} answered {resp.status}: {message[:300]}"))
-        proxy.breakers.success(worker.id)
+        if resp.status < 400:  # the client's 4xx says nothing of the engine's health
+            proxy.breakers.success(worker.id)
         if resp.status >= 400:
             data = openai_error_body(resp.status, data)
             if (tokens := refused_prompt_tokens(resp.status, data)) is not None:
@@ -533,7 +533,7 @@ class _Attempt:
         self.last_error = ContextLengthExceeded(error_message(data), param="messages")
         raise _Retryable(self.last_error)
 
-    async def resume(self, body: bytes) -> tuple[Choice, aiohttp.ClientResponse]:
+    async def resume(self, body: Callable[[WorkerView], bytes]) -> tuple[Choice, aiohttp.ClientResponse]:
         """Start the continuation of a broken stream on another worker (retried like a request)."""
         for _ in range(self.proxy.settings.retry_attempts):
             try:
@@ -586,9 +586,10 @@ class _Attempt:
             retry_after=1,
         )
 
-    def _failed(self, worker: WorkerView, error: GatewayError) -> NoReturn:
+    def _failed(self, worker: WorkerView, error: GatewayError, sick: bool = True) -> NoReturn:
         self.last_error = error
-        self.proxy.breakers.failure(worker.id, error.message)
+        if sick:
+            self.proxy.breakers.failure(worker.id, error.message)
         log.warning("gateway.attempt_failed", worker=worker.id, attempt=self.count, error=error.message)
         raise _Retryable(error)
 

@@ -39,11 +39,17 @@ class Message(msgspec.Struct):
     output: str | None = None
 
 
+class StreamOptions(msgspec.Struct):
+    # Kept loose: the engine judges the value; only `true` asks for the usage chunk.
+    include_usage: object = None
+
+
 class Probe(msgspec.Struct):
     """The fields of an OpenAI request that routing reads."""
 
     model: str
     stream: bool = False
+    stream_options: StreamOptions | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     user: str | None = None
@@ -62,6 +68,11 @@ class Probe(msgspec.Struct):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens or self.max_output_tokens
+
+    @property
+    def wants_usage(self) -> bool:
+        """Whether a stream's client asked for the final usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage is True
 
 
 class _Embeddings(msgspec.Struct):

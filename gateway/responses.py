@@ -14,6 +14,15 @@ if its engine dies (the conversation state is on that engine), it ends with an
 from __future__ import annotations
 
 import msgspec
+import structlog
+from redis.exceptions import RedisError
+
+from fleetgate.schema import WorkerView
+from gateway.errors import NotFound, NoWorkerAvailable
+from gateway.fleet import FleetWatcher
+from gateway.upstream import Upstream, openai_error_body
+
+log = structlog.get_logger("gateway.responses")
 
 # Events after which a Responses stream has nothing more to say.
 _TERMINAL = (b"event: response.completed", b"event: response.failed", b"event: response.incomplete",
@@ -52,8 +61,10 @@ class ResponsesTracker:
     the response's id (the first event carries it) and the stream's last event."""
 
     resumable = False
+    why_not = " (a Responses stream's state is on its engine)"
     finished = False
     text = ""
+    hidden_usage = (0, 0)
 
     def __init__(self) -> None:
         self.response_id = ""
@@ -90,3 +101,42 @@ class ResponsesTracker:
         payload = {"type": "error", "code": code, "message": message, "param": None,
                    "sequence_number": self._sequence}
         return b"event: error\ndata: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+async def owner_of(watcher: FleetWatcher, response_id: str, param: str) -> WorkerView:
+    """The worker that stores Responses API response `response_id` (NotFound if none does)."""
+    try:
+        owner = await watcher.registry.response_worker(response_id)
+    except (RedisError, OSError) as exc:  # the registry cannot say
+        raise NoWorkerAvailable("The gateway cannot reach its registry to find where response "
+                                f"`{response_id}` is stored; try again shortly.", retry_after=1) from exc
+    if owner is None:
+        raise NotFound(f"Response `{response_id}` is not known to this fleet: it was created with "
+                       "`store: false`, has expired, or never existed.", param=param,
+                       code="response_not_found")
+    view = watcher.snapshot.by_id.get(owner)
+    if view is None:
+        raise NotFound(f"Response `{response_id}` was stored on worker `{owner}`, which has left the "
+                       "fleet; its state is gone. Send the conversation in `input` instead.",
+                       param=param, code="response_not_found")
+    return view
+
+
+async def remember(watcher: FleetWatcher, response_id: str, worker_id: str, ttl_s: float) -> None:
+    """Record which worker stores `response_id`, for every gateway replica's follow-ups."""
+    try:
+        await watcher.registry.remember_response(response_id, worker_id, ttl_s)
+    except (RedisError, OSError) as exc:  # the answer still goes out; only follow-ups will miss it
+        log.warning("gateway.response_not_recorded", response_id=response_id, worker=worker_id,
+                    error=f"{type(exc).__name__}: {exc}")
+
+
+async def forward_stored(
+    upstream: Upstream, worker: WorkerView, method: str, path: str, query: str, timeout_s: float,
+) -> tuple[int, str, bytes]:
+    """A retrieve or cancel (`path`: the id and any suffix) on the worker storing the response."""
+    url = f"{worker.info.url}/v1/responses/{path}" + (f"?{query}" if query else "")
+    status, content_type, data = await upstream.call(method, url, timeout_s)
+    if status >= 400:
+        data, content_type = openai_error_body(status, data), "application/json"
+    return status, content_type, data

@@ -2,10 +2,16 @@
 
 `StreamTracker` keeps every event the client is sent and, only when a stream
 breaks, decodes them for the text so far, the response id and whether the request
-can be resumed faithfully. When the engine dies or stalls, `continuation_body` builds the
-request that makes another engine carry on from that text, and the tracker rewrites
-the new engine's events so the client sees one stream: the same id, no repeated
-role chunk, one finish_reason, usage summed.
+can be resumed faithfully. When the engine dies or stalls, a `Continuation` builds the
+request that makes another engine carry on from that text, shaped for the engine that
+takes over (whether it continues a trailing assistant message by itself: a capability
+its worker declares, gateway/capabilities.py), and the tracker rewrites the new
+engine's events so the client sees one stream: the same id, no repeated role chunk,
+one finish_reason, usage summed (and kept from a client that did not ask for it).
+
+A constrained stream (`response_format`, guided decoding, tools) is resumed only
+before any of its text was sent: another engine would start the constraint over
+after the prefilled text (a second JSON object, say), so it ends with an error event.
 """
 
 from __future__ import annotations
@@ -15,12 +21,14 @@ from typing import Any
 
 import msgspec
 
+from gateway.metrics import usage_of
 from gateway.upstream import sse_error
 
 DONE = b"data: [DONE]\n\n"
 
-# Engines that continue a trailing assistant message by themselves (no vLLM flags).
-_CONTINUES_TRAILING_ASSISTANT = ("lmdeploy", "swift")
+# Request fields for guided decoding (older and newer names), which some engines accept
+# beyond OpenAI's API.
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
 class _Delta(msgspec.Struct):
@@ -46,32 +54,68 @@ class _Chunk(msgspec.Struct):
 _chunk = msgspec.json.Decoder(_Chunk)
 
 
-def resumable_request(body: bytes, kind: str) -> bool:
-    """Whether a stream of this request can be continued elsewhere without changing its meaning."""
+def _usage_only(payload: bytes) -> bool:
+    """The chunk `stream_options.include_usage` adds: `"choices": []` and the usage."""
+    return (b'"choices":[]' in payload or b'"choices": []' in payload) and b'"usage"' in payload
+
+
+_INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'
+
+
+def with_usage(body: bytes) -> bytes:
+    """A stream request's body that asks the engine for its usage chunk, so that the gateway
+    counts the tokens of every stream (the relay drops that chunk for a client that did not
+    ask for it). `body` is a JSON object with fields (parse_request checked it)."""
+    if b'"stream_options"' not in body:
+        start = body.index(b"{") + 1
+        return body[:start] + _INCLUDE_USAGE + body[start:]
+    d = msgspec.json.decode(body)
+    options = d.get("stream_options")
+    d["stream_options"] = {**options, "include_usage": True} if isinstance(options, dict) else {"include_usage": True}
+    return msgspec.json.encode(d)
+
+
+def unresumable(body: bytes, kind: str, text_sent: bool) -> str | None:
+    """Why a stream of this request cannot be continued elsewhere without changing its meaning
+    (None: it can), once `text_sent` or not."""
     try:
         d = msgspec.json.decode(body)
     except msgspec.DecodeError:
-        return False
+        return "its body is not JSON"
     if not isinstance(d, dict):
-        return False
+        return "its body is not an object"
     if (d.get("n") or 1) != 1 or (d.get("best_of") or 1) != 1:
-        return False
+        return "it asks for several choices"
     if d.get("logprobs") or d.get("top_logprobs") or d.get("echo"):
-        return False
+        return "it asks for logprobs or echo"
     if kind == "completion" and not isinstance(d.get("prompt"), str):
-        return False
-    return True
+        return "its prompt is not one string"
+    if text_sent:
+        fmt = d.get("response_format")
+        if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
+            return f"its response_format {fmt.get('type')} would start over on another engine"
+        if any(d.get(name) is not None for name in _GUIDED):
+            return "its guided decoding would start over on another engine"
+        if d.get("tools") and d.get("tool_choice") != "none":
+            return "it offers tools, whose parsing would start over on another engine"
+    return None
 
 
 class StreamTracker:
     """Follows one stream. The common case (nothing breaks) costs a list append and two byte
     searches per event: events are only decoded when the stream must be resumed."""
 
-    def __init__(self, kind: str, resumable: Callable[[], bool]) -> None:
+    def __init__(self, kind: str, unresumable: Callable[[bool], str | None], hide_usage: bool = False) -> None:
         self.kind = kind
-        # Asked only when the stream breaks (it decodes the whole request body).
-        self._resumable = resumable
+        # The gateway asked the engine for usage, the client did not: its chunk is dropped.
+        self.hide_usage = hide_usage
+        self.hidden_usage = (0, 0)
+        # Asked only when the stream breaks (it decodes the whole request body), with
+        # whether any text was sent.
+        self._unresumable = unresumable
         self.resumable = True
+        # Why not, for the client's error event: " (<reason>)" or "".
+        self.why_not = ""
         # The data payloads the client was sent, as sent.
         self.sent: list[bytes] = []
         self.finished = False
@@ -91,6 +135,11 @@ class StreamTracker:
         if payload == b"[DONE]":
             self.done = True
             return DONE
+        if self.hide_usage and _usage_only(payload):
+            prompt, completion = usage_of(payload)
+            before = self._usage_before  # summed over segments as _merge_usage does
+            self.hidden_usage = (max(0, prompt - before), completion + before)
+            return None
         if self.segment == 0:
             self.sent.append(payload)
             if b'"finish_reason":"' in payload or b'"finish_reason": "' in payload:
@@ -104,8 +153,8 @@ class StreamTracker:
 
     def analyse(self) -> None:
         """Decode what was sent: the text so far, its id, and whether it can be continued."""
-        self.resumable = self.resumable and self._resumable()
         text: list[str] = []
+        why_not = None
         chunks = 0
         for payload in self.sent:
             try:
@@ -123,11 +172,14 @@ class StreamTracker:
                     chunks += 1
                 if choice.delta is not None and choice.delta.tool_calls:
                     # Half a tool call's arguments cannot be continued faithfully.
-                    self.resumable = False
+                    why_not = "a tool call was being streamed"
                 if choice.finish_reason:
                     self.finished = True
         self.text = "".join(text)
         self.content_chunks = chunks
+        why_not = why_not or self._unresumable(bool(self.text))
+        if self.resumable and why_not:
+            self.resumable, self.why_not = False, f" ({why_not})"
 
     def _rewrite(self, payload: bytes) -> bytes | None:
         try:
@@ -183,8 +235,46 @@ class StreamTracker:
         return b"data: " + msgspec.json.encode(body) + b"\n\n" + DONE
 
 
-def continuation_body(body: bytes, kind: str, text: str, tokens_sent: int, engine: str) -> bytes | None:
-    """The request that continues `text` on another engine; None when nothing is left to generate."""
+class Continuation:
+    """The request that continues a broken stream from `text`, for whichever engine takes over."""
+
+    def __init__(self, request: dict[str, Any], kind: str, text: str, first_continued: bool) -> None:
+        self.request = request
+        self.kind = kind
+        self.text = text
+        # Whether the first engine read a trailing assistant message of the client's as the
+        # start of its answer (it continues one by itself, or the client asked it to with
+        # `continue_final_message`).
+        self.first_continued = first_continued
+
+    def body(self, continues_trailing_assistant: bool) -> bytes:
+        """The body for an engine that continues a trailing assistant message by itself, or not
+        (then it needs `continue_final_message`, else it starts a new reply after the text)."""
+        d = dict(self.request)
+        if not self.text:
+            return msgspec.json.encode(d)
+        if self.kind == "completion":
+            d["prompt"] = d["prompt"] + self.text
+            return msgspec.json.encode(d)
+        messages = list(d["messages"])
+        if (self.first_continued or d.get("continue_final_message")) and messages[-1].get("role") == "assistant":
+            last = dict(messages[-1])
+            last["content"] = (last.get("content") or "") + self.text
+            messages[-1] = last
+        else:
+            messages.append({"role": "assistant", "content": self.text})
+        d["messages"] = messages
+        if not continues_trailing_assistant:
+            d["continue_final_message"] = True
+            d["add_generation_prompt"] = False
+        return msgspec.json.encode(d)
+
+
+def continuation(
+    body: bytes, kind: str, text: str, tokens_sent: int, first_continues: bool,
+) -> Continuation | None:
+    """How to continue `text` elsewhere (`first_continues`: the engine that broke continues a
+    trailing assistant message by itself); None when nothing is left to generate."""
     d = msgspec.json.decode(body)
     for key in ("max_completion_tokens", "max_tokens"):
         if d.get(key):
@@ -192,20 +282,4 @@ def continuation_body(body: bytes, kind: str, text: str, tokens_sent: int, engin
             if left <= 0:
                 return None
             d[key] = left
-    if not text:
-        return msgspec.json.encode(d)
-    if kind == "completion":
-        d["prompt"] = d["prompt"] + text
-        return msgspec.json.encode(d)
-    messages = list(d["messages"])
-    if d.get("continue_final_message") and messages and messages[-1].get("role") == "assistant":
-        last = dict(messages[-1])
-        last["content"] = (last.get("content") or "") + text
-        messages[-1] = last
-    else:
-        messages.append({"role": "assistant", "content": text})
-    d["messages"] = messages
-    if not any(name in engine for name in _CONTINUES_TRAILING_ASSISTANT):
-        d["continue_final_message"] = True
-        d["add_generation_prompt"] = False
-    return msgspec.json.encode(d)
+    return Continuation(d, kind, text, first_continues)

@@ -28,6 +28,10 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S
     # Full re-read of the registry; pub/sub events trigger one at once in between.
     refresh_interval_s: float = 1.0
+    # A model the fleet served this recently gets 503 + Retry-After while no worker serves
+    # it (its workers left or restart), not 404 model_not_found; so does every model while
+    # the registry cannot be read. Only these names become metrics labels.
+    model_memory_s: float = 600.0
     admin_token: str = ""
     # Shared with the agents: records not signed with it are ignored (empty: no signing).
     registration_secret: str = ""
@@ -64,6 +68,8 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Circuit breaker: failures in a row that open it, and its first cooldown.
     breaker_threshold: int = 3
     breaker_cooldown_s: float = 5.0
+    # Each failed probe doubles the cooldown, up to this.
+    breaker_max_cooldown_s: float = 60.0
     # Load shedding: a worker is full at capacity x (1 + shed_queue_ratio) outstanding
     # requests, or at shed_kv KV-cache use with a queue; when all are, requests wait up
     # to queue_timeout_s in a queue of at most queue_max, then get 429.

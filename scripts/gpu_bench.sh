@@ -591,7 +591,7 @@ for step in "$@"; do
     all) setup; start; bench; lmdeploy_checks; collect ;;
     setup|start|bench|summarise|lmdeploy_checks|collect|stop|pressure|pcollect) "$step" ;;
     pressure-all) pressure_all ;;
-    pcapacity) mkdir -p "$P_DIR"; p_fleet_yaml; p_redis; p_capacity ;;
+    pcapacity) mkdir -p "$P_DIR"; p_fleet_yaml; p_redis && p_capacity ;;
     vllm) start_vllm ;;  # the engines alone (after a failed start: agents already wait for them)
     lmdeploy) lmdeploy_checks ;;
     *) echo "unknown step $step (all|setup|start|bench|lmdeploy|collect|stop|pressure-all|pressure|pcapacity|pcollect)" >&2; exit 2 ;;

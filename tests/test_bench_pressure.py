@@ -215,6 +215,10 @@ def test_summary_routing_figures_and_affinity_ratios() -> None:
     assert (fleet["herded_windows"], fleet["windows"]) == (1, 2)
     # tenant-0: 5 + 5 on w0 -> home; tenant-1: 5 on w0, 5 on w1 -> 5 of 20 away.
     assert fleet["off_majority"] == 0.25 and fleet["prompt_tokens_mean"] == 100.0
+    # TTFT p50 of the later half of the arrivals: a queue growing through the run.
+    growing = [Outcome(id=i, tag="", at=float(i), status=200, worker="w0", ttft=0.1 if i < 5 else 2.0)
+               for i in range(10)]  # fmt: skip
+    assert summarise("pressure", "x", growing, 10.0, {})["ttft_p50_late"] == 2.0
     oracle = {**fleet, "policy": "tenant_affinity", "ttft_p99": 0.05, "preemptions": 0.0}
     rows = {r["policy"]: r for r in ratios([oracle, fleet], "tenant_affinity")}
     assert rows["fleet"]["ttft_p99"] == pytest.approx(fleet["ttft_p99"] / 0.05) and rows["fleet"]["preemptions"] is None
@@ -254,6 +258,7 @@ def test_capacity_search_counts_errors_and_gives_up() -> None:
 
     rate, steps = find_capacity(failing, start=4.0, target_p50=0.2, min_rate=1.0)
     assert rate is None and [s.rate for s in steps] == [4.0, 2.0, 1.0]
+    assert not passes({"ttft_p50": 0.1, "ttft_p50_late": 0.3, "errors": 0, "requests": 100}, 0.2)
     cut = {"ttft_p50": 0.1, "errors": 2, "requests": 100, "error_kinds": {"timeout": 2}}
     assert not passes(cut, 0.2) and passes({**cut, "errors": 1}, 0.2)
     assert not passes({**cut, "errors": 0, "ttft_p50": 0.2}, 0.2)
@@ -385,5 +390,11 @@ def test_tables_over_runs_and_issue_checks(tmp_path: Path) -> None:
         "ample: TTFT p99 <= 1.3x tenant_affinity": None,
         "skew: TTFT p99 below tenant_affinity": False,
     }
+    # A baseline that never preempted: fleet's preemptions above zero fail, zero passes.
+    zero = {**m, ("pressure", "round_robin"): {**m[("pressure", "round_robin")], "preemptions": 0.0}}
+    row = next(c for c in checks(zero) if "preemptions" in c[0])
+    assert row[1] is False and row[2] == "50 vs round_robin's 0"
+    zero[("pressure", "fleet")] = {**m[("pressure", "fleet")], "preemptions": 0.0}
+    assert next(c for c in checks(zero) if "preemptions" in c[0])[1] is True
     text = markdown(runs, {"capacity_rps": 128.0, "strategy": "tenant_affinity", "target_ttft_p50": 0.2, "steps": []})
     assert "capacity rate: 128.0 req/s" in text and "fleet_overloaded 3" in text and "| FAIL |" in text

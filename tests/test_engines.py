@@ -275,6 +275,24 @@ def test_start_time_adapters_refuse_runtime_changes(name: str) -> None:
     assert asyncio.run(attempt()) == [501, 501]
 
 
+@pytest.mark.parametrize(("name", "options", "continues"), [
+    ("vllm", {}, False),
+    ("lmdeploy", {}, True),
+    ("swift", {}, True),
+    ("swift", {"infer_backend": "vllm"}, True),  # swift's own template, whatever runs under it
+    ("sim", {}, False),  # the simulator's default flavour is vLLM's
+    ("sim", {"flavor": "vllm"}, False),
+    ("sim", {"flavor": "lmdeploy"}, True),
+])
+def test_each_engine_declares_whether_it_continues_a_trailing_assistant_message(
+    name: str, options: dict[str, Any], continues: bool,
+) -> None:
+    """Every engine file answers for itself (the gateway resumes cut streams by it); the simulator
+    answers as the engine whose flavour it speaks."""
+    spec = EngineSpec(model="m", served_name="m", port=1, options=options)
+    assert get_engine(name).continues_trailing_assistant(spec) is continues
+
+
 def test_engine_capabilities() -> None:
     """LMDeploy reports load through /metrics; swift has none, so the gateway's count is its load."""
     assert {"lmdeploy", "swift"} <= set(known_engines())

@@ -27,6 +27,7 @@ import pytest
 from tests.test_simulator import FAST, Sim, free_port
 from tests.test_simulator_responses import keys
 from workers.simulator.__main__ import config_from_args
+from workers.simulator.tokens import default_system
 
 CAPTURES = Path(__file__).resolve().parent / "data" / "vllm_pooling"
 TINY = Path(__file__).resolve().parent.parent / ".cache" / "tiny" / "model"
@@ -332,6 +333,54 @@ def test_tokenize_matches_vllm_with_the_tiny_tokenizer(gen: Sim) -> None:
         )
     oov = httpx.post(gen.url + "/detokenize", json={"model": "tiny", "tokens": [42, 99999]})
     assert (oov.status_code, oov.json()) == capture("gen-detokenize-oov.txt")
+
+
+def test_chat_prompt_carries_the_templates_default_system(gen: Sim) -> None:
+    """With the tiny model's folder, a chat without a system message gets the one its chat
+    template adds, as in vLLM: /tokenize answers the captured ids, and chat usage counts
+    vLLM's 27 prompt tokens for "Hi" (tests/data/vllm_choices/chat-n3.txt)."""
+    needs_tiny()
+    hi_there = [{"role": "user", "content": "Hi there"}]
+    for name, extra in (("gen-tokenize-chat.txt", {}),
+                        ("gen-tokenize-noprompt-gen.txt", {"add_generation_prompt": False})):  # fmt: skip
+        body = {"model": "tiny", "messages": hi_there, **extra}
+        assert httpx.post(gen.url + "/tokenize", json=body).json() == capture(name)[1]
+    chat = httpx.post(gen.url + "/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})  # fmt: skip
+    assert chat.json()["usage"]["prompt_tokens"] == 27
+    own = [{"role": "system", "content": "Be brief."}, *hi_there]
+    counted = httpx.post(gen.url + "/tokenize", json={"model": "tiny", "messages": own}).json()
+    assert "You are a helpful" not in httpx.post(
+        gen.url + "/detokenize", json={"model": "tiny", "tokens": counted["tokens"]}
+    ).json()["prompt"]
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        ({"chat_template.jinja": "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"},
+         "You are a helpful assistant."),
+        # Qwen2.5's: in tokenizer_config.json, the default in an else branch
+        ({"tokenizer_config.json": json.dumps({"chat_template": "{%- if messages[0]['role'] == 'system' %}"
+          "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- else %}"
+          "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud.<|im_end|>\\n' }}{%- endif %}"})},
+         "You are Qwen, created by Alibaba Cloud."),
+        # named templates: the default one
+        ({"tokenizer_config.json": json.dumps({"chat_template": [
+            {"name": "tool_use", "template": "{{ '<|im_start|>system\\nTools<|im_end|>\\n' }}"},
+            {"name": "default", "template": "{{ '<|im_start|>system\\nDefault.<|im_end|>\\n' }}"}]})},
+         "Default."),
+        # a system turn only from the messages: no default
+        ({"chat_template.jinja": "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"}, None),
+        ({}, None),
+    ],
+)  # fmt: skip
+def test_default_system_read_from_the_chat_template(tmp_path: Path, files: dict[str, str],
+                                                    expected: str | None) -> None:  # fmt: skip
+    """The default system message is a literal ChatML system turn of the template."""
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    assert default_system(tmp_path) == expected
 
 
 TOKENIZER_ERRORS = [

@@ -12,6 +12,9 @@ retries), likewise, printing the engine's last log lines. A hung engine (probes 
 a few times in a row) is published unhealthy, out of routing, until a probe passes again.
 If Redis loses the record (a restart), the next heartbeat notices and registers again,
 re-asserting an operator's drain; a worker an operator removed never registers again.
+If the gateways reject the record (no registration secret, or another one), the agent
+learns it from the registry while starting and for a few seconds after turning ready, and
+exits non-zero, stopping its engine.
 """
 
 from __future__ import annotations
@@ -83,6 +86,16 @@ class RemovedByOperator(Exception):
     pass
 
 
+class Rejected(Exception):
+    """The gateways ignore this worker's record; the message says why (registry.unsigned)."""
+
+
+# Rejections are looked for while starting and this long after turning ready (registering
+# clears the key; a gateway writes it again within ~2 s). Only then: a gateway that turns up
+# later with the wrong secret must not take down workers that the others route to.
+REJECTION_WATCH_S = 5.0
+
+
 class Agent:
     def __init__(self, options: AgentOptions, engine: Engine) -> None:
         self.opts = options
@@ -97,6 +110,7 @@ class Agent:
         self.admin_drain = False
         self._published_unhealthy = False
         self._discovered_at = time.monotonic()
+        self._watch_rejection_until = float("inf")
         self.log = log.bind(worker=options.worker_id, engine=options.engine)
 
     # -- lifecycle --------------------------------------------------------------
@@ -142,6 +156,9 @@ class Agent:
             code = 1
         except RemovedByOperator:
             self.log.info("agent.removed", reason="an operator removed this worker; stopping")
+        except Rejected as exc:
+            self._report_rejected(str(exc))
+            code = 1
         finally:
             with contextlib.suppress(Exception):
                 await self.registry.deregister(self.opts.worker_id)
@@ -172,6 +189,13 @@ class Agent:
             print(f"--- the last {len(tail)} lines of {self.opts.engine_log} ---", *tail,
                   "--- end of the engine's log ---", sep="\n", file=sys.stderr, flush=True)
 
+    def _report_rejected(self, reason: str) -> None:
+        hint = ("set FLEETGATE_REGISTRATION_SECRET for this agent to the same registration secret "
+                "as the gateways")
+        self.log.error("agent.rejected", reason=reason, hint=hint)
+        print(f"the gateways ignore worker {self.opts.worker_id}'s record ({reason}): {hint}",
+              file=sys.stderr, flush=True)
+
     # -- starting ---------------------------------------------------------------------
 
     def _initial_info(self) -> WorkerInfo:
@@ -196,6 +220,7 @@ class Agent:
             runtime_lora=self.engine.runtime_lora,
             max_loras=self.engine.max_loras(spec),
             reports_load=self.engine.reports_load,
+            continues_trailing_assistant=self.engine.continues_trailing_assistant(spec),
             pooling=pooling(spec),
             agent_pid=os.getpid(),
             started_at=time.time(),
@@ -213,6 +238,7 @@ class Agent:
             if time.monotonic() - last_beat >= self.opts.heartbeat_interval_s:
                 last_beat = time.monotonic()
                 await self._handle(await self._beat(Load(ts=time.time())))
+                await self._check_rejected()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), 0.25)
         url = self.opts.base_url + self.engine.health_path
@@ -243,7 +269,9 @@ class Agent:
         assert self.info is not None
         if await self._was_removed():
             raise RemovedByOperator
+        await self._check_rejected()
         self.state = "ready"
+        self._watch_rejection_until = time.monotonic() + REJECTION_WATCH_S
         await self._register_quietly("ready")
         self.log.info("agent.ready", url=self.info.url, model=self.info.model,
                       adapters=list(self.info.adapters), max_model_len=self.info.max_model_len,
@@ -266,6 +294,18 @@ class Agent:
         except Exception as exc:
             self.log.warning("agent.registry_unreachable", error=repr(exc))
             return False
+
+    async def _check_rejected(self) -> None:
+        """Raise Rejected if a gateway said it ignores this record (while still watching)."""
+        if time.monotonic() > self._watch_rejection_until:
+            return
+        try:
+            reason = await self.registry.rejection(self.opts.worker_id)
+        except Exception as exc:  # Redis away: the next beat asks again
+            self.log.warning("agent.registry_unreachable", error=repr(exc))
+            return
+        if reason:
+            raise Rejected(reason)
 
     async def _beat(self, load: Load, announce: bool = False) -> HeartbeatReply | None:
         """The registry's answer to a heartbeat; None when Redis is unreachable."""
@@ -327,6 +367,7 @@ class Agent:
         if reply is not None:
             self._published_unhealthy = bool(unhealthy)
         await self._handle(reply)
+        await self._check_rejected()
 
     async def _rediscover(self) -> None:
         """Adapters can be loaded and unloaded at runtime (by a gateway, or by hand): keep the

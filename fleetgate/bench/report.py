@@ -39,7 +39,11 @@ def summarise(
     ok = [o for o in outcomes if not o.error]
     # Timed-out requests count with their censored TTFT (a lower bound), so a policy cannot
     # look good by leaving its slowest requests unfinished.
-    ttfts = [o.ttft for o in outcomes if o.ttft is not None and (not o.error or o.error == "timeout")]
+    timed = [o for o in outcomes if o.ttft is not None and (not o.error or o.error == "timeout")]
+    ttfts = [o.ttft for o in timed if o.ttft is not None]
+    # The later half of the arrivals: a queue that grows through the run shows there first.
+    mid = (min(o.at for o in outcomes) + max(o.at for o in outcomes)) / 2 if outcomes else 0.0
+    late = [o.ttft for o in timed if o.ttft is not None and o.at >= mid]
     e2es = [o.e2e for o in ok if o.e2e is not None]
     kinds = Counter(o.error for o in outcomes if o.error)
     workers = Counter({w: 0 for w in all_workers})
@@ -69,6 +73,7 @@ def summarise(
         "ttft_p50": percentile(ttfts, 50),
         "ttft_p90": percentile(ttfts, 90),
         "ttft_p99": percentile(ttfts, 99),
+        "ttft_p50_late": percentile(late, 50),
         "e2e_p50": percentile(e2es, 50),
         "e2e_p99": percentile(e2es, 99),
         "errors": sum(kinds.values()),

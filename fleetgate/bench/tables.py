@@ -7,7 +7,7 @@ those means against the tenant_affinity client's, and issue 14's "Done when" che
 gateway's `fleet` policy:
 
 * pressure: TTFT p50 <= 1.3x and p99 <= 1.5x tenant_affinity's, output tok/s >= 0.97x,
-  preemptions <= 5% of round-robin's, zero 429s;
+  preemptions <= 5% of round-robin's (direct_round_robin's where it ran), zero 429s;
 * ample: TTFT p99 <= 1.3x tenant_affinity's;
 * skew: TTFT p99 below tenant_affinity's.
 
@@ -17,6 +17,7 @@ gateway's `fleet` policy:
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 import sys
@@ -85,8 +86,14 @@ def checks(m: Mapping[tuple[str, str], Mapping[str, Any]], subject: str = SUBJEC
               base: str = AFFINITY, of_base: bool = True) -> None:  # fmt: skip
         s, b = m.get((scenario, subject)), m.get((scenario, base))
         x = s.get(key) if s else None
-        value = _ratio(x, b.get(key) if b else None) if of_base else x
+        y = b.get(key) if b else None
         label = f"{scenario}: {what}"
+        if of_base and x is not None and y == 0:
+            # No ratio to a zero (e.g. a baseline that never preempted): as a ratio, any
+            # figure above zero is infinitely many times it.
+            out.append((label, test(0.0 if x == 0 else math.inf), f"{x:.3g} vs {base}'s 0"))
+            return
+        value = _ratio(x, y) if of_base else x
         if value is None:
             out.append((label, None, "not measured"))
         else:
@@ -95,7 +102,9 @@ def checks(m: Mapping[tuple[str, str], Mapping[str, Any]], subject: str = SUBJEC
     check("pressure", "TTFT p50 <= 1.3x tenant_affinity", "ttft_p50", lambda v: v <= 1.3)
     check("pressure", "TTFT p99 <= 1.5x tenant_affinity", "ttft_p99", lambda v: v <= 1.5)
     check("pressure", "output tok/s >= 0.97x tenant_affinity", "out_tok_s", lambda v: v >= 0.97)
-    rr = "round_robin" if ("pressure", "round_robin") in m else "direct_round_robin"
+    # The client's round-robin where it ran: the gateway's may refuse requests with 429s
+    # (which then cannot preempt), so its preemptions understate a cache-blind spread.
+    rr = "direct_round_robin" if ("pressure", "direct_round_robin") in m else "round_robin"
     check("pressure", f"preemptions <= 5% of {rr}", "preemptions", lambda v: v <= 0.05, base=rr)
     check("pressure", "zero 429s (mean per run)", "http_429", lambda v: v == 0, of_base=False)
     check("ample", "TTFT p99 <= 1.3x tenant_affinity", "ttft_p99", lambda v: v <= 1.3)
@@ -112,7 +121,9 @@ def _f(v: Any, unit: str = "") -> str:
         return f"{v:.3f}" if v < 10 else f"{v:.1f}"
     if unit == "x":
         return f"{v:.2f}x"
-    return f"{v:,.0f}" if isinstance(v, (int, float)) and abs(v) >= 10 else (f"{v:.2f}" if isinstance(v, float) else str(v))
+    if isinstance(v, float) and (abs(v) >= 10 or v.is_integer()):
+        return f"{v:,.0f}"
+    return f"{v:.2f}" if isinstance(v, float) else f"{v:,}"
 
 
 def _md(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -134,8 +145,8 @@ def markdown(runs: Sequence[Mapping[str, Any]], capacity: Mapping[str, Any] | No
         share = " / ".join(f"{v:.0%}" for v in (r.get("worker_share") or {}).values())
         other = ", ".join(f"{k} {n}" for k, n in (r.get("error_kinds") or {}).items() if k != "http_429") or "0"
         rows.append([r["scenario"], r["strategy"], str(r["round"]), str(r["requests"]), _f(r["ttft_p50"], "s"),
-                     _f(r["ttft_p99"], "s"), _f(r["e2e_p99"], "s"), _f(r["out_tok_s"]), codes, other, _f(r.get("preemptions")), _f(r.get("prefix_hit_rate"), "%"),
-                     share, f"{r.get('herded_windows', 0)}/{r.get('windows', 0)}", _f(r.get("off_majority"), "%"),
+                     _f(r["ttft_p99"], "s"), _f(r["e2e_p99"], "s"), _f(r["out_tok_s"]), codes, other,
+                     _f(r.get("preemptions")), _f(r.get("prefix_hit_rate"), "%"), share, f"{r.get('herded_windows', 0)}/{r.get('windows', 0)}", _f(r.get("off_majority"), "%"),
                      _f(r.get("peak_waiting"))])  # fmt: skip
     lines += _md(["scenario", "strategy", "round", "requests", "TTFT p50 s", "TTFT p99 s", "E2E p99 s", "out tok/s",
                   "429s by code", "other errors", "preemptions", "hit rate", "share", "herded s", "off-home",

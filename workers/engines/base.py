@@ -76,6 +76,13 @@ class Engine(Protocol):
         """Adapter slots (0 when LoRA is off)."""
         ...
 
+    def continues_trailing_assistant(self, spec: EngineSpec) -> bool:
+        """Whether a chat whose last message is the assistant's is continued by the engine itself
+        (True), or needs `continue_final_message: true, add_generation_prompt: false` to be
+        (False: without them it starts a new reply after it). The gateway resumes cut streams
+        by it."""
+        ...
+
     def parse_metrics(self, text: str) -> Load:
         """One load record from the engine's Prometheus text."""
         ...

@@ -112,6 +112,9 @@ class LmdeployEngine:
         # Every start-time adapter stays resident; there are no other slots.
         return len(spec.adapters)
 
+    def continues_trailing_assistant(self, spec: EngineSpec) -> bool:
+        return True  # its chat template leaves a trailing assistant message open
+
     def parse_metrics(self, text: str) -> Load:
         return parse_lmdeploy_metrics(text)
 

@@ -2,7 +2,9 @@
 
 With `options["flavor"] = "lmdeploy"` it speaks LMDeploy's dialect instead; its metrics are
 then read under LMDeploy's names (the parser recognises them) and it has no runtime
-adapter API, like LMDeploy.
+adapter API, like LMDeploy, and continues a trailing assistant message by itself. Attached
+as `--engine external --flavor sim`, the agent knows the flavour only from `--option
+flavor=...` (vLLM's without it, as the simulator's own default).
 """
 
 from __future__ import annotations
@@ -83,6 +85,10 @@ class SimEngine:
         if not lora_enabled(spec):
             return 0
         return int(spec.options.get("max_loras") or max(4, len(spec.adapters)))
+
+    def continues_trailing_assistant(self, spec: EngineSpec) -> bool:
+        # As the engine whose dialect it speaks (the simulator's default flavour is vLLM's).
+        return spec.options.get("flavor", "vllm") == "lmdeploy"
 
     def parse_metrics(self, text: str) -> Load:
         if "lmdeploy:" in text:

@@ -129,6 +129,10 @@ class SwiftEngine:
     def max_loras(self, spec: EngineSpec) -> int:
         return len(spec.adapters)
 
+    def continues_trailing_assistant(self, spec: EngineSpec) -> bool:
+        # Swift applies its own template whatever the backend, and continues the message.
+        return True
+
     def parse_metrics(self, text: str) -> Load:
         # No /metrics; the agent never calls this (metrics_path is None).
         return Load()

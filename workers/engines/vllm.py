@@ -167,6 +167,9 @@ class VllmEngine:
             return 0
         return int(spec.options.get("max_loras") or max(4, len(spec.adapters)))
 
+    def continues_trailing_assistant(self, spec: EngineSpec) -> bool:
+        return False  # only with continue_final_message
+
     def parse_metrics(self, text: str) -> Load:
         return parse_vllm_metrics(text)
 

@@ -120,7 +120,10 @@ def _prompts(body: Mapping[str, Any], ctx: Context) -> list[tuple[list[int], boo
         ):
             raise invalid(("list_type", "body.messages", "Input should be a valid list", "..."))
         add_prompt = bool(body.get("add_generation_prompt", False))
-        text = render_chat(messages, add_generation_prompt=add_prompt, continue_final=False)
+        text = render_chat(
+            messages, add_generation_prompt=add_prompt, continue_final=False,
+            default_system=ctx.tokens.chat_system,
+        )  # fmt: skip
         return [(ctx.tokens.encode(text), True)]
     if "input" not in body:
         raise invalid(("missing", "body.input", "Field required", f"<dict of {len(body)} items>"))

@@ -89,14 +89,14 @@ def _stop(value: Any) -> tuple[str, ...]:
     raise bad("stop must be a string or a list of strings", "stop")
 
 
-def _chat_prompt(body: Mapping[str, Any], flavor: Flavor) -> str:
+def _chat_prompt(body: Mapping[str, Any], ctx: Context) -> str:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages must be a non-empty list", "messages")
     if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
         raise bad("every message needs a string role", "messages")
     trailing_assistant = messages[-1]["role"] == "assistant"
-    if flavor.continue_trailing_assistant:
+    if ctx.flavor.continue_trailing_assistant:
         continue_final, add_prompt = trailing_assistant, not trailing_assistant
     else:
         continue_final = bool(body.get("continue_final_message", False))
@@ -109,8 +109,9 @@ def _chat_prompt(body: Mapping[str, Any], flavor: Flavor) -> str:
             raise bad("continue_final_message needs a final assistant message", "messages")
     try:
         return render_chat(
-            messages, add_generation_prompt=add_prompt, continue_final=continue_final
-        )
+            messages, add_generation_prompt=add_prompt, continue_final=continue_final,
+            default_system=ctx.tokens.chat_system,
+        )  # fmt: skip
     except ValueError as exc:
         raise bad(str(exc), "messages") from exc
 
@@ -254,7 +255,7 @@ def prepare(body: Any, kind: Kind, ctx: Context) -> Prepared:
     if not multi and body.get("n") not in (None, 1):
         raise bad("the simulator supports n=1 only", "n")
     if kind == "chat":
-        text = _chat_prompt(body, ctx.flavor)
+        text = _chat_prompt(body, ctx)
         texts_ids = [(text, ctx.tokens.encode(text))]
     elif multi:
         texts_ids = encode_prompts(prompts, ctx.tokens)

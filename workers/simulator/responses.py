@@ -183,7 +183,10 @@ class Responses:
             if previous is None:
                 raise not_found(str(previous_id))
         messages = _conversation(body, previous)
-        prompt_text = render_chat(messages, add_generation_prompt=True, continue_final=False)
+        prompt_text = render_chat(
+            messages, add_generation_prompt=True, continue_final=False,
+            default_system=ctx.tokens.chat_system,
+        )  # fmt: skip
         prompt_ids = ctx.tokens.encode(prompt_text)
         n, limit = len(prompt_ids), ctx.max_model_len
         if n > limit:

@@ -241,7 +241,7 @@ class Scheduler:
                     self.deferred.add(seq)
                     continue
                 plan.lora_loads += int(got)
-            # Full prompt blocks only, and never the whole prompt: the last token is computed.
+            # Full blocks only, and never the whole sequence: its last token is computed.
             hit = self.pool.lookup(seq.hashes, (seq.num_tokens - 1) // bs)
             seq.num_computed = len(hit) * bs
             n = min(seq.num_tokens - seq.num_computed, budget)

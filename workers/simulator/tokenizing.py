@@ -41,8 +41,9 @@ def tokenize(body: Any, ctx: Context) -> Json:
             )
         try:
             text = render_chat(
-                messages, add_generation_prompt=add_prompt, continue_final=continue_final
-            )
+                messages, add_generation_prompt=add_prompt, continue_final=continue_final,
+                default_system=ctx.tokens.chat_system,
+            )  # fmt: skip
         except ValueError as exc:
             raise bad(str(exc), "messages") from exc
     elif isinstance(body.get("prompt"), str):

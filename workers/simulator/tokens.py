@@ -2,7 +2,9 @@
 
 Prompts are counted with the model folder's tokenizer.json when there is one; otherwise
 with a byte-level estimate a gateway can mirror: ceil(utf-8 bytes / 4), each 4-byte chunk
-standing for one token id. Chat messages are rendered ChatML-style before counting.
+standing for one token id. Chat messages are rendered ChatML-style before counting, with the
+system message that the model's chat template adds when the messages bring none (Qwen's
+templates and the tiny model's do), so that a chat prompt counts as many tokens as in vLLM.
 
 The text a sequence generates is pseudo-words from a seeded RNG, one word piece per token,
 so that what is streamed, what usage reports and what the scheduler counted agree.
@@ -11,8 +13,10 @@ so that what is streamed, what usage reports and what the scheduler counted agre
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import random
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,6 +30,10 @@ _SYLLABLES = (
 
 
 class Tokens(Protocol):
+    # The system message the model's chat template adds when there is none (None: no such
+    # default); see default_system().
+    chat_system: str | None
+
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
     def token_strs(self, ids: Sequence[int]) -> list[str]: ...
@@ -34,6 +42,8 @@ class Tokens(Protocol):
 
 class ByteTokens:
     """One token per 4 bytes of UTF-8: ceil(len(bytes) / 4) tokens."""
+
+    chat_system: str | None = None
 
     def encode(self, text: str) -> list[int]:
         raw = text.encode()
@@ -61,6 +71,7 @@ class FileTokens:
         from tokenizers import Tokenizer
 
         self._tok = Tokenizer.from_file(str(path))
+        self.chat_system = default_system(path.parent)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
@@ -73,6 +84,34 @@ class FileTokens:
 
     def known(self, token_id: int) -> bool:
         return 0 <= token_id < self._tok.get_vocab_size(with_added_tokens=True)
+
+
+# A ChatML system turn written as one literal in a Jinja template: the template's default.
+_DEFAULT_SYSTEM = re.compile(r"""['"]<\|im_start\|>system\\n([^'"+{}]*?)<\|im_end\|>\\n['"]""")
+
+
+def _chat_template(folder: Path) -> str:
+    """The model's chat template: chat_template.jinja, else tokenizer_config.json's
+    `chat_template` (a string, or a list of named templates: the "default" one)."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    config = folder / "tokenizer_config.json"
+    if not config.is_file():
+        return ""
+    value = json.loads(config.read_text()).get("chat_template") or ""
+    if isinstance(value, list):
+        value = next((t.get("template", "") for t in value if t.get("name") == "default"), "")
+    return value if isinstance(value, str) else ""
+
+
+def default_system(folder: Path) -> str | None:
+    """The content of the system message the folder's ChatML chat template adds when the
+    messages do not open with one (e.g. "You are a helpful assistant."), read from the
+    template as a literal; None when it has none. Only this part of a template is honoured:
+    the rest is rendered ChatML-style (render_chat)."""
+    found = _DEFAULT_SYSTEM.search(_chat_template(folder))
+    return found.group(1).replace("\\n", "\n") if found else None
 
 
 def load_tokens(model: str) -> Tokens:
@@ -97,14 +136,18 @@ def message_text(content: Any) -> str:
 
 
 def render_chat(
-    messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool, continue_final: bool
-) -> str:
+    messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool, continue_final: bool,
+    default_system: str | None = None,
+) -> str:  # fmt: skip
     """ChatML: `<|im_start|>role\\ncontent<|im_end|>\\n` per message.
 
     Continuing leaves the final (assistant) message open; otherwise the generation prompt
-    opens a new assistant turn.
+    opens a new assistant turn. `default_system` opens the chat when the messages do not
+    start with a system message (the model's template's default, see default_system()).
     """
     parts = []
+    if default_system is not None and messages and messages[0].get("role") != "system":
+        parts.append(f"<|im_start|>system\n{default_system}<|im_end|>\n")
     for i, msg in enumerate(messages):
         text = f"<|im_start|>{msg['role']}\n{message_text(msg.get('content'))}"
         if not (continue_final and i == len(messages) - 1):

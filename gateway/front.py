@@ -1,0 +1,99 @@
+"""What both request paths (the raw ASGI fast path and Litestar's routes) do around the proxy.
+
+Check the API key, count the client against its rate limit, read the body, then serve,
+while watching the client's connection: a client that hangs up before its answer is
+ready cancels the work, which closes the engine's request (an engine generates on for
+nobody otherwise; vLLM and the simulator abort a request whose connection closes). A
+request refused here (401, 429, 413) is logged and counted like every other answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from gateway.auth import check_api_key
+from gateway.errors import GatewayError
+from gateway.proxy import Reply
+
+Receive = Callable[[], Awaitable[Mapping[str, Any]]]
+
+
+class ClientGone(Exception):
+    """The client hung up before its answer was ready: there is nobody to answer."""
+
+
+class Hangup:
+    """Watches the client's connection (ASGI `receive`, once the body is read) and cancels the
+    task serving it when the client hangs up, unless the answer is already going out."""
+
+    def __init__(self, receive: Receive) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self.gone = False
+        self.finishing = False
+        self._watch = asyncio.create_task(self._run(receive))
+
+    async def _run(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        # The server also says "disconnect" once the response is complete: only a hang-up
+        # before that may cancel (cancelling a finished request would break its keep-alive
+        # connection).
+        if not self.finishing:
+            self.gone = True
+            self._task.cancel()
+
+    def finish(self) -> None:
+        """The answer is going out: a disconnect from now on is the server's, not a hang-up."""
+        self.finishing = True
+        self._watch.cancel()
+
+    async def stop(self) -> None:
+        self.finish()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._watch
+        self.absorb()  # a hang-up just as the answer was ready: its cancellation was swallowed here
+
+    def absorb(self) -> bool:
+        """In an `except CancelledError`: True (and the cancellation undone) if the hang-up caused it."""
+        if not self.gone:
+            return False
+        self._task.uncancel()
+        return True
+
+
+async def serve(
+    gw: Any, header: Callable[[str], str | None], client_host: str | None, read_body: Callable[[], Awaitable[bytes]],
+    receive: Receive, path: str, kind: str,
+) -> tuple[Reply, Hangup]:
+    """Admit and serve one proxied request. The Hangup keeps watching a streamed answer; it is
+    stopped for a whole one. ClientGone if the client hung up first."""
+    started = time.perf_counter()
+    key_id = ""
+    try:
+        key_id = check_api_key(gw.api_key_digests, header("authorization") or "")
+        limits = await gw.limiter.admit(key_id, client_host)
+        body = await read_body()
+    except GatewayError as exc:
+        gw.proxy.refused(exc, header, key_id, started)
+        raise
+    hangup = Hangup(receive)
+    try:
+        reply: Reply = await gw.proxy.serve(body, header, path, kind, key_id)
+    except asyncio.CancelledError:
+        hangup.finish()
+        if hangup.absorb():
+            raise ClientGone from None
+        raise
+    except BaseException:
+        await hangup.stop()
+        raise
+    reply.headers.extend(limits)
+    if reply.stream is None:
+        await hangup.stop()
+    return reply, hangup
