@@ -33,6 +33,16 @@ Layout (``P`` is the key prefix, ``v1`` the schema version)::
     {P}:v1:resp:<id>      STRING the worker that created (and stores) Responses API response
                           <id>, so a follow-up (`previous_response_id`), a retrieve or a cancel
                           reaches it from any gateway; PX the gateway's `responses_ttl_s`
+    {P}:v1:adapters       HASH  adapter name -> {"path", "base"} JSON: adapters an operator added
+                          through the admin API, so every gateway (and one that restarts) can
+                          place them
+    {P}:v1:lora:<gw>      HASH  "<worker>\t<adapter>" -> requests gateway <gw> has in flight for
+                          that adapter on that worker, rewritten whole every ~200 ms, PEXPIRE
+                          lease (like inflight:<gw>): no gateway evicts an adapter in use
+    {P}:v1:lora_used:<id> ZSET  adapter -> unix time a gateway last sent it to worker <id> (the
+                          LRU every gateway evicts by), PEXPIRE 1 h after the last write
+    {P}:v1:lora_lock:<a>  STRING the gateway loading adapter <a> (one load of it at a time in the
+                          fleet), PX the load's time limit
 
 The prefix is wrapped in a hash tag so every key lands in one Redis Cluster slot:
 multi-key pipelines and the Lua scripts below work unchanged on a cluster.
@@ -94,6 +104,13 @@ local next_tat = tat + interval
 redis.call('SET', KEYS[1], string.format('%d', next_tat), 'PX', string.format('%d', next_tat - now))
 return {1, math.floor((tolerance - (next_tat - now)) / interval) + 1, 0}
 """
+
+# Deletes a lock only while its value is still the caller's. KEYS[1] = lock; ARGV[1] = owner.
+_UNLOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+_LORA_USED_TTL_MS = 3_600_000
 
 HeartbeatReply = Literal["ok", "missing", "stop", "drained"]
 _REPLIES: dict[int, HeartbeatReply] = {0: "missing", 1: "ok", 2: "stop", 3: "drained"}
@@ -178,6 +195,10 @@ class Keys:
         self._inflight = f"{base}:inflight:"
         self._rate = f"{base}:rate:"
         self._response = f"{base}:resp:"
+        self.adapters = f"{base}:adapters"
+        self._lora = f"{base}:lora:"
+        self._lora_used = f"{base}:lora_used:"
+        self._lora_lock = f"{base}:lora_lock:"
 
     def worker(self, worker_id: str) -> str:
         return self._worker + worker_id
@@ -199,6 +220,15 @@ class Keys:
 
     def response(self, response_id: str) -> str:
         return self._response + response_id
+
+    def lora(self, gateway_id: str) -> str:
+        return self._lora + gateway_id
+
+    def lora_used(self, worker_id: str) -> str:
+        return self._lora_used + worker_id
+
+    def lora_lock(self, adapter: str) -> str:
+        return self._lora_lock + adapter
 
 
 def unsigned(fields: dict[bytes, bytes], secret: str) -> str:
@@ -262,6 +292,7 @@ class Registry:
         self.ttl_ms = int(heartbeat_ttl_s * 1000)
         self._update = redis.register_script(_UPDATE_IF_EXISTS)
         self._take = redis.register_script(_TAKE)
+        self._unlock = redis.register_script(_UNLOCK)
 
     # -- agent side ---------------------------------------------------------
 
@@ -451,6 +482,7 @@ class Registry:
     async def forget_gateway(self, gateway_id: str) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(self.keys.inflight(gateway_id))
+            pipe.delete(self.keys.lora(gateway_id))
             pipe.srem(self.keys.gateways, gateway_id)
             await pipe.execute()
 
@@ -473,6 +505,82 @@ class Registry:
     async def response_worker(self, response_id: str) -> str | None:
         raw = await self.redis.get(self.keys.response(response_id))
         return raw.decode() if isinstance(raw, bytes) else raw
+
+    # -- LoRA placement shared by gateway replicas ----------------------------------------
+
+    async def save_adapter(self, name: str, spec: bytes) -> None:
+        """Remember an adapter an operator added (`spec`: its {"path", "base"} JSON)."""
+        await self.redis.hset(self.keys.adapters, name, spec)  # type: ignore[misc]
+
+    async def read_adapters(self) -> dict[str, bytes]:
+        rows = await self.redis.hgetall(self.keys.adapters)  # type: ignore[misc]
+        return {(k.decode() if isinstance(k, bytes) else str(k)): v if isinstance(v, bytes) else str(v).encode()
+                for k, v in rows.items()}
+
+    async def publish_lora(
+        self, gateway_id: str, inflight: dict[tuple[str, str], int], used: dict[tuple[str, str], float],
+        lease_s: float = DEFAULT_INFLIGHT_LEASE_S,
+    ) -> None:
+        """Replace this gateway's per-(worker, adapter) in-flight counts under a lease, and
+        record when it last sent each adapter to each worker (never moving a time back)."""
+        key = self.keys.lora(gateway_id)
+        fields: dict[str, object] = {f"{w}\t{a}": n for (w, a), n in inflight.items() if n > 0}
+        fields[_LEASE_FIELD] = repr(time.time())
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(key)
+            pipe.hset(key, mapping=fields)  # type: ignore[arg-type]
+            pipe.pexpire(key, int(lease_s * 1000))
+            by_worker: dict[str, dict[str, float]] = {}
+            for (worker, adapter), at in used.items():
+                by_worker.setdefault(worker, {})[adapter] = at
+            for worker, scores in by_worker.items():
+                pipe.zadd(self.keys.lora_used(worker), scores, gt=True)  # type: ignore[arg-type]
+                pipe.pexpire(self.keys.lora_used(worker), _LORA_USED_TTL_MS)
+            await pipe.execute()
+
+    async def read_lora(self, exclude_gateway: str = "") -> dict[tuple[str, str], int]:
+        """Adapter requests in flight per (worker, adapter), summed over every gateway but
+        `exclude_gateway` (gateways as listed by the in-flight counts' index)."""
+        members = await self.redis.smembers(self.keys.gateways)  # type: ignore[misc]
+        ids = sorted(m.decode() if isinstance(m, bytes) else str(m) for m in members)
+        ids = [i for i in ids if i != exclude_gateway]
+        if not ids:
+            return {}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for gateway_id in ids:
+                pipe.hgetall(self.keys.lora(gateway_id))
+            rows = await pipe.execute()
+        total: dict[tuple[str, str], int] = {}
+        for row in rows:
+            for raw, n in row.items():
+                name = raw.decode() if isinstance(raw, bytes) else str(raw)
+                worker, sep, adapter = name.partition("\t")
+                if sep:
+                    total[(worker, adapter)] = total.get((worker, adapter), 0) + int(n)
+        return total
+
+    async def read_lora_used(self, worker_ids: Sequence[str]) -> dict[tuple[str, str], float]:
+        """When any gateway last sent each adapter to each of these workers (unix time)."""
+        if not worker_ids:
+            return {}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for worker in worker_ids:
+                pipe.zrange(self.keys.lora_used(worker), 0, -1, withscores=True)
+            rows = await pipe.execute()
+        used: dict[tuple[str, str], float] = {}
+        for worker, row in zip(worker_ids, rows, strict=True):
+            for adapter, at in row:
+                used[(worker, adapter.decode() if isinstance(adapter, bytes) else str(adapter))] = float(at)
+        return used
+
+    async def lock_adapter(self, adapter: str, owner: str, ttl_s: float) -> bool:
+        """Take the fleet-wide lock on loading `adapter`; False while another gateway holds it."""
+        return bool(await self.redis.set(self.keys.lora_lock(adapter), owner, nx=True,
+                                         px=max(1, int(ttl_s * 1000))))
+
+    async def unlock_adapter(self, adapter: str, owner: str) -> None:
+        """Release the lock if `owner` still holds it (it may have expired and been retaken)."""
+        await self._unlock(keys=[self.keys.lora_lock(adapter)], args=[owner])
 
     async def subscribe(self) -> aioredis.client.PubSub:
         """A pub/sub connection listening on the events channel (its data: worker ids)."""

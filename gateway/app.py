@@ -35,6 +35,7 @@ from gateway.fastpath import FastPath
 from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
 from gateway.known import KnownModels
+from gateway.lora_state import LoraState
 from gateway.metrics import GatewayMetrics, metrics_endpoint
 from gateway.openapi import ModelsOperation, StoredResponseOperation, proxied_operation
 from gateway.placement import Placement
@@ -360,7 +361,8 @@ def create_app(settings: GatewaySettings) -> Litestar:
         metrics = GatewayMetrics()
         metrics.model_label = watcher.known.label
         metrics.watch_fleet(watcher, inflight)
-        placer = AdapterPlacer(dict(settings.adapters), watcher, registry, inflight)
+        lora_state = LoraState(registry, gateway_id)
+        placer = AdapterPlacer(dict(settings.adapters), watcher, registry, inflight, lora_state)
         policy = make_policy(settings.policy, settings.routing)
         opts = getattr(policy, "opts", None)
         homes = Homes(half_life_s=getattr(opts, "half_life_s", 30.0),
@@ -381,7 +383,11 @@ def create_app(settings: GatewaySettings) -> Litestar:
             metrics, RateLimiter(registry, settings.rate_limit_rpm, settings.rate_limit_burst),
             (exposed,) if exposed else (),
         )
+        with contextlib.suppress(Exception):  # Redis away at start: the placer's loop retries
+            await placer.restore()  # before the first snapshot, which lists what it learnt
         await watcher.start()
+        placer.start()
+        lora_state.start(lambda: [w.id for w in watcher.snapshot.workers if w.info.max_loras > 0])
         inflight.start()
         placement.start()
         log.info("gateway.started", gateway_id=gateway_id, **settings.public())
@@ -391,7 +397,9 @@ def create_app(settings: GatewaySettings) -> Litestar:
             yield
         finally:
             await placement.stop()
+            await proxy.waits.stop()
             await placer.close()
+            await lora_state.stop()
             await breakers.close()
             await inflight.stop()
             await watcher.stop()

@@ -37,6 +37,7 @@ from gateway.adapters import AdapterPlacer
 from gateway.admission import Admission
 from gateway.capabilities import continues_trailing_assistant, shaped
 from gateway.circuit import Breakers
+from gateway.context import error_message, refit, refused_prompt_tokens
 from gateway.errors import (
     ContextLengthExceeded,
     GatewayError,
@@ -63,6 +64,7 @@ from gateway.resume import StreamTracker, continuation, unresumable, with_usage
 from gateway.routing import Choice, Live, Policy, RequestFacts, decide
 from gateway.settings import GatewaySettings
 from gateway.upstream import RETRYABLE_STATUS, Upstream, openai_error_body
+from gateway.waiting import FirstByteWaits
 
 log = structlog.get_logger("gateway.proxy")
 
@@ -110,8 +112,10 @@ class Proxy:
     tokenizers: dict[str, TokenCounter] = field(default_factory=dict)
     seq: int = 0
     live: Live = field(init=False)
+    waits: FirstByteWaits = field(init=False)
 
     def __post_init__(self) -> None:
+        self.waits = FirstByteWaits(lambda: self.watcher.snapshot)
         self.live = self.placement.live(Live(self.inflight, self.inflight.tokens))
         self.inflight.on_done = self.admission.wake
     # Request ids: a random per-process prefix and a counter (no syscall per request).
@@ -195,6 +199,11 @@ class Proxy:
                 try:
                     result = await attempt.next()
                     break
+                except ModelNotFound:
+                    if not (facts.adapter and self.placer.known(probe.model)) or attempt.replaced:
+                        raise
+                    attempt.replaced = True  # evicted between its placement and now: place it again
+                    await self.placer.ensure(probe.model)
                 except _Saturated:
                     await self._wait_for_room(attempt)
                 except _Retryable as first_failure:
@@ -215,8 +224,6 @@ class Proxy:
                                      200 if resp is not None else data[0])
         if attempt.count > 1:
             self.metrics.failover(probe.model)
-        if facts.adapter:
-            self.placer.routed(worker.id, probe.model)
         headers = [
             ("x-fleetgate-worker", worker.id),
             ("x-fleetgate-route", route),
@@ -429,6 +436,7 @@ class _Attempt:
         self.count = 0
         self.last_error: GatewayError | None = None
         self.queue_deadline: float | None = None
+        self.replaced = False
         # The KV tokens this request holds on its worker by the gateway's account: its own
         # prompt tokens and completion budget, and the prefix it shares with its key's others.
         self.prefix = facts.prefix_tokens
@@ -439,13 +447,24 @@ class _Attempt:
 
     def hold(self, worker_id: str) -> None:
         self.proxy.inflight.add(worker_id, self.own_tokens, self.key, self.prefix)
+        if self.facts.adapter:  # never evicted while in flight; a busy adapter gets a replica
+            self.proxy.placer.started(worker_id, self.facts.model)
 
     def release(self, worker_id: str) -> None:
         self.proxy.inflight.done(worker_id, self.own_tokens, self.key, self.prefix)
+        if self.facts.adapter:
+            self.proxy.placer.finished(worker_id, self.facts.model)
 
     def first_byte_timeout(self) -> float:
         s = self.proxy.settings
         return s.first_byte_timeout_s + s.first_byte_per_1k_tokens_s * self.facts.prompt_tokens / 1000
+
+    def answer_timeout(self, worker: WorkerView) -> float:
+        """A whole non-streamed answer: its first byte's time, plus time for every token asked
+        for (without max_tokens, for what the worker's context leaves)."""
+        facts = self.facts
+        tokens = facts.max_tokens or max(_DEFAULT_COMPLETION_TOKENS, worker.info.max_model_len - facts.prompt_tokens)
+        return self.first_byte_timeout() + self.proxy.settings.answer_per_token_s * tokens
 
     def saturated(self) -> str | None:
         """The limit every eligible worker is at ("slots", "kv"), or None when one has room."""
@@ -471,8 +490,9 @@ class _Attempt:
         self.hold(worker.id)
         url = worker.info.url + self.path
         try:
-            resp = await proxy.upstream.post(url, body(worker) if body else self.body, self.headers, self.stream,
-                                             self.first_byte_timeout())
+            with proxy.waits.waiting(worker.id):
+                resp = await proxy.upstream.post(url, body(worker) if body else self.body, self.headers, self.stream,
+                                                 self.first_byte_timeout() if self.stream else self.answer_timeout(worker))
         except UpstreamError as exc:
             self.release(worker.id)
             self._failed(worker, exc)
@@ -482,7 +502,8 @@ class _Attempt:
         if self.stream and resp.status == 200:
             return choice, resp, (200, b"")
         try:
-            data = await proxy.upstream.read(resp)
+            with proxy.waits.waiting(worker.id):
+                data = await proxy.upstream.read(resp)
         except UpstreamError as exc:
             self._failed(worker, exc)
         finally:
@@ -497,7 +518,20 @@ class _Attempt:
             proxy.breakers.success(worker.id)
         if resp.status >= 400:
             data = openai_error_body(resp.status, data)
+            if (tokens := refused_prompt_tokens(resp.status, data)) is not None:
+                self._refused(worker, tokens, data)
         return choice, None, (resp.status, data)
+
+    def _refused(self, worker: WorkerView, tokens: int, data: bytes) -> None:
+        """The engine's context is too small for the prompt: try a roomier worker, if any."""
+        facts = refit(self.facts, self.proxy.watcher.snapshot.routes, self.tried, tokens)
+        if facts is None:
+            return
+        self.facts, self.floor = facts, tokens
+        log.info("gateway.context_refused", worker=worker.id, prompt_tokens=tokens,
+                 max_model_len=worker.info.max_model_len)
+        self.last_error = ContextLengthExceeded(error_message(data), param="messages")
+        raise _Retryable(self.last_error)
 
     async def resume(self, body: Callable[[WorkerView], bytes]) -> tuple[Choice, aiohttp.ClientResponse]:
         """Start the continuation of a broken stream on another worker (retried like a request)."""

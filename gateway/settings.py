@@ -50,10 +50,14 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Base model name -> tokenizer.json, for exact prompt token counts (else estimated).
     tokenizers: dict[str, str] = msgspec.field(default_factory=dict)
     connect_timeout_s: float = 2.0
-    # Time allowed for an engine's first byte (non-streaming: its whole answer; streaming:
-    # its first event), plus this much per 1,000 prompt tokens.
-    first_byte_timeout_s: float = 300.0
+    # Time allowed for an engine's first byte (a stream's first event), plus this much per
+    # 1,000 prompt tokens: what was asked sets the limit, not one fixed figure.
+    first_byte_timeout_s: float = 30.0
     first_byte_per_1k_tokens_s: float = 5.0
+    # A whole non-streamed answer gets the first byte's time plus this much per token asked
+    # for (`max_tokens`; without it, what the worker's context leaves): 10 tokens a second
+    # is slower than any healthy engine generates one sequence.
+    answer_per_token_s: float = 0.1
     # A stream that sends nothing for this long after its first event counts as dead.
     stall_timeout_s: float = 30.0
     # How many times one stream may be continued on another worker.

@@ -4,6 +4,8 @@ one load at a time, evicts cold ones when slots run out, and operators can load 
 from __future__ import annotations
 
 import concurrent.futures
+import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -158,3 +160,99 @@ def test_adapters_fill_one_workers_slots_before_evicting(fleet_factory: Callable
     loads = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                 if line.startswith("fleetgate_sim:lora_loads_total"))
     assert loads == 3  # one per adapter, no swap
+
+
+def test_adapter_with_a_stream_in_flight_is_never_evicted(fleet_factory: Callable[[], Fleet], tmp_path: Path) -> None:
+    """max_loras=2: while adapter 2 streams, requests for adapters 6 then 5 evict 6 (idle), never 2;
+    the stream finishes whole, and adapter 2 is still loaded after it."""
+    names = [f"adp{i}" for i in range(1, 7)]
+    fleet = fleet_factory()
+    gateway, url = fleet.gateway("--config", str(config(tmp_path, names)))
+    fleet.worker("a", "--model", BASE, "--option", "time_scale=0.05", "--option", "enable_lora=true",
+                 "--option", "max_loras=2")
+    fleet.wait_ready(url, "a")
+    body = {"model": "adp2", "prompt": "x", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))  # the stream is under way
+        for name in ("adp6", "adp5"):
+            r = chat(url, name)
+            assert r.status_code == 200, r.text
+        assert set(fleet.workers(url)["a"]["adapters"]) == {"adp2", "adp5"}
+        pieces = sum(1 for line in lines if line.startswith("data: {"))
+    assert pieces >= 1499
+    assert '"evicted":"adp6"' in gateway.output() and not re.search(r'"evicted":"[^"]*adp2', gateway.output())
+    assert "adp2" in fleet.workers(url)["a"]["adapters"]
+
+
+def test_adapter_in_use_through_another_gateway_is_not_evicted(
+    fleet_factory: Callable[[], Fleet], tmp_path: Path,
+) -> None:
+    """Two gateway replicas share in-flight adapter counts and the LRU through Redis: a stream of
+    adapter `fin` through one keeps the other from evicting `fin` to make room."""
+    fleet = fleet_factory()
+    cfg = str(config(tmp_path, ["fin", "law", "med"]))
+    _, url1 = fleet.gateway("--config", cfg)
+    gw2, url2 = fleet.gateway("--config", cfg)
+    fleet.worker("a", "--model", BASE, "--option", "time_scale=0.05", "--option", "enable_lora=true",
+                 "--option", "max_loras=2")
+    fleet.wait_ready(url1, "a")
+    fleet.wait_ready(url2, "a")
+    assert chat(url2, "law").status_code == 200  # law: loaded first, then fin
+    body = {"model": "fin", "prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url1}/v1/completions", json=body, timeout=60) as stream:
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        time.sleep(0.6)  # a few syncs of the shared state
+        # By gateway 2's own use, `fin` is the coldest; only gateway 1 knows it streams.
+        assert chat(url2, "med").status_code == 200
+        assert set(fleet.workers(url2)["a"]["adapters"]) == {"fin", "med"}
+        assert sum(1 for line in lines if line.startswith("data: {")) >= 999
+    assert '"evicted":"law"' in gw2.output()
+
+
+def test_burst_for_a_hot_adapter_gets_its_second_replica_while_it_runs(
+    fleet_factory: Callable[[], Fleet], tmp_path: Path,
+) -> None:
+    """Whole (non-streamed) requests for one adapter fill its worker: the second replica is loaded
+    while the first of them is still running, not after one finished."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway("--config", str(config(tmp_path, ["fin"])))
+    for wid in ("a", "b"):
+        fleet.worker(wid, "--model", BASE, "--option", "time_scale=0.5", "--option", "enable_lora=true",
+                     "--option", "max_num_seqs=2")
+    fleet.wait_ready(url, "a", "b")
+    assert chat(url, "fin").status_code == 200  # fin on one worker
+    body = {"model": "fin", "prompt": "x", "max_tokens": 60, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        started = time.monotonic()
+        futures = [pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60) for _ in range(2)]
+        wait_until(lambda: all("fin" in w["adapters"] for w in fleet.workers(url).values()), timeout=10)
+        replicated_s = time.monotonic() - started
+        assert not any(f.done() for f in futures), "the replica came only after a request finished"
+        assert [f.result().status_code for f in futures] == [200, 200]
+    print(f"second replica {replicated_s:.2f} s into the burst")
+
+
+def test_adapter_added_through_the_admin_api_survives_a_gateway_restart(
+    fleet_factory: Callable[[], Fleet], tmp_path: Path,
+) -> None:
+    """An adapter an operator added (with its path) is placed again by a restarted gateway after
+    it was unloaded, and by another replica that never saw the admin call."""
+    fleet = fleet_factory()
+    gateway, url = fleet.gateway()
+    fleet.worker("a", "--model", BASE, "--option", "time_scale=0.05", "--option", "enable_lora=true")
+    fleet.wait_ready(url, "a")
+    extra = tmp_path / "adapters" / "extra"
+    extra.mkdir(parents=True)
+    with fleet.admin(url) as admin:
+        assert admin.post("/admin/workers/a/adapters", json={"name": "extra", "path": str(extra)}).status_code == 200
+        assert admin.delete("/admin/workers/a/adapters/extra").status_code == 200
+    gateway.stop()
+    _, url = fleet.gateway()
+    fleet.wait_ready(url, "a")
+    assert "extra" in {m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]}
+    r = chat(url, "extra")
+    assert r.status_code == 200 and r.headers["x-fleetgate-worker"] == "a"
+    assert "extra" in fleet.workers(url)["a"]["adapters"]

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -326,3 +327,138 @@ def test_redis_restart_keeps_an_operators_drain(fleet_factory, tmp_path: Path) -
             fleet.close()
     finally:
         server.stop()
+
+
+class AdapterLoad(SteadyLoad):
+    """Long streams of two adapters beside whole requests rotating over six others, so that
+    workers with two LoRA slots load and evict adapters all along. Each stream's worker and
+    wall-clock span is recorded, to check that no adapter was evicted under one."""
+
+    STREAM_TOKENS = 300
+
+    def __init__(self, url: str, clients: int = 5) -> None:
+        super().__init__(url, clients)
+        self.spans: list[tuple[str, str, float, float]] = []  # (worker, adapter, start, end)
+
+    def _run(self, index: int) -> None:
+        n = 0
+        with httpx.Client(base_url=self.url, timeout=60) as client:
+            while not self._stop.is_set():
+                n += 1
+                started = time.monotonic()
+                stream = index < 2
+                try:
+                    ok, why = self._adapter_stream(client, index) if stream else self._adapter_plain(client, index, n)
+                except httpx.HTTPError as exc:
+                    ok, why = False, repr(exc)
+                with self._lock:
+                    self.figures.sent += 1
+                    self.figures.latencies.append(time.monotonic() - started)
+                    if stream:
+                        self.figures.streams += 1
+                        self.figures.streams_complete += ok
+                    if not ok:
+                        self.figures.failed.append(why)
+
+    def _adapter_plain(self, client: httpx.Client, index: int, n: int) -> tuple[bool, str]:
+        body = {"model": f"adp{3 + (index * 7 + n) % 6}", "max_tokens": 8, "ignore_eos": True,
+                "messages": [{"role": "user", "content": f"client {index} request {n}"}]}
+        resp = client.post("/v1/chat/completions", json=body)
+        return resp.status_code == 200, f"{resp.status_code} {resp.text[:200]}"
+
+    def _adapter_stream(self, client: httpx.Client, index: int) -> tuple[bool, str]:
+        adapter = f"adp{1 + index}"
+        body = {"model": adapter, "max_tokens": self.STREAM_TOKENS, "ignore_eos": True, "stream": True,
+                "messages": [{"role": "user", "content": "a long answer"}]}
+        pieces, done = 0, False
+        start = time.time()
+        with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                return False, f"{resp.status_code}"
+            worker = resp.headers["x-fleetgate-worker"]
+            for line in resp.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        return False, f"error event {event}"
+                    pieces += sum(bool(c["delta"].get("content")) for c in event["choices"])
+        with self._lock:
+            self.spans.append((worker, adapter, start, time.time()))
+        return done and pieces == self.STREAM_TOKENS, f"stream pieces={pieces} done={done}"
+
+
+def _evictions(log: str) -> list[tuple[str, str, float]]:
+    """(worker, evicted adapter, unix time) of every eviction a gateway logged."""
+    out = []
+    for line in log.splitlines():
+        if '"gateway.adapter_loaded"' not in line:
+            continue
+        event = json.loads(line)
+        if event.get("evicted"):
+            at = datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+            out.extend((event["worker"], adapter, at) for adapter in event["evicted"].split(","))
+    return out
+
+
+def test_adapter_eviction_under_streams_loses_nothing(fleet_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Two workers with two LoRA slots each, eight adapters: two long adapter streams run while whole
+    requests rotate over six other adapters, so adapters are loaded and evicted all along. No
+    request fails, every stream is whole, and no adapter is ever evicted from a worker while a
+    stream of it runs there (through either of two gateways)."""
+    adapters = {}
+    for i in range(1, 9):
+        (tmp_path / f"adp{i}").mkdir()
+        adapters[f"adp{i}"] = {"path": str(tmp_path / f"adp{i}"), "base": MODEL}
+    cfg = tmp_path / "gateway.yaml"
+    cfg.write_text(json.dumps({"gateway": {"adapters": adapters}}))
+    fleet = fleet_factory()
+    _, url = fleet.gateway("--config", str(cfg))
+    _, url2 = fleet.gateway("--config", str(cfg))
+    for wid in ("a", "b"):
+        fleet.worker(wid, "--model", MODEL, "--option", "time_scale=0.3", "--option", "enable_lora=true",
+                     "--option", "max_loras=2")
+    fleet.wait_ready(url, "a", "b")
+    fleet.wait_ready(url2, "a", "b")
+    with AdapterLoad(url) as load, AdapterLoad(url2, clients=3):  # the second: whole requests only
+        time.sleep(8)
+    logs = "".join(p.output() for p in fleet.procs if "gateway" in p.log_path.name)
+    evictions = _evictions(logs)
+    under = [(w, a, at) for w, a, at in evictions for sw, sa, start, end in load.spans
+             if (w, a) == (sw, sa) and start < at < end]
+    figures = load.figures
+    print(f"chaos[eviction-under-stream]: evictions={len(evictions)} under_a_stream={len(under)} "
+          f"oversubscribed={logs.count('gateway.adapter_oversubscribed')}")
+    figures.report("eviction-under-stream", resumed_count(fleet))
+    assert figures.streams >= 2 and figures.failed == [], figures.failed
+    assert evictions and under == [], under
+
+
+def test_slow_engine_under_load_loses_nothing(fleet_factory) -> None:  # type: ignore[no-untyped-def]
+    """One of three engines turns ~80x slower under load (and back): its whole answers outlast the
+    2 s first-byte base but are waited for (the limit grows with max_tokens), not given up on and
+    redone elsewhere; its streams go on at its pace; no request fails."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway("--set", "stall_timeout_s=2", "--set", "first_byte_timeout_s=2")
+    for wid in ("a", "b", "c"):
+        fleet.worker(wid, "--model", MODEL, "--option", "time_scale=0.3")
+    fleet.wait_ready(url, "a", "b", "c")
+    engine = fleet.workers(url)["a"]["url"]
+    normal = httpx.get(f"{engine}/sim/profile").json()["base_step_s"]
+    slow_s = 0.0
+    with SteadyLoad(url) as load:
+        time.sleep(1)
+        assert httpx.post(f"{engine}/sim/profile", json={"base_step_s": 0.2}).status_code == 200
+        slowed = time.monotonic()
+        time.sleep(8)
+        slow_s = time.monotonic() - slowed
+        assert httpx.post(f"{engine}/sim/profile", json={"base_step_s": normal}).status_code == 200
+        time.sleep(1)
+    figures = load.figures
+    logs = "".join(p.output() for p in fleet.procs if "gateway" in p.log_path.name)
+    retried = logs.count('"gateway.retry"')
+    print(f"chaos[slow-engine]: worker a at 0.06 s a token for {slow_s:.0f} s, retried={retried}")
+    figures.report("slow-engine", resumed_count(fleet))
+    assert figures.sent > 10 and figures.failed == [], figures.failed
+    assert retried == 0  # no slow answer was given up on and done again elsewhere

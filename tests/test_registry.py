@@ -188,3 +188,30 @@ async def test_an_unhealthy_heartbeat_takes_the_worker_out_of_routing_at_once(re
     await registry.heartbeat("w1", Load())
     [view] = await registry.read_all()
     assert view.routable and view.effective_state == "ready"
+
+
+async def test_lora_counts_are_shared_under_a_lease_and_the_lru_never_goes_back(registry: Registry) -> None:
+    """Per-(worker, adapter) in-flight counts of one gateway are read by another (not by itself),
+    vanish with the lease; last-used times only move forward."""
+    await registry.publish_inflight("g1", {}, lease_s=0.3)  # lists g1 among the gateways
+    await registry.publish_lora("g1", {("w1", "fin"): 2, ("w1", "law"): 0}, {("w1", "fin"): 100.0}, lease_s=0.3)
+    assert await registry.read_lora(exclude_gateway="g2") == {("w1", "fin"): 2}
+    assert await registry.read_lora(exclude_gateway="g1") == {}
+    await registry.publish_lora("g1", {}, {("w1", "fin"): 50.0, ("w1", "law"): 70.0}, lease_s=0.3)
+    assert await registry.read_lora_used(["w1"]) == {("w1", "fin"): 100.0, ("w1", "law"): 70.0}
+    await asyncio.sleep(0.4)
+    assert await registry.read_lora(exclude_gateway="g2") == {}
+
+
+async def test_adapter_lock_is_one_holder_at_a_time_and_only_the_holder_unlocks(registry: Registry) -> None:
+    assert await registry.lock_adapter("fin", "g1", 5)
+    assert not await registry.lock_adapter("fin", "g2", 5)
+    await registry.unlock_adapter("fin", "g2")  # not the holder: no effect
+    assert not await registry.lock_adapter("fin", "g2", 5)
+    await registry.unlock_adapter("fin", "g1")
+    assert await registry.lock_adapter("fin", "g2", 5)
+
+
+async def test_admin_added_adapters_are_kept(registry: Registry) -> None:
+    await registry.save_adapter("extra", b'{"path":"/a/extra","base":"m"}')
+    assert await registry.read_adapters() == {"extra": b'{"path":"/a/extra","base":"m"}'}
