@@ -37,7 +37,9 @@ def test_sick_engine_stays_out_with_growing_cooldowns_until_it_heals(fleet_facto
     fleet = fleet_factory()
     _, url = fleet.gateway("--set", "breaker_cooldown_s=0.5", "--set", "breaker_max_cooldown_s=2",
                            "--policy", "round_robin")
-    fleet.worker("sick", "--model", MODEL, "--option", "time_scale=0.05", "--option", "faults=[error_rate=1.0]")
+    # No warm-up: it would fail on this engine, and a failed warm-up is a failed start.
+    fleet.worker("sick", "--model", MODEL, "--option", "time_scale=0.05", "--option", "faults=[error_rate=1.0]",
+                 "--no-warmup")
     fleet.worker("well", "--model", MODEL, "--option", "time_scale=0.05")
     fleet.wait_ready(url, "sick", "well")
     sick_url = str(fleet.workers(url)["sick"]["url"])

@@ -56,7 +56,7 @@ def test_the_embedding_workers_warm_up_was_an_embedding(mixed: tuple[Fleet, str]
     fleet, _ = mixed
     log = (fleet.tmp / "embed.log").read_text()
     warmups = [line for line in log.splitlines() if "agent.warmup" in line]
-    assert warmups and "200" in warmups[0], log[-2000:]
+    assert warmups and '"status":200' in warmups[0] and '"route":"/v1/embeddings"' in warmups[0], log[-2000:]
 
 
 def test_a_batch_is_judged_input_by_input_against_the_context(mixed: tuple[Fleet, str]) -> None:

@@ -251,7 +251,9 @@ class Agent:
         attempts = self.opts.warmup_attempts
         if self.opts.warmup:
             ms = await retrying("warm-up", lambda: warm_up(self.http, base, info), self.log, attempts)
-            self.log.info("agent.warmup", ms=ms)
+            # warm_up raises unless the engine answered 200 on that route.
+            route = "/v1/embeddings" if info.pooling else "/v1/completions"
+            self.log.info("agent.warmup", ms=ms, route=route, status=200)
         if info.speed_source:
             self.log.info("agent.speed", speed=info.speed, source=info.speed_source)
             return
