@@ -62,6 +62,7 @@ from gateway.requests import (
 from gateway.responses import ResponsesTracker, forward_stored, owner_of, remember, response_id_of
 from gateway.resume import StreamTracker, continuation, unresumable, with_usage
 from gateway.routing import Choice, Live, Policy, RequestFacts, decide
+from gateway.routing.table import Slot
 from gateway.settings import GatewaySettings
 from gateway.upstream import RETRYABLE_STATUS, Upstream, openai_error_body
 from gateway.waiting import FirstByteWaits
@@ -87,6 +88,13 @@ class _Retryable(Exception):
     def __init__(self, error: GatewayError) -> None:
         super().__init__(error.message)
         self.error = error
+
+
+class _Held(Exception):
+    """The chosen worker's KV cache is full by the account: wait there a moment (`Proxy._hold`)."""
+
+    def __init__(self, slot: Slot) -> None:
+        self.slot = slot
 
 
 class _Saturated(Exception):
@@ -206,6 +214,8 @@ class Proxy:
                     await self.placer.ensure(probe.model)
                 except _Saturated:
                     await self._wait_for_room(attempt)
+                except _Held as held:
+                    await self._hold(attempt, held.slot)
                 except _Retryable as first_failure:
                     result = await self._retry(attempt, first_failure)
                     break
@@ -273,6 +283,15 @@ class Proxy:
             attempt.queue_deadline = time.monotonic() + settings.queue_timeout_s
         await self.admission.wait(attempt.facts.model, attempt.saturated, attempt.queue_deadline,
                                   retry_after=max(1.0, settings.queue_timeout_s / 2))
+
+    async def _hold(self, attempt: _Attempt, slot: Slot) -> None:
+        """Wait, at most `hold_max_s`, until `slot` has KV room for the request by the account
+        (a completion there wakes it), rather than have its engine preempt to admit it."""
+        attempt.held = True
+        full_at, live, tokens = self.settings.full_at, self.live, attempt.own_tokens
+        got = await self.admission.hold(slot.id, lambda: not full_at.holds(slot, live, tokens),
+                                        time.monotonic() + self.settings.hold_max_s)
+        log.debug("gateway.hold", worker_id=slot.id, model=attempt.facts.model, room=got)
 
     async def _retry(self, attempt: _Attempt, failure: _Retryable) -> _Result:
         settings = self.settings
@@ -436,6 +455,8 @@ class _Attempt:
         self.count = 0
         self.last_error: GatewayError | None = None
         self.queue_deadline: float | None = None
+        # Held once for its worker's KV room (`Proxy._hold`); never twice.
+        self.held = False
         self.replaced = False
         # The KV tokens this request holds on its worker by the gateway's account: its own
         # prompt tokens and completion budget, and the prefix it shares with its key's others.
@@ -554,6 +575,9 @@ class _Attempt:
                           full_at=full_at)
         if decision.verdict == "saturated":
             raise _Saturated
+        if full_at is not None and not self.held and decision.choices and full_at.holds(
+                decision.choices[0].slot, proxy.live, self.own_tokens):
+            raise _Held(decision.choices[0].slot)
         if decision.verdict == "context_length" and self.floor + (self.facts.max_tokens or 0) < decision.limit:
             # Only an estimate says it does not fit: let the roomiest workers' engines decide.
             roomiest = replace(self.facts, prompt_tokens=decision.limit - 1, max_tokens=None)
