@@ -53,7 +53,6 @@ from gateway.metrics import GatewayMetrics, usage_of
 from gateway.placement import Placement
 from gateway.requests import (
     GENERATES,
-    TokenCounter,
     affinity,
     estimate_tokens,
     parse_request,
@@ -63,6 +62,7 @@ from gateway.responses import ResponsesTracker, forward_stored, owner_of, rememb
 from gateway.resume import StreamTracker, continuation, unresumable, with_usage
 from gateway.routing import Choice, Live, Policy, RequestFacts, decide
 from gateway.settings import GatewaySettings
+from gateway.tokenizers import Tokenizers
 from gateway.upstream import RETRYABLE_STATUS, Upstream, openai_error_body
 from gateway.waiting import FirstByteWaits
 
@@ -109,7 +109,7 @@ class Proxy:
     placer: AdapterPlacer
     placement: Placement
     admission: Admission
-    tokenizers: dict[str, TokenCounter] = field(default_factory=dict)
+    tokenizers: Tokenizers = field(default_factory=Tokenizers)
     seq: int = 0
     live: Live = field(init=False)
     waits: FirstByteWaits = field(init=False)
