@@ -10,13 +10,15 @@ began) nor never. Real gateway, agents, simulators and Redis.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
 
-from tests.conftest import Fleet
+from tests.conftest import Fleet, children
 
 MODEL = "hang-model"
 FIRST_EVENT_S = 1.0
@@ -76,7 +78,7 @@ def test_a_stream_hung_before_its_first_event_is_done_again_elsewhere(
     # After its headers the gateway had answered the client's with the hung worker's name;
     # before them, the client's headers came from the worker that answered.
     assert hung[0][0] == ("a" if "stall_after_chunks" in fault else "b")
-    for first, elapsed, events, done in results:
+    for _, _, events, done in results:
         content = [c for e in events for c in e["choices"] if c["delta"].get("content")]  # type: ignore[index, union-attr]
         finishes = [c for e in events for c in e["choices"] if c.get("finish_reason")]  # type: ignore[index, union-attr]
         assert done and len(content) == 12 and len(finishes) == 1 and len({e["id"] for e in events}) == 1
@@ -89,3 +91,47 @@ def test_a_stream_hung_before_its_first_event_is_done_again_elsewhere(
     assert [e["worker"] for e in broke] == ["a"], broke
     if "stall_after_chunks" in fault:
         assert broke[0]["event"] == "gateway.stream_broke" and broke[0]["sent_chunks"] == 0
+
+
+def test_a_stream_waiting_for_its_first_event_leaves_an_engine_that_turns_unhealthy(
+    fleet_factory: Callable[[], Fleet],
+) -> None:
+    """The engine sent a stream's headers, then hangs (SIGSTOP): once its agent publishes it
+    unhealthy (a few seconds) the stream is done again on the other worker, long before the
+    first-event limit (20 s here) would have run out."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway("--policy", "round_robin", "--set", "first_byte_timeout_s=20",
+                           "--set", f"stall_timeout_s={STALL_S}", "--set", "breaker_threshold=100")
+    agents = {wid: fleet.worker(wid, "--model", MODEL, "--option", "time_scale=0.05") for wid in ("a", "b")}
+    fleet.wait_ready(url, "a", "b")
+    [engine] = children(agents["a"].pid)
+    a_url = str(fleet.workers(url)["a"]["url"])
+    assert httpx.post(f"{a_url}/sim/faults", json={"stall_after_chunks": 0}).status_code == 200
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
+            "ignore_eos": True, "stream": True}
+    stopped = None
+    try:
+        for _ in range(2):  # round robin: one of two starts on `a`
+            pieces, done = 0, False
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as resp:
+                if resp.headers["x-fleetgate-worker"] == "a":
+                    os.kill(engine, signal.SIGSTOP)
+                    stopped = time.monotonic()
+                for line in resp.iter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        event = json.loads(line[6:])
+                        assert "error" not in event, event
+                        pieces += sum(bool(c["delta"].get("content")) for c in event["choices"])
+            assert done and pieces == 12
+            if stopped is not None:
+                break
+        assert stopped is not None
+        after_s = time.monotonic() - stopped
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    print(f"hang[after-headers, then unhealthy]: answered {after_s:.2f} s after SIGSTOP (first-event limit 20 s)")
+    assert after_s < 10, after_s
+    log = next(p for p in fleet.procs if "gateway" in p.log_path.name).output()
+    assert "gateway.waiting_interrupted" in log
