@@ -41,10 +41,11 @@ from gateway.openapi import ModelsOperation, StoredResponseOperation, proxied_op
 from gateway.placement import Placement
 from gateway.proxy import Proxy
 from gateway.ratelimit import RateLimiter
-from gateway.requests import KINDS, TokenCounter
+from gateway.requests import KINDS
 from gateway.routing import make_policy
 from gateway.routing.homes import Homes
 from gateway.settings import GatewaySettings
+from gateway.tokenizers import Tokenizers
 from gateway.ui import HANDLERS as UI_HANDLERS
 from gateway.ui import admin_authorized
 from gateway.upstream import Upstream
@@ -375,7 +376,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
             w.info.capacity for w in watcher.snapshot.workers if w.routable)))
         proxy = Proxy(
             settings, watcher, upstream, policy, inflight, breakers, metrics, placer, placement, admission,
-            tokenizers={model: TokenCounter(path) for model, path in settings.tokenizers.items()},
+            tokenizers=Tokenizers(settings.tokenizers, lambda: watcher.snapshot),
         )
         exposed = open_data_plane(settings.host, settings.api_keys)
         app.state["gw"] = Gateway(

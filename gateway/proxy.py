@@ -53,7 +53,6 @@ from gateway.metrics import GatewayMetrics, usage_of
 from gateway.placement import Placement
 from gateway.requests import (
     GENERATES,
-    TokenCounter,
     affinity,
     estimate_tokens,
     parse_request,
@@ -64,8 +63,9 @@ from gateway.resume import StreamTracker, continuation, unresumable, with_usage
 from gateway.routing import Choice, Live, Policy, RequestFacts, decide
 from gateway.routing.table import Slot
 from gateway.settings import GatewaySettings
+from gateway.tokenizers import Tokenizers
 from gateway.upstream import RETRYABLE_STATUS, Upstream, openai_error_body
-from gateway.waiting import FirstByteWaits
+from gateway.waiting import FirstByteWaits, WorkerWentAway
 
 log = structlog.get_logger("gateway.proxy")
 
@@ -117,7 +117,7 @@ class Proxy:
     placer: AdapterPlacer
     placement: Placement
     admission: Admission
-    tokenizers: dict[str, TokenCounter] = field(default_factory=dict)
+    tokenizers: Tokenizers = field(default_factory=Tokenizers)
     seq: int = 0
     live: Live = field(init=False)
     waits: FirstByteWaits = field(init=False)
@@ -342,7 +342,7 @@ class Proxy:
                     buffer = b""
                     # The first event may wait behind the engine's queue; later ones may not stall.
                     async with asyncio.timeout(attempt.first_byte_timeout()) as deadline:
-                        async for data in resp.content.iter_any():
+                        async for data in self.waits.first_event(worker.id, resp.content.iter_any()):
                             deadline.reschedule(loop.time() + settings.stall_timeout_s)
                             *events, buffer = (buffer + data).split(b"\n\n")
                             if not events:
@@ -374,7 +374,7 @@ class Proxy:
                         yield b"data: [DONE]\n\n"
                         return
                     raise _StreamBroke("the engine closed the stream before it finished")
-                except (aiohttp.ClientError, TimeoutError, _StreamBroke) as exc:
+                except (aiohttp.ClientError, TimeoutError, _StreamBroke, WorkerWentAway) as exc:
                     reason = "stalled" if isinstance(exc, TimeoutError) else type(exc).__name__
                     self.breakers.failure(worker.id, f"stream {reason}")
                     resp.close()
