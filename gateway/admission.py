@@ -61,6 +61,10 @@ class Admission:
     def held(self) -> int:
         return sum(len(line) for name, line in self._lines.items() if name.startswith(_HOLD))
 
+    def depths(self) -> dict[str, int]:
+        """Requests waiting per requested model (the scaling signal reads it)."""
+        return {model: len(line) for model, line in self._lines.items() if line}
+
     def wake(self) -> None:
         """Room may have opened somewhere: the head of each line re-checks."""
         for line in self._lines.values():
