@@ -122,8 +122,8 @@ def decide(p: Policy, o: Observed, h: History, now: float) -> Decision:
     active = o.ready + o.starting
     hot = _hot(p, o, sat)
 
-    def hold(reason: str, history: History = h) -> Decision:
-        return Decision(action="hold", count=0, reason=reason, history=history, saturation=sat)
+    def hold(reason: str) -> Decision:
+        return Decision(action="hold", count=0, reason=reason, history=h, saturation=sat)
 
     if active < p.min_workers:
         return Decision(action="up", count=p.min_workers - active, reason=f"{active} < min {p.min_workers}",
@@ -140,7 +140,8 @@ def decide(p: Policy, o: Observed, h: History, now: float) -> Decision:
                         history=replace(h, last_up=now), saturation=sat)
     cold = (sat is None or sat <= p.down_saturation) and o.queue_depth == 0
     if not cold:
-        return hold("steady", replace(h, cold_since=None))
+        h = replace(h, cold_since=None)
+        return hold("steady")
     if h.cold_since is None:
         h = replace(h, cold_since=now)
     cold_s = now - h.cold_since if h.cold_since is not None else 0.0

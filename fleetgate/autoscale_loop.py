@@ -21,6 +21,7 @@ it started before a restart). Every action is one structlog event (`autoscale.*`
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -147,6 +148,7 @@ class Autoscaler:
         self.run_tag = uuid.uuid4().hex[:4]
         self.serial = 0
         self._failing = False
+        self._held: dict[str, str] = {}
         opts.log_dir.mkdir(parents=True, exist_ok=True)
 
     # -- reading ---------------------------------------------------------------------------
@@ -197,6 +199,15 @@ class Autoscaler:
             observed = self.observe(model, sig)
             decision = decide(policy, observed, self.history[model], now)
             self.history[model] = decision.history
+            if decision.action == "hold":
+                # Once per kind of reason (countdowns aside), not every tick.
+                kind = re.sub(r"[\d.]+", "#", decision.reason)
+                if self._held.get(model) != kind:
+                    self._held[model] = kind
+                    log.info("autoscale.hold", model=model, reason=decision.reason, ready=observed.ready,
+                             saturation=decision.saturation)
+            else:
+                self._held.pop(model, None)
             if decision.action == "up":
                 log.info("autoscale.scale_up", model=model, add=decision.count, reason=decision.reason,
                          ready=observed.ready, starting=observed.starting)
