@@ -6,7 +6,9 @@ them once idle; no request fails on the way, and none even needs a retry."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import signal
 import sys
 import threading
 import time
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from fleetgate.autoscale_loop import DEFAULT_START
 from tests.conftest import ADMIN_TOKEN, Fleet, Proc, wait_until
 
 MODEL = "scale-model"
@@ -164,3 +167,47 @@ def test_autoscaler_adds_workers_under_load_and_retires_them_after(fleet_factory
     retired = [e for e in events if e["event"] == "autoscale.worker_retired"]
     assert all(e["how"] == "sigterm" and e["exit"] == 0 for e in retired), retired
     assert scaler.alive()
+
+
+def test_default_spawner_detaches_and_the_agent_stops_itself(fleet_factory: Callable[[], Fleet],
+                                                             tmp_path: Path) -> None:
+    """The default start command (scripts/spawn_worker.sh --wait) detaches the agent, so the
+    autoscaler holds no process of it: it retires it through the admin API's drain?stop=true,
+    the agent drains and exits by itself; no request fails."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway()
+    fleet.worker("base", "--model", MODEL, *SIM)
+    fleet.wait_ready(url, "base")
+    run_dir = tmp_path / "run"
+    start = DEFAULT_START + " " + " ".join([
+        "--redis-url", shlex.quote(fleet.redis_url), "--redis-prefix", fleet.prefix,
+        "--run-dir", shlex.quote(str(run_dir)), *SIM,
+    ])
+    scaler = fleet._spawn("autoscale", [
+        sys.executable, "-m", "fleetgate.cli", "autoscale", "--gateway", url, "--model", f"{MODEL}=1:2",
+        "--start", start, "--up-saturation", "0.75", "--up-cooldown", "1", "--down-after", "2",
+        "--down-cooldown", "2", "--interval", "0.5", "--log-dir", str(tmp_path / "autoscale"), "--json",
+    ], {"FLEETGATE_ADMIN_TOKEN": ADMIN_TOKEN, "FLEETGATE_PYTHON": sys.executable})
+    clients = Clients(url)
+    try:
+        with fleet.admin(url) as admin:
+            clients.set(8)
+            wait_until(lambda: list(_workers(admin).values()).count("ready") == 2, timeout=45, interval=0.5)
+            clients.set(1)
+            wait_until(lambda: list(_workers(admin)) == ["base"], timeout=45, interval=0.5)
+        clients.set(0)
+    finally:
+        clients.close()
+        for pidfile in run_dir.glob("*.pid") if run_dir.exists() else []:  # a failed test leaves none behind
+            try:
+                os.kill(int(pidfile.read_text()), signal.SIGTERM)
+            except (ProcessLookupError, ValueError):
+                pass
+    events = _events(scaler)
+    retired = [e for e in events if e["event"] == "autoscale.worker_retired"]
+    print(f"\nautoscale (spawn_worker.sh): sent {clients.sent}, failed {len(clients.failed)}, retired {retired}")
+    assert clients.failed == [], clients.failed[:5]
+    assert [e["how"] for e in retired] == ["admin stop"]
+    pid = int(next(run_dir.glob("*.pid")).read_text())
+    wait_until(lambda: not Path(f"/proc/{pid}").exists() or
+               Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z", timeout=10)
