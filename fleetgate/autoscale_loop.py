@@ -179,10 +179,13 @@ class Autoscaler:
         retirable = sum(1 for w in workers if w.routable and self.managed(w.id) and w.id not in self.retiring)
         if sig is None:
             return Observed(ready=0, starting=pending)
+        # Drained by this loop, and the gateway's snapshot does not show it yet (a refresh away).
+        lagging = [w for w in workers if w.routable and w.id in self.retiring]
         return Observed(
-            ready=sig.ready, starting=sig.starting + pending, draining=sig.draining, capacity=sig.capacity,
-            outstanding=sum(w.inflight for w in workers if w.routable), queue_depth=sig.queue_depth,
-            kv_use_ratio=sig.kv_use_ratio, retirable=retirable,
+            ready=sig.ready - len(lagging), starting=sig.starting + pending, draining=sig.draining + len(lagging),
+            capacity=sig.capacity - sum(w.capacity for w in lagging),
+            outstanding=sum(w.inflight for w in workers if w.routable and w.id not in self.retiring),
+            queue_depth=sig.queue_depth, kv_use_ratio=sig.kv_use_ratio, retirable=retirable,
         )
 
     # -- one tick ----------------------------------------------------------------------------
@@ -299,7 +302,8 @@ class Autoscaler:
                 self._retired(r, now)
                 continue
             if r.stopped_at is None:
-                r.idle_polls = r.idle_polls + 1 if seen.inflight == 0 else 0
+                # Idle counts only once the gateway routes nothing there any more.
+                r.idle_polls = r.idle_polls + 1 if seen.inflight == 0 and not seen.routable else 0
                 if r.idle_polls >= 2 and now - r.since >= self.opts.settle_s:
                     self._stop(r, now)
             elif now - r.stopped_at > self.opts.stop_timeout_s:
