@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import pytest
 
 from fleetgate.autoscale_loop import DEFAULT_START
 from tests.conftest import ADMIN_TOKEN, Fleet, Proc, wait_until
@@ -31,6 +32,7 @@ class Clients:
     """Closed-loop clients: each sends its next request when the last one is answered."""
 
     url: str
+    max_tokens: int = 24
     sent: int = 0
     failed: list[str] = field(default_factory=list)
     _want: int = 0
@@ -52,7 +54,7 @@ class Clients:
                 if index >= self._want:
                     time.sleep(0.05)
                     continue
-                body = {"model": MODEL, "prompt": f"client {index} says hello", "max_tokens": 24}
+                body = {"model": MODEL, "prompt": f"client {index} says hello", "max_tokens": self.max_tokens}
                 try:
                     resp = client.post("/v1/completions", json=body)
                     ok = resp.status_code == 200 and resp.json()["choices"][0]["text"]
@@ -144,8 +146,8 @@ def test_autoscaler_adds_workers_under_load_and_retires_them_after(fleet_factory
         clients.close()
         sampling = False
         sampler.join(5)
-        retries = sum(float(line.split()[-1]) for line in httpx.get(url + "/metrics").text.splitlines()
-                      if line.startswith("fleetgate_retries_total"))
+        retries = _retries(url)
+        wait_until(lambda: sum(e["event"] == "autoscale.worker_retired" for e in _events(scaler)) == 2, timeout=5)
         events = _events(scaler)
         names = [str(e["event"]) for e in events]
         print(f"\nautoscale: sent {clients.sent}, failed {len(clients.failed)}, gateway retries {retries:g}; "
@@ -169,11 +171,24 @@ def test_autoscaler_adds_workers_under_load_and_retires_them_after(fleet_factory
     assert scaler.alive()
 
 
-def test_default_spawner_detaches_and_the_agent_stops_itself(fleet_factory: Callable[[], Fleet],
-                                                             tmp_path: Path) -> None:
+def _retries(url: str) -> float:
+    return sum(float(line.split()[-1]) for line in httpx.get(url + "/metrics").text.splitlines()
+               if line.startswith("fleetgate_retries_total"))
+
+
+# How a detached worker is stopped: the agent told through the admin API (the default), or a
+# stop command that SIGKILLs agent and engine at once, so only the autoscaler's own wait for
+# an idle worker stands between a cut request and the client.
+KILL = ('a=$(cat {run}/{{worker_id}}.pid); for e in $(pgrep -P "$a"); do kill -9 -- -"$e"; done; kill -9 "$a"')
+
+
+@pytest.mark.parametrize("stop", ["admin", "kill"])
+def test_default_spawner_detaches_and_is_stopped_after_its_drain(fleet_factory: Callable[[], Fleet],
+                                                                 tmp_path: Path, stop: str) -> None:
     """The default start command (scripts/spawn_worker.sh --wait) detaches the agent, so the
-    autoscaler holds no process of it: it retires it through the admin API's drain?stop=true,
-    the agent drains and exits by itself; no request fails."""
+    autoscaler holds no process of it: it retires it through the admin API's drain?stop=true
+    (the agent drains and exits itself) or a --stop command; even a SIGKILL stop loses
+    nothing, as it comes only once the drained worker is idle: no request fails or is retried."""
     fleet = fleet_factory()
     _, url = fleet.gateway()
     fleet.worker("base", "--model", MODEL, *SIM)
@@ -183,17 +198,19 @@ def test_default_spawner_detaches_and_the_agent_stops_itself(fleet_factory: Call
         "--redis-url", shlex.quote(fleet.redis_url), "--redis-prefix", fleet.prefix,
         "--run-dir", shlex.quote(str(run_dir)), *SIM,
     ])
+    stop_args = ["--stop", KILL.format(run=shlex.quote(str(run_dir)))] if stop == "kill" else []
+    # Requests of a few seconds: a stop that did not wait for the drained worker's one would cut it.
     scaler = fleet._spawn("autoscale", [
         sys.executable, "-m", "fleetgate.cli", "autoscale", "--gateway", url, "--model", f"{MODEL}=1:2",
-        "--start", start, "--up-saturation", "0.75", "--up-cooldown", "1", "--down-after", "2",
+        "--start", start, *stop_args, "--up-saturation", "0.75", "--up-cooldown", "1", "--down-after", "2",
         "--down-cooldown", "2", "--interval", "0.5", "--log-dir", str(tmp_path / "autoscale"), "--json",
     ], {"FLEETGATE_ADMIN_TOKEN": ADMIN_TOKEN, "FLEETGATE_PYTHON": sys.executable})
-    clients = Clients(url)
+    clients = Clients(url, max_tokens=150)
     try:
         with fleet.admin(url) as admin:
             clients.set(8)
             wait_until(lambda: list(_workers(admin).values()).count("ready") == 2, timeout=45, interval=0.5)
-            clients.set(1)
+            clients.set(2)  # one request on each worker, most of the time: the drain has work to wait for
             wait_until(lambda: list(_workers(admin)) == ["base"], timeout=45, interval=0.5)
         clients.set(0)
     finally:
@@ -203,11 +220,17 @@ def test_default_spawner_detaches_and_the_agent_stops_itself(fleet_factory: Call
                 os.kill(int(pidfile.read_text()), signal.SIGTERM)
             except (ProcessLookupError, ValueError):
                 pass
+    retries = _retries(url)
+    # The registry lists only `base`: the autoscaler says so at its next poll.
+    wait_until(lambda: any(e["event"] == "autoscale.worker_retired" for e in _events(scaler)), timeout=5)
     events = _events(scaler)
-    retired = [e for e in events if e["event"] == "autoscale.worker_retired"]
-    print(f"\nautoscale (spawn_worker.sh): sent {clients.sent}, failed {len(clients.failed)}, retired {retired}")
+    draining = [e.get("inflight") for e in events if e["event"] == "autoscale.worker_draining"]
+    retired = [e.get("how") for e in events if e["event"] == "autoscale.worker_retired"]
+    print(f"\nautoscale (spawn_worker.sh, stop={stop}): sent {clients.sent}, failed {len(clients.failed)}, "
+          f"gateway retries {retries:g}, in flight at the drain {draining}, retired by {retired}")
     assert clients.failed == [], clients.failed[:5]
-    assert [e["how"] for e in retired] == ["admin stop"]
+    assert retries == 0
+    assert retired == ["admin stop" if stop == "admin" else "stop command"]
     pid = int(next(run_dir.glob("*.pid")).read_text())
     wait_until(lambda: not Path(f"/proc/{pid}").exists() or
                Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z", timeout=10)
