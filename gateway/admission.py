@@ -62,8 +62,9 @@ class Admission:
         return sum(len(line) for name, line in self._lines.items() if name.startswith(_HOLD))
 
     def depths(self) -> dict[str, int]:
-        """Requests waiting per requested model (the scaling signal reads it)."""
-        return {model: len(line) for model, line in self._lines.items() if line}
+        """Requests waiting for room per requested model, as `queued` counts them (the scaling
+        signal reads it)."""
+        return {name: len(line) for name, line in self._lines.items() if line and not name.startswith(_HOLD)}
 
     def wake(self) -> None:
         """Room may have opened somewhere: the head of each line re-checks."""

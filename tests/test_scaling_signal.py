@@ -4,8 +4,10 @@ live gateway (`/metrics` and `GET /admin/scaling`) under real load."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
+import time
 from collections.abc import Callable
 
 import httpx
@@ -14,6 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetgate.schema import WorkerInfo, WorkerView
+from gateway.admission import Admission
 from gateway.scaling import (
     KV_USE_RATIO,
     OUTSTANDING,
@@ -119,3 +122,25 @@ def test_live_gateway_under_load(fleet_factory: Callable[[], Fleet]) -> None:
     assert {model for _, model in scrape} == {"live"}, "an unknown model makes no series"
     assert statuses == [200] * 8
     assert (idle["outstanding"], idle["queue_depth"], idle["saturation"], idle["kv_use_ratio"]) == (0, 0, 0.0, 0.0)
+
+
+async def test_queue_depth_counts_requests_waiting_for_room_not_those_held_for_kv() -> None:
+    """`Admission.depths` (the queue_depth source) counts each model's line; a request held
+    for one worker's KV room (never refused, at most hold_max_s) is not queued."""
+    admission = Admission(lambda: 100)
+    until = time.monotonic() + 5
+    tasks = [
+        asyncio.create_task(admission.wait("a", lambda: "slots", until, retry_after=1)),
+        asyncio.create_task(admission.wait("a", lambda: "slots", until, retry_after=1)),
+        asyncio.create_task(admission.wait("a-lora", lambda: "slots", until, retry_after=1)),
+        asyncio.create_task(admission.hold("w1", lambda: False, until)),
+    ]
+    await asyncio.sleep(0.05)
+    try:
+        assert admission.depths() == {"a": 2, "a-lora": 1}
+        assert signals(FLEET, {}, {}, admission.depths(), BASES)[0].queue_depth == 3
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    assert admission.depths() == {}
