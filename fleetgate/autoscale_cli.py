@@ -60,6 +60,9 @@ def autoscale(
 ) -> None:
     """Add and retire workers on load, from the gateway's scaling signal (GET /admin/scaling)."""
     configure_logging(json=json)
+    if not token:
+        typer.echo("fleetgate: no admin token: set FLEETGATE_ADMIN_TOKEN or pass --token.", err=True)
+        raise typer.Exit(1)
     try:
         base = Policy(min_workers=min_workers, max_workers=max_workers, up_saturation=up_saturation,
                       down_saturation=down_saturation, up_queue=up_queue, up_kv=up_kv,
@@ -74,9 +77,6 @@ def autoscale(
     except ValueError as exc:
         typer.echo(f"fleetgate: {exc}", err=True)
         raise typer.Exit(1) from None
-    if not token:
-        typer.echo("fleetgate: no admin token: set FLEETGATE_ADMIN_TOKEN or pass --token.", err=True)
-        raise typer.Exit(1)
     stopping: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: stopping.append(signum))

@@ -4,11 +4,14 @@ min/max, each case one tick of `decide`; plus the loop's template and --model pa
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from fleetgate.autoscale import History, Observed, Policy, decide
 from fleetgate.autoscale_loop import check_template, parse_models, render
+from fleetgate.cli import app
 
 P = Policy(min_workers=1, max_workers=4, up_saturation=0.8, down_saturation=0.3, up_queue=1, up_kv=0.9,
            up_cooldown_s=30, down_cooldown_s=60, down_after_s=20, step=2)
@@ -113,3 +116,16 @@ def test_model_specs() -> None:
     with pytest.raises(ValueError):
         parse_models(["d=x:y"], base)
     assert math.isinf(History().last_up)
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--model", "m"], "no admin token"),
+    (["--model", "m", "--token", "t", "--start", "spawn {modle}"], "unknown placeholder"),
+    (["--model", "m", "--token", "t", "--min", "3", "--max", "2"], "min_workers <= max_workers"),
+    (["--model", "m", "--token", "t", "--up-saturation", "0.2"], "hysteresis band"),
+])
+def test_cli_refuses_bad_settings_in_one_line(args: list[str], says: str, tmp_path: Path) -> None:
+    """`fleetgate autoscale` with a mistake exits 1 at once with one line saying what is wrong."""
+    result = CliRunner().invoke(app, ["autoscale", *args, "--log-dir", str(tmp_path)], env={"FLEETGATE_ADMIN_TOKEN": ""})
+    assert result.exit_code == 1
+    assert says in result.output and "Traceback" not in result.output
