@@ -44,6 +44,7 @@ from gateway.ratelimit import RateLimiter
 from gateway.requests import KINDS
 from gateway.routing import make_policy
 from gateway.routing.homes import Homes
+from gateway.scaling import ScalingCollector, admin_scaling, current
 from gateway.settings import GatewaySettings
 from gateway.tokenizers import Tokenizers
 from gateway.ui import HANDLERS as UI_HANDLERS
@@ -378,6 +379,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
             settings, watcher, upstream, policy, inflight, breakers, metrics, placer, placement, admission,
             tokenizers=Tokenizers(settings.tokenizers, lambda: watcher.snapshot),
         )
+        metrics.registry.register(ScalingCollector(lambda: current(watcher, inflight, admission)))
         exposed = open_data_plane(settings.host, settings.api_keys)
         app.state["gw"] = Gateway(
             settings, registry, watcher, proxy, frozenset(digest(k) for k in settings.api_keys),
@@ -414,7 +416,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
             *(_proxy_route(path, kind) for path, kind in KINDS.items()),
             retrieve_response, cancel_response, list_models, get_model, health,
             admin_workers, admin_drain, admin_undrain, admin_remove,
-            admin_load_adapter, admin_unload_adapter, metrics_endpoint, *UI_HANDLERS,
+            admin_load_adapter, admin_unload_adapter, admin_scaling, metrics_endpoint, *UI_HANDLERS,
         ],
         lifespan=[lifespan],
         exception_handlers={
