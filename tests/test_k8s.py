@@ -128,6 +128,12 @@ def after(args: list[str], flag: str) -> str:
     return args[args.index(flag) + 1]
 
 
+def set_pairs(args: list[str]) -> dict[str, Any]:
+    """The gateway's `--set KEY=VALUE` pairs, as it reads them (YAML values)."""
+    pairs = (args[i + 1].partition("=") for i, a in enumerate(args) if a == "--set")
+    return {k: yaml.safe_load(v) for k, _, v in pairs}
+
+
 def all_sets(helm: str | None) -> dict[str, tuple[dict[str, Any], ...]]:
     sets = {name: rendered(helm, name) for name in RENDERS} if helm else {}
     sets["plain"] = plain("base-files")
@@ -326,14 +332,11 @@ def test_gateway_args_are_real_flags_and_settings(helm: str) -> None:
                 continue
             assert c["command"] == ["python", "-m", "gateway"]
             assert {a for a in c["args"] if a.startswith("--")} <= known, name
-            pairs = [c["args"][i + 1] for i, a in enumerate(c["args"]) if a == "--set"]
-            overrides = {k: yaml.safe_load(v) for k, _, v in (p.partition("=") for p in pairs)}
-            settings = load_settings(DEFAULT_CONFIG, overrides, environ={})
+            settings = load_settings(DEFAULT_CONFIG, set_pairs(c["args"]), environ={})
             assert settings.policy == after(c["args"], "--policy")
-    full = [container(d) for d in of_kind(rendered(helm, "full"), "Deployment")][0]
-    settings = load_settings(DEFAULT_CONFIG, {k: yaml.safe_load(v) for k, _, v in (
-        full["args"][i + 1].partition("=") for i, a in enumerate(full["args"]) if a == "--set")}, environ={})
-    assert settings.rate_limit_rpm == 600
+    full = next(container(d) for d in of_kind(rendered(helm, "full"), "Deployment") if container(d)["name"] == "gateway")
+    settings = load_settings(DEFAULT_CONFIG, set_pairs(full["args"]), environ={})
+    assert settings.rate_limit_rpm == 600 and settings.routing["balance"] == 0.3
 
 
 def test_autoscalers_scale_the_pool_on_the_gateways_gauges(helm: str) -> None:
