@@ -199,6 +199,14 @@ def test_custom_resources_render_only_where_their_api_is_served(helm: str) -> No
                                                                        "HorizontalPodAutoscaler"})
 
 
+@pytest.mark.parametrize("name", ["defaults", "full-no-crds"])  # lint takes no --api-versions
+def test_helm_lint_passes(helm: str, name: str) -> None:
+    """`helm lint --strict` finds nothing to fix in the chart with either set of values."""
+    proc = subprocess.run([helm, "lint", "--strict", str(CHART), *RENDERS[name]], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def test_the_chart_refuses_to_render_without_an_admin_token(helm: str) -> None:
     """No admin token and no existing Secret: helm fails and says which value to set."""
     proc = helm_template(helm)
