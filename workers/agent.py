@@ -312,6 +312,8 @@ class Agent:
     async def _beat(self, load: Load, announce: bool = False) -> HeartbeatReply | None:
         """The registry's answer to a heartbeat; None when Redis is unreachable."""
         try:
+            if moved := await self.registry.follow_master():
+                self.log.warning("agent.registry_master_moved", master=moved)
             return await self.registry.heartbeat(self.opts.worker_id, load, announce=announce)
         except Exception as exc:
             self.log.warning("agent.registry_unreachable", error=repr(exc))
