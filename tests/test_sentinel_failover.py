@@ -8,6 +8,7 @@ failover's timings."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -18,11 +19,15 @@ from pathlib import Path
 from typing import Literal
 
 import httpx
+import msgspec
 import pytest
 import redis
+import redis.asyncio
 
 from fleetgate.redis_ha import SentinelGroup
-from fleetgate.registry import Keys
+from fleetgate.registry import Keys, Registry, connect
+from fleetgate.schema import WorkerInfo
+from gateway.fleet import FleetWatcher
 from tests.conftest import Fleet, Proc, wait_until
 from tests.test_chaos import MODEL, SteadyLoad, resumed_count
 
@@ -47,7 +52,7 @@ class Timeline:
     promoted: float | None = None
     workers_visible: float | None = None
     first_routed: float | None = None
-    gateway_reconnected: float | None = None
+    gateway_followed: float | None = None
     drained_states: set[str] = field(default_factory=set)
 
     def at(self) -> float:
@@ -128,17 +133,17 @@ def _failover(fleet: Fleet, url: str, group: SentinelGroup, agents: dict[str, Pr
         gateways = {m.decode() for m in direct.smembers(keys.gateways)}
         inflight_keys = [k for g in gateways if direct.exists(k := keys.inflight(g))]
     reregistered = {wid: p.output().count("agent.reregister") - before[wid] for wid, p in agents.items()}
-    connected = _events(gateway, "gateway.registry_connected", line.started_wall)
-    if connected:
-        line.gateway_reconnected = round(connected[0] - line.started_wall, 2)
-    kept = len(_events(gateway, "gateway.registry_resync", line.started_wall))
-    print(f"chaos[{name}]: promoted={line.promoted}s gateway_reconnected={line.gateway_reconnected}s "
+    kept = _events(gateway, "gateway.registry_resync", line.started_wall)
+    followed = sorted(kept + _events(gateway, "gateway.registry_connected", line.started_wall))
+    if followed:
+        line.gateway_followed = round(followed[0] - line.started_wall, 2)
+    print(f"chaos[{name}]: promoted={line.promoted}s gateway_followed={line.gateway_followed}s "
           f"workers_visible={line.workers_visible}s first_routed={line.first_routed}s "
           f"(after the {how} of the master)")
     print(f"chaos[{name}]: drained worker's states during the failover {sorted(line.drained_states)}, "
           f"after: state={after['c']['state']} admin_drain={after['c']['admin_drain']} "
           f"circuit={after['c']['circuit']['state']}; re-registered={reregistered}; "
-          f"gateway kept its last view={kept > 0}; in-flight hashes on the new master={len(inflight_keys)}")
+          f"gateway kept its last view={bool(kept)}; in-flight hashes on the new master={len(inflight_keys)}")
     figures.report(name, resumed_count(fleet))
 
     assert line.done(), line
@@ -152,6 +157,74 @@ def _failover(fleet: Fleet, url: str, group: SentinelGroup, agents: dict[str, Pr
     assert inflight_keys, gateways
     assert all(p.alive() for p in fleet.procs)
     return line
+
+
+def _info(worker_id: str) -> WorkerInfo:
+    return msgspec.convert({"id": worker_id, "url": "http://x", "engine": "sim", "model": "m"}, WorkerInfo)
+
+
+def test_watcher_keeps_workers_whose_records_expired_while_redis_was_away(redis_url: str, prefix: str) -> None:
+    """A read long after the last one (Redis was away, or failed over) that finds a worker's
+    record gone keeps that worker for the resync grace (its agent could not heartbeat); a
+    record gone between two reads in a row drops its worker at once."""
+
+    async def go() -> tuple[set[str], set[str], set[str]]:
+        redis_client = connect(redis_url)
+        registry = Registry(redis_client, prefix)
+        watcher = FleetWatcher(registry, refresh_interval_s=0.05)
+        watcher.resync_grace_s = 0.5
+        try:
+            for wid in ("w1", "w2"):
+                await registry.register(_info(wid), "ready")
+            await watcher.refresh()
+            await registry.deregister("w1")
+            await watcher.refresh()
+            at_once = set(watcher.snapshot.by_id)
+            await asyncio.sleep(1.2)  # longer than the refresh interval + OUTAGE_S
+            await redis_client.delete(registry.keys.worker("w2"))  # expired meanwhile
+            await watcher.refresh()
+            kept = set(watcher.snapshot.by_id)
+            await asyncio.sleep(0.6)
+            await watcher.refresh()
+            return at_once, kept, set(watcher.snapshot.by_id)
+        finally:
+            await redis_client.aclose()
+
+    assert asyncio.run(go()) == ({"w2"}, {"w2"}, set())
+
+
+def test_follow_master_moves_every_connection_after_a_switchover(group: SentinelGroup) -> None:
+    """After an operator's switchover the old master is still up (and a master, for seconds):
+    `follow_master` moves the client to the new one at once, its pub/sub connection too."""
+
+    async def go() -> tuple[str, bool, bytes]:
+        redis_client = connect(group.url)
+        registry = Registry(redis_client, "follow-test")
+        try:
+            await registry.set_state("nobody", "ready")  # connects (to the old master)
+            pubsub = await registry.subscribe()
+            old, new = group.master_port, group.replica_ports[0]
+            group.switchover()
+            await asyncio.to_thread(wait_until, lambda: group.master_by_sentinels() == {new}, 15)
+            moved = await registry.follow_master()
+            await redis_client.set("follow-test:probe", "1")
+            with redis.Redis(port=old) as on_old:
+                landed_on_old = bool(on_old.exists("follow-test:probe"))
+            message: dict[str, object] = {}
+            deadline = time.monotonic() + 10
+            async with redis.asyncio.Redis(port=new) as on_new:
+                while not message and time.monotonic() < deadline:
+                    # Until the pub/sub connection has reconnected and subscribed again.
+                    await on_new.publish(registry.keys.events, "w9")
+                    message = await pubsub.get_message(timeout=0.2) or {}
+            await pubsub.aclose()
+            return moved, landed_on_old, message.get("data", b"")  # type: ignore[return-value]
+        finally:
+            await redis_client.aclose()
+
+    moved, landed_on_old, data = asyncio.run(go())
+    assert moved == f"127.0.0.1:{group.master_by_sentinels().pop()}"
+    assert not landed_on_old and data == b"w9"
 
 
 def test_failovers_under_load_lose_nothing(group: SentinelGroup, tmp_path: Path) -> None:
@@ -185,7 +258,10 @@ def test_failovers_under_load_lose_nothing(group: SentinelGroup, tmp_path: Path)
         with redis.Redis(port=old_master) as direct:
             assert direct.exists(keys.worker("a"))  # it caught up with the new master
 
-        _failover(fleet, url, group, agents, "sentinel-switchover", "switchover")
+        line = _failover(fleet, url, group, agents, "sentinel-switchover", "switchover")
+        # The old master stays up, a master, for ~11 s: only following the sentinels (not a
+        # broken connection) brings gateway and agents to the new one sooner.
+        assert line.workers_visible is not None and line.workers_visible < 8.0
 
         group.configure("down-after-milliseconds", 4000)
         before = {wid: p.output().count("agent.reregister") for wid, p in agents.items()}
