@@ -13,17 +13,19 @@ and in use, pub/sub included); each reconnects, through the sentinels, to the ne
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from redis.asyncio.sentinel import SentinelConnectionPool
-from redis.exceptions import ConnectionError, TimeoutError
+from redis.exceptions import ConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
-async def follow_master(redis: Any) -> str:
+async def follow_master(redis: Any, timeout_s: float = 2.0) -> str:
     """"host:port" of the new master when it moved since the client's last connection (its
     connections are then closed, to reconnect there); "" otherwise, for a client that is not
-    Sentinel-managed, or when no sentinel answers (nothing to learn: the commands' own
-    errors say whether Redis is reachable)."""
+    Sentinel-managed, or when no sentinel answers within `timeout_s` (nothing to learn: the
+    commands' own errors say whether Redis is reachable)."""
     pool = getattr(redis, "connection_pool", None)
     if not isinstance(pool, SentinelConnectionPool) or not pool.is_master:
         return ""
@@ -32,8 +34,9 @@ async def follow_master(redis: Any) -> str:
         return ""
     try:
         # Updates pool.master_address and closes the idle connections when it changed.
-        now = await pool.get_master_address()
-    except (ConnectionError, TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            now = await pool.get_master_address()
+    except (ConnectionError, RedisTimeoutError, TimeoutError):
         return ""
     if now == before:
         return ""

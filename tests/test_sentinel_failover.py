@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 import msgspec
@@ -74,6 +74,7 @@ def _watch(fleet: Fleet, url: str, group: SentinelGroup, new_master: int, line: 
                     and group.master_by_sentinels() == {new_master}:
                 line.promoted = line.at()
                 promoted_wall = time.time()
+            workers: dict[str, dict[str, Any]]
             try:
                 workers = fleet.workers(url)
             except (httpx.HTTPError, ValueError, KeyError):
@@ -81,7 +82,7 @@ def _watch(fleet: Fleet, url: str, group: SentinelGroup, new_master: int, line: 
             if "c" in workers:
                 line.drained_states.add(str(workers["c"]["state"]))
             if promoted_wall:
-                beats = [float(w.get("last_heartbeat") or 0) for w in workers.values()]
+                beats = [float(w["last_heartbeat"] or 0) for w in workers.values()]
                 if line.workers_visible is None and set(workers) == {"a", "b", "c"} \
                         and min(beats) > promoted_wall:
                     line.workers_visible = line.at()
@@ -128,7 +129,7 @@ def _failover(fleet: Fleet, url: str, group: SentinelGroup, agents: dict[str, Pr
     if how == "switchover":
         group.follow(new_master)
     figures = load.figures
-    after = fleet.workers(url)
+    after: dict[str, Any] = fleet.workers(url)
     with redis.Redis(port=new_master) as direct:
         gateways = {m.decode() for m in direct.smembers(keys.gateways)}
         inflight_keys = [k for g in gateways if direct.exists(k := keys.inflight(g))]
