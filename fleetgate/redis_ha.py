@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,11 @@ class SentinelGroup:
             port = free_port()
             self.sentinel_ports.append(port)
             self._sentinel(port)
-        self.wait_settled(timeout)
+        try:
+            self.wait_settled(timeout)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def _server(self, port: int, *extra: str) -> None:
@@ -148,6 +153,25 @@ class SentinelGroup:
                 if addr:
                     ports.add(int(addr[1]))
         return ports
+
+    def logged_at(self, event: str, port: int, since: float) -> float | None:
+        """Unix time at which a sentinel first logged `event` about `port` after `since` (None:
+        none has yet). `+failover-state-wait-promotion`: the replica was told to be the master;
+        `+switch-master`: a sentinel names it as the master from then on."""
+        times = []
+        for sentinel in self.sentinel_ports:
+            path = self.workdir / f"sentinel-{sentinel}.log"
+            for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+                if f" {event} " not in line or not (
+                        f" 127.0.0.1:{port} " in line or line.endswith(f" 127.0.0.1 {port}")):
+                    continue
+                with contextlib.suppress(ValueError, IndexError):
+                    # "pid:X 02 Dec 2026 07:52:53.579 # ...", in the sentinel's local time
+                    stamp = " ".join(line.split(" ", 5)[1:5])
+                    at = datetime.strptime(stamp, "%d %b %Y %H:%M:%S.%f").timestamp()
+                    if at > since:
+                        times.append(at)
+        return min(times, default=None)
 
     def role(self, port: int) -> str:
         """"master", "slave", or "" when nothing answers on `port`."""

@@ -9,6 +9,7 @@ failover's timings."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -28,7 +29,7 @@ from fleetgate.redis_ha import SentinelGroup
 from fleetgate.registry import Keys, Registry, connect
 from fleetgate.schema import WorkerInfo
 from gateway.fleet import FleetWatcher
-from tests.conftest import Fleet, Proc, wait_until
+from tests.conftest import ADMIN_TOKEN, Fleet, Proc, wait_until
 from tests.test_chaos import MODEL, SteadyLoad, resumed_count
 
 # Generous on a loaded machine (2 cores shared by several test runs); the figures printed
@@ -45,11 +46,12 @@ def group(tmp_path: Path) -> Iterator[SentinelGroup]:
 @dataclass
 class Timeline:
     """Seconds after the master was killed (or the switchover asked for) at which each thing
-    was first seen; None: not (yet)."""
+    happened (the promotion, from the sentinels' logs) or was first seen; None: not (yet)."""
 
     started: float
     started_wall: float
     promoted: float | None = None
+    switched: float | None = None
     workers_visible: float | None = None
     first_routed: float | None = None
     gateway_followed: float | None = None
@@ -59,39 +61,60 @@ class Timeline:
         return round(time.monotonic() - self.started, 2)
 
     def done(self) -> bool:
-        return None not in (self.promoted, self.workers_visible, self.first_routed)
+        return None not in (self.promoted, self.switched, self.gateway_followed, self.workers_visible,
+                            self.first_routed)
 
 
-def _watch(fleet: Fleet, url: str, group: SentinelGroup, new_master: int, line: Timeline) -> None:
-    """Poll until the sentinels name the new master, every worker has heartbeated to it (as
-    the gateway's /admin/workers reads it there), and the gateway, its snapshot read from the
-    new master, has answered a request sent after that."""
-    promoted_wall = 0.0
+def _watch(fleet: Fleet, url: str, gateway: Proc, group: SentinelGroup, new_master: int,
+           line: Timeline, old_dead: bool) -> None:
+    """Poll until a sentinel has promoted the new master and named it (their logs say when),
+    every worker heartbeats to it (in its records there, and in /admin/workers, which the
+    gateway reads from its master), and the gateway, once it read its registry from the new
+    master (its log says when), answered a request."""
+    keys = Keys(fleet.prefix)
+    admin = {"authorization": f"Bearer {ADMIN_TOKEN}"}
     deadline = time.monotonic() + FAILOVER_LIMIT_S
-    with httpx.Client(base_url=url, timeout=5) as client:
+    with httpx.Client(base_url=url, timeout=2) as client, redis.Redis(port=new_master) as direct:
         while not line.done() and time.monotonic() < deadline:
-            if line.promoted is None and group.role(new_master) == "master" \
-                    and group.master_by_sentinels() == {new_master}:
-                line.promoted = line.at()
-                promoted_wall = time.time()
-            workers: dict[str, dict[str, Any]]
-            try:
-                workers = fleet.workers(url)
-            except (httpx.HTTPError, ValueError, KeyError):
-                workers = {}  # 503 registry_unavailable: the gateway cannot read Redis yet
-            if "c" in workers:
-                line.drained_states.add(str(workers["c"]["state"]))
-            if promoted_wall:
-                beats = [float(w["last_heartbeat"] or 0) for w in workers.values()]
-                if line.workers_visible is None and set(workers) == {"a", "b", "c"} \
-                        and min(beats) > promoted_wall:
+            promoted_wall = group.logged_at("+failover-state-wait-promotion", new_master, line.started_wall)
+            if promoted_wall and line.promoted is None:
+                line.promoted = round(promoted_wall - line.started_wall, 2)
+            switched_wall = group.logged_at("+switch-master", new_master, line.started_wall)
+            if switched_wall and line.switched is None:
+                line.switched = round(switched_wall - line.started_wall, 2)
+            listed: dict[str, float] = {}
+            with contextlib.suppress(httpx.HTTPError):
+                resp = client.get("/admin/workers", headers=admin)
+                if resp.status_code == 200:  # else 503 registry_unavailable: not back yet
+                    for w in resp.json()["data"]:
+                        listed[w["id"]] = float(w["last_heartbeat"] or 0)
+                        if w["id"] == "c":
+                            line.drained_states.add(str(w["state"]))
+            if not promoted_wall:
+                time.sleep(0.1)
+                continue
+            if line.workers_visible is None and set(listed) == {"a", "b", "c"} \
+                    and min(listed.values()) > promoted_wall:
+                beats = [direct.hget(keys.worker(w), "hb") for w in "abc"]
+                if all(b is not None and float(b) > promoted_wall for b in beats):
                     line.workers_visible = line.at()
-                health = client.get("/health").json()
-                fresh = health["status"] == "ok" and health["snapshot_age_s"] is not None \
-                    and time.time() - health["snapshot_age_s"] > promoted_wall
-                if line.first_routed is None and fresh:
-                    body = {"model": MODEL, "max_tokens": 4,
-                            "messages": [{"role": "user", "content": "after the failover"}]}
+            if line.gateway_followed is None:
+                # Its first read of the new master: after an outage, or moving off a live old one
+                # (its log); with the old one dead, any read since the kill was of the new one.
+                followed = sorted(_events(gateway, "gateway.registry_connected", line.started_wall)
+                                  + _events(gateway, "gateway.registry_resync", line.started_wall))
+                if followed:
+                    line.gateway_followed = round(followed[0] - line.started_wall, 2)
+                elif old_dead:
+                    with contextlib.suppress(httpx.HTTPError):
+                        health = client.get("/health").json()
+                        if health["status"] == "ok" and health["snapshot_age_s"] is not None \
+                                and time.time() - health["snapshot_age_s"] > line.started_wall:
+                            line.gateway_followed = line.at()
+            if line.first_routed is None and line.gateway_followed is not None:
+                body = {"model": MODEL, "max_tokens": 4,
+                        "messages": [{"role": "user", "content": "after the failover"}]}
+                with contextlib.suppress(httpx.HTTPError):
                     if client.post("/v1/chat/completions", json=body).status_code == 200:
                         line.first_routed = line.at()
             time.sleep(0.1)
@@ -124,7 +147,7 @@ def _failover(fleet: Fleet, url: str, group: SentinelGroup, agents: dict[str, Pr
             group.kill(old_master)
         else:
             group.switchover()
-        _watch(fleet, url, group, new_master, line)
+        _watch(fleet, url, gateway, group, new_master, line, old_dead=how == "sigkill")
         time.sleep(1.0)  # the load goes on a while on the new master
     if how == "switchover":
         group.follow(new_master)
@@ -135,10 +158,7 @@ def _failover(fleet: Fleet, url: str, group: SentinelGroup, agents: dict[str, Pr
         inflight_keys = [k for g in gateways if direct.exists(k := keys.inflight(g))]
     reregistered = {wid: p.output().count("agent.reregister") - before[wid] for wid, p in agents.items()}
     kept = _events(gateway, "gateway.registry_resync", line.started_wall)
-    followed = sorted(kept + _events(gateway, "gateway.registry_connected", line.started_wall))
-    if followed:
-        line.gateway_followed = round(followed[0] - line.started_wall, 2)
-    print(f"chaos[{name}]: promoted={line.promoted}s gateway_followed={line.gateway_followed}s "
+    print(f"chaos[{name}]: promoted={line.promoted}s switched={line.switched}s gateway_followed={line.gateway_followed}s "
           f"workers_visible={line.workers_visible}s first_routed={line.first_routed}s "
           f"(after the {how} of the master)")
     print(f"chaos[{name}]: drained worker's states during the failover {sorted(line.drained_states)}, "
@@ -230,11 +250,11 @@ def test_follow_master_moves_every_connection_after_a_switchover(group: Sentinel
 
 def test_failovers_under_load_lose_nothing(group: SentinelGroup, tmp_path: Path) -> None:
     """Three failovers under steady streaming and whole-request load, 0 failed requests each:
-    (1) SIGKILL the master, sentinels quick to act (down-after 1 s): the workers' records may
-    outlive it on the replica; the old master then rejoins as a replica. (2) An operator's
-    switchover (SENTINEL FAILOVER): the master stays up, demoted. (3) SIGKILL the master with
-    down-after 4 s, longer than the records' TTL: every record is gone from the promoted
-    replica, the agents register again, the drained one still drained."""
+    (1) SIGKILL the master, sentinels quick to act (down-after 1 s); the old master then rejoins
+    as a replica and catches up. (2) SIGKILL the master with down-after 4 s, longer than the
+    records' TTL: every record is gone from the promoted replica, the agents register again,
+    the drained one still drained. (3) An operator's switchover (SENTINEL FAILOVER): the master
+    stays up (demoted ~11 s later); gateway and agents must follow the sentinels to the new one."""
     fleet = Fleet(group.url, f"fgtest-{uuid.uuid4().hex[:8]}", tmp_path)
     keys = Keys(fleet.prefix)
     try:
@@ -253,22 +273,23 @@ def test_failovers_under_load_lose_nothing(group: SentinelGroup, tmp_path: Path)
             assert direct.wait(1, 5000) == 1
 
         _failover(fleet, url, group, agents, "sentinel-sigkill", "sigkill")
-        old_master = group.master_port
-        group.rejoin(old_master)  # the old master is back, as a replica of the new one
-        assert group.role(old_master) == "slave"
-        with redis.Redis(port=old_master) as direct:
+        killed = group.master_port
+        group.rejoin(killed)  # the old master is back, as a replica of the new one
+        assert group.role(killed) == "slave"
+        with redis.Redis(port=killed) as direct:
             assert direct.exists(keys.worker("a"))  # it caught up with the new master
-
-        line = _failover(fleet, url, group, agents, "sentinel-switchover", "switchover")
-        # The old master stays up, a master, for ~11 s: only following the sentinels (not a
-        # broken connection) brings gateway and agents to the new one sooner.
-        assert line.workers_visible is not None and line.workers_visible < 8.0
 
         group.configure("down-after-milliseconds", 4000)
         before = {wid: p.output().count("agent.reregister") for wid, p in agents.items()}
         line = _failover(fleet, url, group, agents, "sentinel-sigkill-slow", "sigkill")
         assert line.promoted is not None and line.promoted > 3.0
         assert all(p.output().count("agent.reregister") > before[w] for w, p in agents.items())
+        group.rejoin(group.master_port)
+
+        line = _failover(fleet, url, group, agents, "sentinel-switchover", "switchover")
+        # The old master stays up, a master, for ~11 s: only following the sentinels (not a
+        # broken connection) brings gateway and agents to the new one sooner.
+        assert line.workers_visible is not None and line.workers_visible < 8.0
         gateway_log = "".join(p.output() for p in fleet.procs if "gateway" in p.log_path.name)
         assert "gateway.internal_error" not in gateway_log
     finally:
