@@ -222,7 +222,8 @@ class FleetWatcher:
                 raise
             except Exception:
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                # Like the re-reads: subscribed again within a refresh interval of Redis being back.
+                backoff = min(backoff * 2, self.refresh_interval_s)
             finally:
                 if pubsub is not None:
                     with contextlib.suppress(Exception):
