@@ -64,6 +64,7 @@ import redis.asyncio as aioredis
 
 from fleetgate.hashing import stable_hash
 from fleetgate.schema import SCHEMA_VERSION, Load, WorkerInfo, WorkerState, WorkerView
+from fleetgate.sentinel import follow_master
 
 DEFAULT_PREFIX = "fleetgate"
 DEFAULT_HEARTBEAT_TTL_S = 3.0
@@ -162,8 +163,9 @@ def _sentinel_master(url: str, **kwargs: Any) -> aioredis.Redis:
     if not parts:
         raise ValueError("a Sentinel URL names the master: redis+sentinel://host:26379/<master>[/<db>]")
     db = int(parts[1]) if len(parts) > 1 else 0
-    sentinel = Sentinel(nodes, socket_timeout=kwargs.get("socket_timeout"),
-                        sentinel_kwargs={"password": password} if password else None)
+    # The sentinels are asked about once a second (fleetgate/sentinel.py): bound every wait.
+    timeouts = {k: kwargs[k] for k in ("socket_timeout", "socket_connect_timeout") if k in kwargs}
+    sentinel = Sentinel(nodes, sentinel_kwargs={**timeouts, **({"password": password} if password else {})})
     return sentinel.master_for(parts[0], db=db, password=password, **kwargs)
 
 
@@ -581,6 +583,11 @@ class Registry:
     async def unlock_adapter(self, adapter: str, owner: str) -> None:
         """Release the lock if `owner` still holds it (it may have expired and been retaken)."""
         await self._unlock(keys=[self.keys.lora_lock(adapter)], args=[owner])
+
+    async def follow_master(self) -> str:
+        """With Sentinel: reconnect to the master the sentinels name, if it moved while the
+        old one stayed up ("host:port" then, else ""; fleetgate/sentinel.py says why)."""
+        return await follow_master(self.redis)
 
     async def subscribe(self) -> aioredis.client.PubSub:
         """A pub/sub connection listening on the events channel (its data: worker ids)."""

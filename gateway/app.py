@@ -30,7 +30,15 @@ from gateway.adapters import AdapterPlacer
 from gateway.admission import Admission
 from gateway.auth import check_api_key, digest, open_data_plane
 from gateway.circuit import Breakers
-from gateway.errors import GatewayError, InvalidRequest, ModelNotFound, NotFound, Unauthorized
+from gateway.errors import (
+    REGISTRY_ERRORS,
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    NotFound,
+    Unauthorized,
+    registry_unavailable,
+)
 from gateway.fastpath import FastPath
 from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
@@ -335,6 +343,11 @@ def _http_error(request: Request, exc: HTTPException) -> Response:
     return _gateway_error(request, err)
 
 
+def _registry_error(request: Request, exc: Exception) -> Response:
+    log.warning("gateway.registry_error", path=request.url.path, error=repr(exc))
+    return _gateway_error(request, registry_unavailable())
+
+
 def _internal_error(request: Request, exc: Exception) -> Response:
     log.exception("gateway.internal_error", path=request.url.path)
     return _gateway_error(request, GatewayError("Internal error in the gateway."))
@@ -422,6 +435,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
         exception_handlers={
             GatewayError: _gateway_error,
             HTTPException: _http_error,
+            **dict.fromkeys(REGISTRY_ERRORS, _registry_error),
             Exception: _internal_error,
         },
         # Litestar's default path: the schema at /schema/openapi.json.
