@@ -18,8 +18,19 @@ from pathlib import Path
 
 import httpx
 import pytest
+import structlog
 
 from fleetgate.redis_server import EmbeddedRedis, free_port, ping
+
+
+@pytest.fixture(autouse=True)
+def _structlog_defaults() -> Iterator[None]:
+    """A test that runs a CLI in process configures structlog to print to the stream pytest
+    captured for that test, which is closed afterwards: put structlog back after each test."""
+    yield
+    if structlog.is_configured():
+        structlog.reset_defaults()
+
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_DB = 13
