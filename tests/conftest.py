@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fleetgate.redis_server import EmbeddedRedis, free_port, ping
+from fleetgate_tools.redis_server import EmbeddedRedis, free_port, ping
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_DB = 13

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fleetgate.redis_server import free_port
+from fleetgate.net import free_port
 from fleetgate.registry import Registry, connect
 from fleetgate.schema import WorkerView
 from tests.conftest import ROOT, Fleet, Proc, children, wait_until

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from fleetgate.bench.fleet import capacity, load_fleet
-from fleetgate.bench.loadgen import Outcome, classify
-from fleetgate.bench.png import Canvas, render
-from fleetgate.bench.report import format_ratios, format_table, percentile, ratios, summarise
-from fleetgate.bench.runner import BenchOptions, plan
-from fleetgate.bench.workloads import (
+from fleetgate_tools.bench.fleet import capacity, load_fleet
+from fleetgate_tools.bench.loadgen import Outcome, classify
+from fleetgate_tools.bench.png import Canvas, render
+from fleetgate_tools.bench.report import format_ratios, format_table, percentile, ratios, summarise
+from fleetgate_tools.bench.runner import BenchOptions, plan
+from fleetgate_tools.bench.workloads import (
     WORKLOADS,
     FleetFacts,
     bursty_arrivals,
@@ -64,7 +64,7 @@ def test_adapter_popularity_is_zipf() -> None:
 
 def test_mixed_has_prompts_only_long_workers_fit() -> None:
     """Mixed workload: long prompts exceed the smallest context and fit the largest."""
-    from fleetgate.bench.workloads import BenchRequest
+    from fleetgate_tools.bench.workloads import BenchRequest
 
     drafts = list(itertools.islice(contents("mixed", 0, FACTS), 300))
     sizes = {

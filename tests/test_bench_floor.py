@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleetgate.bench.floor import Host, adapter_load_floor, belady_loads
+from fleetgate_tools.bench.floor import Host, adapter_load_floor, belady_loads
 
 
 @pytest.mark.parametrize(

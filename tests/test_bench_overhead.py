@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fleetgate.overhead.loadgen import Job, run_job
-from fleetgate.overhead.runner import Measure, Report, pct
-from fleetgate.overhead.table import as_json, render, timing_diffs
-from fleetgate.redis_server import free_port
+from fleetgate.net import free_port
+from fleetgate_tools.overhead.loadgen import Job, run_job
+from fleetgate_tools.overhead.runner import Measure, Report, pct
+from fleetgate_tools.overhead.table import as_json, render, timing_diffs
 from tests.conftest import ROOT, wait_until
 from workers.engines.vllm import parse_vllm_metrics
 
@@ -24,7 +24,7 @@ from workers.engines.vllm import parse_vllm_metrics
 @pytest.fixture(scope="module")
 def stub() -> Iterator[str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "fleetgate.overhead.stub", "--port", str(port)], cwd=ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "fleetgate_tools.overhead.stub", "--port", str(port)], cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
 
     def up() -> bool:

@@ -12,17 +12,23 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fleetgate.bench import engines
-from fleetgate.bench.cluster import running
-from fleetgate.bench.engines import WorkerRef
-from fleetgate.bench.fleet import FleetSpec, WorkerSpec, load_fleet
-from fleetgate.bench.herding import Routed, herding, off_majority
-from fleetgate.bench.loadgen import Outcome, error_code, run_requests
-from fleetgate.bench.report import format_routing, ratios, summarise
-from fleetgate.bench.runner import BenchOptions, attached_policies, known_policies, plan, rotated
-from fleetgate.bench.search import find_capacity, passes
-from fleetgate.bench.strategies import direct_round_robin, tenant_affinity, tenant_of
-from fleetgate.bench.workloads import (
+from fleetgate_tools.bench import engines
+from fleetgate_tools.bench.cluster import running
+from fleetgate_tools.bench.engines import WorkerRef
+from fleetgate_tools.bench.fleet import FleetSpec, WorkerSpec, load_fleet
+from fleetgate_tools.bench.herding import Routed, herding, off_majority
+from fleetgate_tools.bench.loadgen import Outcome, error_code, run_requests
+from fleetgate_tools.bench.report import format_routing, ratios, summarise
+from fleetgate_tools.bench.runner import (
+    BenchOptions,
+    attached_policies,
+    known_policies,
+    plan,
+    rotated,
+)
+from fleetgate_tools.bench.search import find_capacity, passes
+from fleetgate_tools.bench.strategies import direct_round_robin, tenant_affinity, tenant_of
+from fleetgate_tools.bench.workloads import (
     BenchRequest,
     Draft,
     FleetFacts,
@@ -366,7 +372,7 @@ def _run_file(folder: Path, name: str, **figures: object) -> None:
 def test_tables_over_runs_and_issue_checks(tmp_path: Path) -> None:
     """Run files named scenario-strategy-rN become per-run rows, means per cell and the
     issue's checks of `fleet` against tenant_affinity (and round-robin's preemptions)."""
-    from fleetgate.bench.tables import checks, load_runs, markdown, means
+    from fleetgate_tools.bench.tables import checks, load_runs, markdown, means
 
     for r in (1, 2):
         _run_file(tmp_path, f"pressure-tenant_affinity-r{r}")

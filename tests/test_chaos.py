@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fleetgate.redis_server import EmbeddedRedis
+from fleetgate_tools.redis_server import EmbeddedRedis
 from tests.conftest import Fleet, children, wait_until
 
 MODEL = "chaos-model"

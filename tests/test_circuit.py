@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from fleetgate.redis_server import free_port
+from fleetgate.net import free_port
 from fleetgate.registry import Registry, connect
 from fleetgate.schema import WorkerInfo
 from tests.conftest import Fleet, wait_until

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from fleetgate.cli import app
-from fleetgate.redis_server import free_port
+from fleetgate.net import free_port
+from fleetgate_tools.cli import app
 from tests.conftest import ADMIN_TOKEN, Fleet, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent

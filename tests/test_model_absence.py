@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from fleetgate.redis_server import EmbeddedRedis, free_port
+from fleetgate_tools.redis_server import EmbeddedRedis, free_port
 from tests.conftest import Fleet, wait_until
 
 MODEL = "absent-model"

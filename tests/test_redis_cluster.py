@@ -16,9 +16,9 @@ import msgspec
 import pytest
 import redis
 
-from fleetgate.redis_server import ping, redis_server_binary
 from fleetgate.registry import Registry, connect
 from fleetgate.schema import Load, WorkerInfo
+from fleetgate_tools.redis_server import ping, redis_server_binary
 from tests.conftest import Fleet, wait_until
 
 SLOTS = 16384

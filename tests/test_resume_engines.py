@@ -19,7 +19,7 @@ import httpx
 import pytest
 from aiohttp import ClientSession, web
 
-from fleetgate.redis_server import free_port
+from fleetgate.net import free_port
 from tests.conftest import Fleet, Proc, wait_until
 
 MODEL = "resume-model"

@@ -12,9 +12,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from fleetgate.redis_server import EmbeddedRedis, free_port, ping, redis_server_binary
 from fleetgate.registry import Registry, connect
 from fleetgate.schema import WorkerInfo
+from fleetgate_tools.redis_server import EmbeddedRedis, free_port, ping, redis_server_binary
 
 
 @pytest.fixture

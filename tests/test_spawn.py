@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetgate.redis_server import free_port
+from fleetgate.net import free_port
 from fleetgate.registry import Registry, connect
 from tests.conftest import ROOT, Fleet, wait_until
 
@@ -30,7 +30,7 @@ def spawn(*args: str, run_dir: Path | None = None, cli: bool = False, smi: str =
     env = {**os.environ, "FLEETGATE_PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
     if smi:
         env["FLEETGATE_NVIDIA_SMI_FILE"] = str(SMI / smi)
-    head = [sys.executable, "-m", "fleetgate.cli", "spawn"] if cli else ["bash", "scripts/spawn_worker.sh"]
+    head = [sys.executable, "-m", "fleetgate_tools.cli", "spawn"] if cli else ["bash", "scripts/spawn_worker.sh"]
     tail = ["--run-dir", str(run_dir)] if run_dir else []
     return subprocess.run([*head, *args, *tail], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 

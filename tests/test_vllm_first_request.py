@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fleetgate.redis_server import free_port
+from fleetgate.net import free_port
 from tests.conftest import Proc, children, wait_until
 from tests.test_vllm_e2e import TINY, VLLM_PYTHON, _require_setup
 from workers.engines.base import EngineSpec

@@ -11,7 +11,7 @@ gateway's `fleet` policy:
 * ample: TTFT p99 <= 1.3x tenant_affinity's;
 * skew: TTFT p99 below tenant_affinity's.
 
-    python -m fleetgate.bench.tables RESULTS_DIR OUT_DIR      # results-pressure.md + .json
+    python -m fleetgate_tools.bench.tables RESULTS_DIR OUT_DIR      # results-pressure.md + .json
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fleetgate.bench.report import AFFINITY
+from fleetgate_tools.bench.report import AFFINITY
 
 SUBJECT = "fleet"
 # Rows in this order (others after them, by name).

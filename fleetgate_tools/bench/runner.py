@@ -6,7 +6,7 @@ placement, session maps, in-flight counts shared through Redis) into another's r
 workers stay up, and `POST /sim/reset` empties their prefix caches and LoRA slots before
 every run, which then waits until the gateway sees no request in flight anywhere.
 
-A client-side strategy (fleetgate/bench/strategies.py) gets a fresh gateway too, but only
+A client-side strategy (fleetgate_tools/bench/strategies.py) gets a fresh gateway too, but only
 to read the engines' URLs from its /admin/workers: its requests go to the engines
 directly. With `rounds` > 1 the policies run again, their order rotated each round.
 """
@@ -24,16 +24,16 @@ from typing import Any
 
 import httpx
 
-from fleetgate.bench import engines
-from fleetgate.bench.cluster import Cluster
-from fleetgate.bench.fleet import FleetSpec, capacity
-from fleetgate.bench.floor import Host, adapter_load_floor
-from fleetgate.bench.loadgen import run_requests
-from fleetgate.bench.progress import Progress
-from fleetgate.bench.report import AFFINITY, ratios, round_robin_baseline, summarise
-from fleetgate.bench.search import find_capacity
-from fleetgate.bench.strategies import CLIENT_STRATEGIES, make_route
-from fleetgate.bench.workloads import (
+from fleetgate_tools.bench import engines
+from fleetgate_tools.bench.cluster import Cluster
+from fleetgate_tools.bench.fleet import FleetSpec, capacity
+from fleetgate_tools.bench.floor import Host, adapter_load_floor
+from fleetgate_tools.bench.loadgen import run_requests
+from fleetgate_tools.bench.progress import Progress
+from fleetgate_tools.bench.report import AFFINITY, ratios, round_robin_baseline, summarise
+from fleetgate_tools.bench.search import find_capacity
+from fleetgate_tools.bench.strategies import CLIENT_STRATEGIES, make_route
+from fleetgate_tools.bench.workloads import (
     DEFAULT_WORKLOADS,
     BenchRequest,
     arrivals,
@@ -103,7 +103,7 @@ def plan(spec: FleetSpec, workload: str, opts: BenchOptions) -> dict[str, Any]:
 
 def lora_floor(spec: FleetSpec, requests: Sequence[BenchRequest]) -> int | None:
     """The fewest adapter loads any routing could do for these requests on this fleet
-    (fleetgate/bench/floor.py); None when no request names an adapter."""
+    (fleetgate_tools/bench/floor.py); None when no request names an adapter."""
     names = [r.model for r in requests if r.model in spec.adapters]
     if not names:
         return None
@@ -246,7 +246,7 @@ def run_capacity(
     admin_token: str | None = None,
     strategy: str = AFFINITY,
 ) -> dict[str, Any]:
-    """The capacity search (fleetgate/bench/search.py) for a client-side strategy on the
+    """The capacity search (fleetgate_tools/bench/search.py) for a client-side strategy on the
     first workload of opts: each step plans the workload at its rate and measures it. The
     engines are found through a gateway started on `cluster`, or the one at `attach`."""
     if strategy not in CLIENT_STRATEGIES:

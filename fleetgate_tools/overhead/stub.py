@@ -1,4 +1,4 @@
-"""A fast OpenAI-compatible stub engine: `python -m fleetgate.overhead.stub --port 9001`.
+"""A fast OpenAI-compatible stub engine: `python -m fleetgate_tools.overhead.stub --port 9001`.
 
 A raw asyncio protocol on uvloop with httptools' parser: no web framework, responses
 pre-encoded at start-up, so one stub answers tens of thousands of requests a second
@@ -248,7 +248,7 @@ async def serve(cfg: StubConfig, host: str, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m fleetgate.overhead.stub", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m fleetgate_tools.overhead.stub", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)

@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 import yaml
 
-from fleetgate.bench.workloads import BenchRequest, Draft, FleetFacts
+from fleetgate_tools.bench.workloads import BenchRequest, Draft, FleetFacts
 from workers.simulator.profiles import PROFILES
 
 

@@ -19,8 +19,8 @@ import re
 import zlib
 from collections.abc import Callable, Sequence
 
-from fleetgate.bench.engines import WorkerRef
-from fleetgate.bench.workloads import BenchRequest
+from fleetgate_tools.bench.engines import WorkerRef
+from fleetgate_tools.bench.workloads import BenchRequest
 
 # A route: the engine a request goes to.
 Route = Callable[[BenchRequest], WorkerRef]

@@ -6,7 +6,7 @@ pool caps open connections; a request waiting for a connection is already late, 
 latencies count from its arrival time. TTFT is the time to the first chunk that carries
 generated text, not to the headers or the role-only chunk.
 
-The target is a gateway's URL, or a route (fleetgate/bench/strategies.py) that names the
+The target is a gateway's URL, or a route (fleetgate_tools/bench/strategies.py) that names the
 engine each request goes to directly.
 """
 
@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 import aiohttp
 import msgspec
 
-from fleetgate.bench.engines import WorkerRef
-from fleetgate.bench.workloads import BenchRequest
+from fleetgate_tools.bench.engines import WorkerRef
+from fleetgate_tools.bench.workloads import BenchRequest
 
 
 class Outcome(msgspec.Struct, kw_only=True):

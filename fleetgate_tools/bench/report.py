@@ -11,8 +11,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fleetgate.bench.herding import Routed, herding, off_majority
-from fleetgate.bench.loadgen import ERROR_KINDS, Outcome
+from fleetgate_tools.bench.herding import Routed, herding, off_majority
+from fleetgate_tools.bench.loadgen import ERROR_KINDS, Outcome
 
 BASELINE = "round_robin"
 AFFINITY = "tenant_affinity"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fleetgate.overhead.runner import Measure, Report
+from fleetgate_tools.overhead.runner import Measure, Report
 
 # Issue 7's targets for fleetgate (this 2-core machine).
 ADDED_P50_C1_MS = 0.7

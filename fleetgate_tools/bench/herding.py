@@ -19,7 +19,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from fleetgate.bench.strategies import tenant_of
+from fleetgate_tools.bench.strategies import tenant_of
 
 
 class Routed(NamedTuple):

@@ -1,4 +1,4 @@
-"""The closed-loop load generator, in a process of its own: `python -m fleetgate.overhead.loadgen`.
+"""The closed-loop load generator, in a process of its own: `python -m fleetgate_tools.overhead.loadgen`.
 
 It reads one job per line on stdin (JSON, see `Job`) and answers each with one line
 of JSON on stdout: the `Result`, or, when the job names a `result_path`, the result
@@ -41,7 +41,7 @@ class Job(msgspec.Struct, kw_only=True):
     requests: int = 0
     max_tokens: int = 64
     api_key: str = ""
-    # Forwarded in the body to the stub (fleetgate.overhead.stub).
+    # Forwarded in the body to the stub (fleetgate_tools.overhead.stub).
     chunk_delay_ms: float | None = None
     delay_ms: float | None = None
     record_chunks: bool = False

@@ -4,11 +4,11 @@ gateway and simulated-worker processes, and a side-by-side report of routing pol
 `scripts/bench_fleet.py` is the command line; README's "Benchmarks" section the guide.
 """
 
-from fleetgate.bench.fleet import FleetSpec, WorkerSpec, capacity, load_fleet
-from fleetgate.bench.loadgen import Outcome, run_requests
-from fleetgate.bench.report import format_ratios, format_table, ratios, summarise
-from fleetgate.bench.runner import BenchOptions, run_attached, run_fleet
-from fleetgate.bench.workloads import (
+from fleetgate_tools.bench.fleet import FleetSpec, WorkerSpec, capacity, load_fleet
+from fleetgate_tools.bench.loadgen import Outcome, run_requests
+from fleetgate_tools.bench.report import format_ratios, format_table, ratios, summarise
+from fleetgate_tools.bench.runner import BenchOptions, run_attached, run_fleet
+from fleetgate_tools.bench.workloads import (
     WORKLOADS,
     BenchRequest,
     FleetFacts,

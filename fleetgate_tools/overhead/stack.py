@@ -1,7 +1,7 @@
 """The processes under test: Redis, two stub engines, their agents, the gateway, vllm-router.
 
 Each child runs in its own session with its output in a log file of the run folder
-(`fleetgate.bench.cluster.Proc`); `Stack` stops them all when its `with` block ends.
+(`fleetgate_tools.bench.cluster.Proc`); `Stack` stops them all when its `with` block ends.
 The gateway runs as in production: routing policy `fleet`, an API key, metrics, and
 JSON request logs at level info (into its log file).
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import httpx
 
-from fleetgate.bench.cluster import Proc, wait_for
-from fleetgate.redis_server import EmbeddedRedis, free_port, ping
+from fleetgate_tools.bench.cluster import Proc, wait_for
+from fleetgate_tools.redis_server import EmbeddedRedis, free_port, ping
 
 ROOT = Path(__file__).resolve().parents[2]
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -103,7 +103,7 @@ class Stack:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             stub_urls.append(url)
-            stub = self._spawn(f"stub{n}", [py, "-m", "fleetgate.overhead.stub", "--port", str(port)])
+            stub = self._spawn(f"stub{n}", [py, "-m", "fleetgate_tools.overhead.stub", "--port", str(port)])
             wait_for(f"stub{n}", lambda url=url: httpx.get(url + "/health").status_code == 200, [stub])  # type: ignore[misc]
             self._spawn(f"agent-stub{n}", [
                 py, "-m", "workers", "--engine", "external", "--url", url, "--flavor", "vllm",

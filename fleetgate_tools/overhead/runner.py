@@ -23,8 +23,8 @@ from typing import Any
 
 import msgspec
 
-from fleetgate.overhead.loadgen import Job, Result
-from fleetgate.overhead.stack import ROOT, Target, cpu_seconds, rss_mib
+from fleetgate_tools.overhead.loadgen import Job, Result
+from fleetgate_tools.overhead.stack import ROOT, Target, cpu_seconds, rss_mib
 
 MODES = ("plain", "stream")
 
@@ -35,7 +35,7 @@ class LoadGen:
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fleetgate.overhead.loadgen"], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "fleetgate_tools.overhead.loadgen"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, cwd=ROOT, start_new_session=True,
         )
         self._dir = tempfile.TemporaryDirectory(prefix="fleetgate-loadgen-")

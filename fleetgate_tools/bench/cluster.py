@@ -20,8 +20,8 @@ from types import TracebackType
 
 import httpx
 
-from fleetgate.bench.fleet import FleetSpec
-from fleetgate.redis_server import EmbeddedRedis, free_port, ping
+from fleetgate_tools.bench.fleet import FleetSpec
+from fleetgate_tools.redis_server import EmbeddedRedis, free_port, ping
 
 ROOT = Path(__file__).resolve().parents[2]
 
