@@ -68,7 +68,7 @@ sys.path.insert(0, str(ROOT))
 
 from fleetgate_tools.bench.report import percentile  # noqa: E402
 from fleetgate_tools.redis_server import free_port  # noqa: E402
-from workers.simulator.profiles import PROFILES  # noqa: E402
+from workers.timing import PROFILES  # noqa: E402
 
 MAX_SEQS = 8
 PROMPT = 256

@@ -18,7 +18,7 @@ from fleetgate.net import free_port
 from fleetgate.registry import Registry, connect
 from fleetgate.schema import WorkerView
 from tests.conftest import ROOT, Fleet, Proc, children, wait_until
-from workers.simulator.profiles import PROFILES, relative_speed
+from workers.timing import PROFILES, relative_speed
 
 MODEL = "agent-model"
 

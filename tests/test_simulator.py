@@ -496,10 +496,10 @@ async def test_lora_slots_make_other_adapters_wait(tmp_path: Path) -> None:
 # cache and LoRA slots.
 
 from workers.simulator.kvcache import BlockPool, LoraSlots, block_hashes  # noqa: E402
-from workers.simulator.profiles import PROFILES  # noqa: E402
 from workers.simulator.scheduler import Limits, Scheduler  # noqa: E402
 from workers.simulator.scheduler import Seq as SimSeq  # noqa: E402
 from workers.simulator.tokens import TextSource  # noqa: E402
+from workers.timing import PROFILES  # noqa: E402
 
 
 class _Hooks:

@@ -11,7 +11,6 @@ import pytest
 
 from fleetgate.schema import GpuInfo
 from workers.engines import EngineSpec
-from workers.simulator.profiles import PROFILES, relative_speed
 from workers.speed import (
     MEASURED_RANGE,
     REFERENCE,
@@ -20,6 +19,7 @@ from workers.speed import (
     measured_speed,
     reference_seconds,
 )
+from workers.timing import PROFILES, relative_speed
 
 
 def _spec(gpu: str = "", **options: object) -> EngineSpec:

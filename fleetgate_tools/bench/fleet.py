@@ -5,7 +5,7 @@
     adapters: {count: 16, prefix: lora-}      # or a list of names
     workers:
       - id: big-0
-        profile: h100-7b                      # a workers/simulator/profiles.py name
+        profile: h100-7b                      # a workers/timing.py name
         flavor: vllm                          # or lmdeploy
         max_model_len: 32768
         adapters: "0-11"                      # indices into `adapters`, "*" or a list
@@ -31,7 +31,7 @@ import msgspec
 import yaml
 
 from fleetgate_tools.bench.workloads import BenchRequest, Draft, FleetFacts
-from workers.simulator.profiles import PROFILES
+from workers.timing import PROFILES
 
 
 class WorkerSpec(msgspec.Struct, kw_only=True, frozen=True):

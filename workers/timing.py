@@ -1,4 +1,7 @@
-"""Timing and capacity profiles: one per GPU x model shape.
+"""The cards' timing and capacity profiles: one per GPU x model shape.
+
+The agent takes a card's speed from them (`workers/speed.py`) and the simulator runs by
+them; not to be confused with `workers/gpu.py`'s `CardProfile`, an engine's tuning.
 
 How the numbers are made (so they can be checked and re-derived):
 
