@@ -43,9 +43,10 @@ stop:
 test: venv vllm swift
 	FLEETGATE_REQUIRE_VLLM=1 FLEETGATE_REQUIRE_SWIFT=1 $(PY) -m pytest -q
 
-# Everything but the real-vLLM and ms-swift tests.
+# The fast in-process unit tests (tests/unit/); tests/e2e/ runs real processes,
+# tests/real/ real engines, and `make test` runs all three.
 test-fast: venv
-	$(PY) -m pytest -q -m "not vllm and not swift"
+	$(PY) -m pytest -q tests/unit
 
 # The fleet benchmark with its defaults (3 workloads x 4 policies, about 3-4 minutes).
 bench: venv

@@ -24,13 +24,13 @@ import httpx
 import openai
 import pytest
 
-from tests.test_simulator import FAST, Sim, free_port
-from tests.test_simulator_responses import keys
+from tests.e2e.test_simulator import FAST, Sim, free_port
+from tests.e2e.test_simulator_responses import keys
 from workers.simulator.__main__ import config_from_args
 from workers.simulator.tokens import default_system
 
-CAPTURES = Path(__file__).resolve().parent / "data" / "vllm_pooling"
-TINY = Path(__file__).resolve().parent.parent / ".cache" / "tiny" / "model"
+CAPTURES = Path(__file__).resolve().parents[1] / "data" / "vllm_pooling"
+TINY = Path(__file__).resolve().parents[2] / ".cache" / "tiny" / "model"
 DIM = 128  # the tiny model's hidden_size, and what vLLM returned
 
 

@@ -25,7 +25,7 @@ from fleetgate_tools.bench.workloads import (
     write_trace,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = ROOT / "config/bench/default.yaml"
 FACTS = FleetFacts(model="m", adapters=[f"a{i}" for i in range(8)], max_context=32768, min_context=4096)
 

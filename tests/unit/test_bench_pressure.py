@@ -38,7 +38,7 @@ from fleetgate_tools.bench.workloads import (
     poisson_arrivals,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FACTS = FleetFacts(model="m")
 
 

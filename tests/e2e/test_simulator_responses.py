@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 
-from tests.test_simulator import Sim, start
+from tests.e2e.test_simulator import Sim, start
 
-CAPTURES = Path(__file__).resolve().parent / "data" / "vllm_responses"
+CAPTURES = Path(__file__).resolve().parents[1] / "data" / "vllm_responses"
 # The chat the simulator renders around one user input (ChatML, 4 bytes a token).
 CHATML_OVERHEAD = len("<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n")
 

@@ -21,7 +21,7 @@ from gateway.metrics import DecisionLog, GatewayMetrics, usage_of
 from gateway.proxy import Proxy
 from tests.conftest import Fleet
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "metrics-model"
 
 

@@ -16,7 +16,7 @@ from fleetgate.net import free_port
 from fleetgate_tools.cli import app
 from tests.conftest import ADMIN_TOKEN, Fleet, wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "cli-model"
 FLEETGATE = str(Path(sys.executable).parent / "fleetgate")
 

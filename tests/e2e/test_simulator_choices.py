@@ -19,9 +19,9 @@ import openai
 import pytest
 
 from tests.conftest import wait_until
-from tests.test_simulator import Sim, start
+from tests.e2e.test_simulator import Sim, start
 
-CAPTURES = Path(__file__).resolve().parent / "data" / "vllm_choices"
+CAPTURES = Path(__file__).resolve().parents[1] / "data" / "vllm_choices"
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
 HI = [{"role": "user", "content": "Hi"}]

@@ -14,7 +14,7 @@ import pytest
 from gateway.auth import COOKIE, CSRF_HEADER, session_ok, session_value
 from tests.conftest import ADMIN_TOKEN, Fleet, wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "ui-model"
 CHROMIUM = os.environ.get("FLEETGATE_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [

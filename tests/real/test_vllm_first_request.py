@@ -18,7 +18,7 @@ import pytest
 
 from fleetgate.net import free_port
 from tests.conftest import Proc, children, wait_until
-from tests.test_vllm_e2e import TINY, VLLM_PYTHON, _require_setup
+from tests.real.test_vllm_e2e import TINY, VLLM_PYTHON, _require_setup
 from workers.engines.base import EngineSpec
 from workers.engines.vllm import VllmEngine
 

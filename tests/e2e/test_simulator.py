@@ -23,7 +23,7 @@ from workers.engines.base import AdapterError, EngineSpec
 from workers.engines.sim import SimEngine
 from workers.simulator.tokens import render_chat
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FAST = "0.02"
 
 

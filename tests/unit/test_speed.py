@@ -2,7 +2,7 @@
 
 The measured speed must mean what a profile speed means (relative_speed's workload timed
 on the reference card), so a probe of a simulated card must come out near its profile's
-speed: that is checked against a real simulator in tests/test_agent.py.
+speed: that is checked against a real simulator in tests/e2e/test_agent.py.
 """
 
 from __future__ import annotations

@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from tests.amx_probe import ROOT, has_amx
+from tests.real.amx_probe import ROOT, has_amx
 
 pytestmark = pytest.mark.skipif(not has_amx(), reason="this CPU has no AMX")
 
-PROBE = str(ROOT / "tests" / "amx_probe.py")
+PROBE = str(ROOT / "tests" / "real" / "amx_probe.py")
 
 
 def test_a_tile_instruction_without_permission_is_sigill() -> None:

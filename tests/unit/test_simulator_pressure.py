@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.test_simulator import Sim, _sched, _seq, _submit, start
+from tests.e2e.test_simulator import Sim, _sched, _seq, _submit, start
 from workers.engines.sim import SimEngine
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 
 
 # --- the scheduler, stepped by hand ----------------------------------------------------

