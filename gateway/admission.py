@@ -24,6 +24,9 @@ log = structlog.get_logger("gateway.admission")
 
 # Why a request was refused with 429 by the gateway itself (a metric label: a fixed set).
 SHED_REASONS = ("queue_full", "queue_timeout")
+# Lines of requests held for one worker's KV room are named by this and the worker's id
+# (no model name starts with a NUL).
+_HOLD = "\0hold:"
 
 
 class Shed(Overloaded):
@@ -51,13 +54,47 @@ class Admission:
 
     @property
     def queued(self) -> int:
-        return sum(len(line) for line in self._lines.values())
+        """Requests waiting for room (those held for one worker's KV are not counted)."""
+        return sum(len(line) for name, line in self._lines.items() if not name.startswith(_HOLD))
+
+    @property
+    def held(self) -> int:
+        return sum(len(line) for name, line in self._lines.items() if name.startswith(_HOLD))
 
     def wake(self) -> None:
         """Room may have opened somewhere: the head of each line re-checks."""
         for line in self._lines.values():
             if line:
                 line[0].event.set()
+
+    async def hold(self, worker_id: str, room: Callable[[], bool], until: float) -> bool:
+        """Return once `room()` is True, in arrival order per worker, or at `until` (never a
+        429: a held request then goes on). True when it got room."""
+        me = _Waiter()
+        line = self._lines.setdefault(_HOLD + worker_id, deque())
+        line.append(me)
+        try:
+            while True:
+                if line[0] is me and room():
+                    return True
+                left = until - time.monotonic()
+                if left <= 0:
+                    return False
+                me.event.clear()
+                try:
+                    async with asyncio.timeout(min(left, self.recheck_s)):
+                        await me.event.wait()
+                except TimeoutError:
+                    pass
+        finally:
+            self._release(line, _HOLD + worker_id, me)
+
+    def _release(self, line: deque[_Waiter], name: str, me: _Waiter) -> None:
+        line.remove(me)
+        if line:
+            line[0].event.set()  # the next in line checks at once
+        else:
+            self._lines.pop(name, None)
 
     async def wait(self, model: str, full: Callable[[], str | None], deadline: float, retry_after: float) -> None:
         """Return once `full()` says None (there is room), in arrival order for `model`.
@@ -90,11 +127,7 @@ class Admission:
                 except TimeoutError:
                     pass
         finally:
-            line.remove(me)
-            if line:
-                line[0].event.set()  # the next in line checks at once
-            else:
-                self._lines.pop(model, None)
+            self._release(line, model, me)
 
 
 __all__ = ["SHED_REASONS", "Admission", "Shed"]

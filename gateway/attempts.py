@@ -43,6 +43,7 @@ from gateway.inflight import SharedInflight
 from gateway.metrics import GatewayMetrics
 from gateway.placement import Placement
 from gateway.routing import Choice, Live, Policy, RequestFacts, decide
+from gateway.routing.table import Slot
 from gateway.settings import GatewaySettings
 from gateway.upstream import RETRYABLE_STATUS, Upstream, openai_error_body
 from gateway.waiting import FirstByteWaits
@@ -58,6 +59,13 @@ class Retryable(Exception):
     def __init__(self, error: GatewayError) -> None:
         super().__init__(error.message)
         self.error = error
+
+
+class Held(Exception):
+    """The chosen worker's KV cache is full by the account: wait there a moment (`_hold`)."""
+
+    def __init__(self, slot: Slot) -> None:
+        self.slot = slot
 
 
 class Saturated(Exception):
@@ -104,6 +112,8 @@ class Attempt:
         self.count = 0
         self.last_error: GatewayError | None = None
         self.queue_deadline: float | None = None
+        # Held once for its worker's KV room (`_hold`); never twice.
+        self.held = False
         self.replaced = False
         # The KV tokens this request holds on its worker by the gateway's account: its own
         # prompt tokens and completion budget, and the prefix it shares with its key's others.
@@ -222,6 +232,9 @@ class Attempt:
                           full_at=full_at)
         if decision.verdict == "saturated":
             raise Saturated
+        if full_at is not None and not self.held and decision.choices and full_at.holds(
+                decision.choices[0].slot, dispatch.live, self.own_tokens):
+            raise Held(decision.choices[0].slot)
         if decision.verdict == "context_length" and self.floor + (self.facts.max_tokens or 0) < decision.limit:
             # Only an estimate says it does not fit: let the roomiest workers' engines decide.
             roomiest = replace(self.facts, prompt_tokens=decision.limit - 1, max_tokens=None)
@@ -277,6 +290,8 @@ async def run(attempt: Attempt, admission: Admission, metrics: GatewayMetrics) -
             await placer.ensure(model)
         except Saturated:
             await _wait_for_room(attempt, admission)
+        except Held as held:
+            await _hold(attempt, admission, held.slot)
         except Retryable as first_failure:
             return await _retry(attempt, first_failure, metrics)
 
@@ -288,6 +303,17 @@ async def _wait_for_room(attempt: Attempt, admission: Admission) -> None:
         attempt.queue_deadline = time.monotonic() + settings.queue_timeout_s
     await admission.wait(attempt.facts.model, attempt.saturated, attempt.queue_deadline,
                               retry_after=max(1.0, settings.queue_timeout_s / 2))
+
+async def _hold(attempt: Attempt, admission: Admission, slot: Slot) -> None:
+    """Wait, at most `hold_max_s`, until `slot` has KV room for the request by the account
+    (a completion there wakes it), rather than have its engine preempt to admit it."""
+    attempt.held = True
+    settings = attempt.dispatch.settings
+    full_at, live, tokens = settings.full_at, attempt.dispatch.live, attempt.own_tokens
+    got = await admission.hold(slot.id, lambda: not full_at.holds(slot, live, tokens),
+                               time.monotonic() + settings.hold_max_s)
+    log.debug("gateway.hold", worker_id=slot.id, model=attempt.facts.model, room=got)
+
 
 async def _retry(attempt: Attempt, failure: Retryable, metrics: GatewayMetrics) -> Result:
     settings = attempt.dispatch.settings

@@ -75,6 +75,11 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # to queue_timeout_s in a queue of at most queue_max, then get 429.
     shed_queue_ratio: float = 1.0
     shed_kv: float = 0.98
+    # A request that would push its chosen worker's KV cache past hold_kv by the gateway's
+    # account waits for a completion there, at most hold_max_s, then goes anyway (never a
+    # 429): the engine would preempt running requests to admit it. hold_kv 0 turns it off.
+    hold_kv: float = 1.0
+    hold_max_s: float = 0.5
     queue_max: int = 512
     queue_timeout_s: float = 10.0
     # Serve the OpenAI POST routes with a raw ASGI handler in front of Litestar (same logic,
@@ -90,7 +95,7 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def full_at(self) -> FullAt:
-        return FullAt(queue_ratio=self.shed_queue_ratio, kv=self.shed_kv)
+        return FullAt(queue_ratio=self.shed_queue_ratio, kv=self.shed_kv, hold_kv=self.hold_kv)
 
     def public(self) -> dict[str, Any]:
         """The settings with secrets masked, for logs and /admin."""

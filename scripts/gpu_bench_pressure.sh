@@ -128,9 +128,9 @@ p_engines() {  # kv_bytes: two engines with that KV cache (restarted if they run
   log "pressure: engines healthy"
 }
 
-p_gateway() {  # policy name: a fresh gateway on GW_PORT that sees both workers ready
+p_gateway() {  # policy name [gateway flags...]: a fresh gateway on GW_PORT that sees both workers ready
   spawn "$2" env PYTHONPATH="$FG_PATH" "$FG_PY" -m gateway --port "$GW_PORT" \
-    --redis-url "$REDIS_URL" --redis-prefix "$P_PREFIX" --policy "$1"
+    --redis-url "$REDIS_URL" --redis-prefix "$P_PREFIX" --policy "$1" "${@:3}"
   wait_http "http://127.0.0.1:$GW_PORT/health" 30 "$W/pids/$2" || { log "pressure: gateway $1 did not start"; return 1; }
   # Both workers ready, or no run: a client strategy would pin every tenant to the one it sees.
   local t=0
@@ -177,14 +177,17 @@ p_run() {  # scenario strategy round rate
   [ -f "$P_DIR/$name.json" ] && return 0
   p_fits $(( P_DURATION + P_DRAIN + 30 )) || { log "pressure: deadline: $name and the rest left for the next call"; return 1; }
   [ "$scenario" = skew ] && wl=skew
+  local extra=() bench=$strategy
   p_client_side "$strategy" && policy=round_robin   # that gateway only lists the engines
-  p_gateway "$policy" "gateway-$name" || return 1
+  # fleet_nohold: the fleet policy without the KV hold (gateway.settings hold_kv 0), side by side.
+  [ "$strategy" = fleet_nohold ] && { policy=fleet bench=fleet extra=(--set hold_kv=0); }
+  p_gateway "$policy" "gateway-$name" "${extra[@]}" || return 1
   rm -f "$P_DIR/$name.peaks.json.stop"
   sampler "$P_DIR/$name.peaks.json" &
   local spid=$! rc
   log "pressure: $name, $wl at $rate req/s (${P_DURATION}s + up to ${P_DRAIN}s drain)"
   fg scripts/bench_fleet.py --attach "http://127.0.0.1:$GW_PORT" --admin-token "$TOKEN" --fleet "$P_DIR/fleet.yaml" \
-    --workloads "$wl" --policies "$strategy" --rate "$rate" --duration "$P_DURATION" --drain "$P_DRAIN" \
+    --workloads "$wl" --policies "$bench" --rate "$rate" --duration "$P_DURATION" --drain "$P_DRAIN" \
     --seed "$P_SEED" --pool 4096 --out "$P_DIR/$name.tmp.json" --png "$P_DIR/$name.png" \
     > "$W/logs/pressure-$name.txt" 2>&1
   rc=$?

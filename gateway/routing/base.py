@@ -101,6 +101,17 @@ class FullAt:
     # Where the KV size is unknown: at capacity by the account, and the engine reports a
     # queue with its cache this full.
     kv: float = 0.98
+    # Hold a request in the gateway, briefly, rather than send it to a worker whose KV cache
+    # it would push past this share by the account (0: never): an engine that admits more
+    # than its cache holds preempts running requests to make room. 0 turns it off.
+    hold_kv: float = 1.0
+
+    def holds(self, slot: Slot, live: Live, tokens: int) -> bool:
+        """True when `tokens` more would take `slot` past `hold_kv` of its KV cache by the
+        account, while it has requests in flight (their completions make room)."""
+        if not self.hold_kv or not slot.kv_tokens or not live.requests.get(slot.id, 0):
+            return False
+        return live.tokens.get(slot.id, 0) + tokens > self.hold_kv * slot.kv_tokens
 
     def why(self, slot: Slot, live: Live) -> str | None:
         """The limit `slot` is at ("slots", "kv"), or None when it has room."""

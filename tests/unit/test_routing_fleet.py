@@ -218,6 +218,26 @@ def test_load_shedding_table(why: str, kv_tokens: int, engine: tuple[int, int, f
     assert FullAt().why(slot, Live({"a": account[0]}, {"a": account[1]})) == expected
 
 
+HOLD_CASES = [
+    # (what it shows, kv_tokens, account (requests, tokens), this request's tokens, hold_kv, holds?)
+    ("room in the cache by the account: no hold", 10_000, (10, 5_000), 200, 0.9, False),
+    ("this request would take the cache past hold_kv: hold", 10_000, (10, 8_900), 200, 0.9, True),
+    ("exactly at the line is not past it", 10_000, (10, 8_800), 200, 0.9, False),
+    ("nothing in flight there: no completion would make room, so never hold", 10_000, (0, 0), 20_000, 0.9, False),
+    ("KV size unknown: never hold", 0, (10, 8_900), 200, 0.9, False),
+    ("hold_kv 0 turns it off", 10_000, (10, 9_900), 200, 0.0, False),
+]
+
+
+@pytest.mark.parametrize(("why", "kv_tokens", "account", "tokens", "hold_kv", "expected"), HOLD_CASES,
+                         ids=[c[0] for c in HOLD_CASES])
+def test_kv_hold_table(why: str, kv_tokens: int, account: tuple[int, int], tokens: int, hold_kv: float,
+                       expected: bool) -> None:
+    slot = Slot(kvw("a", kv_tokens=kv_tokens))
+    live = Live({"a": account[0]}, {"a": account[1]})
+    assert FullAt(hold_kv=hold_kv).holds(slot, live, tokens) is expected
+
+
 def test_saturated_only_when_every_eligible_worker_is_full() -> None:
     """One worker with room means no shedding; the verdict names the limit."""
     fleet = (kvw("a"), kvw("b"))
