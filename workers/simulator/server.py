@@ -17,6 +17,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from fleetgate.hashing import stable_hash
 from workers.simulator.config import SimConfig
 from workers.simulator.flavors import SimError, make_flavor
 from workers.simulator.kvcache import block_hashes
@@ -33,7 +34,7 @@ from workers.simulator.scheduler import Scheduler
 from workers.simulator.seqs import Event, Limits, Seq
 from workers.simulator.streams import respond_json, respond_stream
 from workers.simulator.tokenizing import detokenize, tokenize
-from workers.simulator.tokens import MEAN_OUTPUT_TOKENS, TextSource, load_tokens, stable_hash
+from workers.simulator.tokens import MEAN_OUTPUT_TOKENS, TextSource, load_tokens
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
