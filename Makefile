@@ -54,7 +54,7 @@ bench: venv
 
 lint: venv
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy fleetgate gateway workers
+	$(VENV)/bin/mypy fleetgate fleetgate_tools gateway workers
 
 clean: stop
 	rm -rf .run .pytest_cache .mypy_cache .ruff_cache
