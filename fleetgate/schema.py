@@ -49,6 +49,10 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     # or needs `continue_final_message` to (vLLM): how a cut stream is resumed on it. None:
     # a record from an agent older than the field.
     continues_trailing_assistant: bool | None = None
+    # The model's tokenizer.json as an absolute path on the worker's host ("" when the agent
+    # knows none: a model by name, a record from an agent older than the field). A gateway
+    # that can read it counts prompt tokens exactly (gateway/tokenizers.py).
+    tokenizer: str = ""
     # An embedding model (vLLM's pooling runner): it serves /v1/embeddings, not generation.
     pooling: bool = False
     # Whether the engine reports a queue through /metrics; without it the gateway's

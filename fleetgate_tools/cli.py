@@ -4,6 +4,7 @@
     fleetgate drain|undrain|remove ID
     fleetgate spawn --gpu 0 ...      scripts/spawn_worker.sh --wait, arguments passed through
     fleetgate bench ...              scripts/bench_fleet.py, arguments passed through
+    fleetgate autoscale --model M    add and retire workers on load (fleetgate_tools/autoscale_loop.py)
 
 `--gateway` (FLEETGATE_URL) and `--token` (FLEETGATE_ADMIN_TOKEN) say which gateway
 and how to authenticate. Failures are one line on stderr that says what failed and
@@ -23,6 +24,8 @@ import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from fleetgate_tools.autoscale_cli import autoscale
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -256,6 +259,9 @@ def bench(ctx: typer.Context) -> None:
     """Benchmark routing policies: scripts/bench_fleet.py with these arguments (try `bench --help`)."""
     script = ROOT / "scripts" / "bench_fleet.py"
     _run_script([sys.executable, str(script), *ctx.args], script)
+
+
+app.command()(autoscale)
 
 
 def main() -> None:

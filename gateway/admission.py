@@ -61,6 +61,11 @@ class Admission:
     def held(self) -> int:
         return sum(len(line) for name, line in self._lines.items() if name.startswith(_HOLD))
 
+    def depths(self) -> dict[str, int]:
+        """Requests waiting for room per requested model, as `queued` counts them (the scaling
+        signal reads it)."""
+        return {name: len(line) for name, line in self._lines.items() if line and not name.startswith(_HOLD)}
+
     def wake(self) -> None:
         """Room may have opened somewhere: the head of each line re-checks."""
         for line in self._lines.values():

@@ -39,11 +39,13 @@ from gateway.openapi import ModelsOperation, StoredResponseOperation, proxied_op
 from gateway.placement import Placement
 from gateway.proxy import Proxy
 from gateway.ratelimit import RateLimiter
-from gateway.requests import KINDS, TokenCounter
+from gateway.requests import KINDS
 from gateway.routing import make_policy
 from gateway.routing.homes import Homes
+from gateway.scaling import ScalingCollector, admin_scaling, current
 from gateway.settings import GatewaySettings
 from gateway.state import Gateway, gw_of
+from gateway.tokenizers import Tokenizers
 from gateway.ui import HANDLERS as UI_HANDLERS
 from gateway.upstream import Upstream
 
@@ -208,8 +210,9 @@ def create_app(settings: GatewaySettings) -> Litestar:
             w.info.capacity for w in watcher.snapshot.workers if w.routable)))
         proxy = Proxy(
             settings, watcher, upstream, policy, inflight, breakers, metrics, placer, placement, admission,
-            tokenizers={model: TokenCounter(path) for model, path in settings.tokenizers.items()},
+            tokenizers=Tokenizers(settings.tokenizers, lambda: watcher.snapshot),
         )
+        metrics.registry.register(ScalingCollector(lambda: current(watcher, inflight, admission)))
         exposed = open_data_plane(settings.host, settings.api_keys)
         app.state["gw"] = Gateway(
             settings, registry, watcher, proxy, frozenset(digest(k) for k in settings.api_keys),
@@ -245,7 +248,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
         route_handlers=[
             *(_proxy_route(path, kind) for path, kind in KINDS.items()),
             retrieve_response, cancel_response, list_models, get_model, health,
-            metrics_endpoint, *ADMIN_HANDLERS, *UI_HANDLERS,
+            admin_scaling, metrics_endpoint, *ADMIN_HANDLERS, *UI_HANDLERS,
         ],
         lifespan=[lifespan],
         exception_handlers={

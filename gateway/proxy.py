@@ -39,7 +39,6 @@ from gateway.placement import Placement
 from gateway.relay import relay
 from gateway.requests import (
     GENERATES,
-    TokenCounter,
     affinity,
     estimate_tokens,
     parse_request,
@@ -49,6 +48,7 @@ from gateway.responses import ResponsesTracker, forward_stored, owner_of, rememb
 from gateway.resume import StreamTracker, unresumable, with_usage
 from gateway.routing import Live, Policy, RequestFacts
 from gateway.settings import GatewaySettings
+from gateway.tokenizers import Tokenizers
 from gateway.upstream import Upstream
 from gateway.waiting import FirstByteWaits
 
@@ -77,7 +77,7 @@ class Proxy:
     placer: AdapterPlacer
     placement: Placement
     admission: Admission
-    tokenizers: dict[str, TokenCounter] = field(default_factory=dict)
+    tokenizers: Tokenizers = field(default_factory=Tokenizers)
     seq: int = 0
     live: Live = field(init=False)
     waits: FirstByteWaits = field(init=False)

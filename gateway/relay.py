@@ -22,6 +22,7 @@ from gateway.metrics import GatewayMetrics, usage_of
 from gateway.responses import ResponsesTracker, remember
 from gateway.resume import StreamTracker, continuation
 from gateway.routing import Choice
+from gateway.waiting import WorkerWentAway
 
 log = structlog.get_logger("gateway.proxy")
 
@@ -50,7 +51,7 @@ async def relay(
                 buffer = b""
                 # The first event may wait behind the engine's queue; later ones may not stall.
                 async with asyncio.timeout(attempt.first_byte_timeout()) as deadline:
-                    async for data in resp.content.iter_any():
+                    async for data in dispatch.waits.first_event(worker.id, resp.content.iter_any()):
                         deadline.reschedule(loop.time() + settings.stall_timeout_s)
                         *events, buffer = (buffer + data).split(b"\n\n")
                         if not events:
@@ -82,7 +83,7 @@ async def relay(
                     yield b"data: [DONE]\n\n"
                     return
                 raise StreamBroke("the engine closed the stream before it finished")
-            except (aiohttp.ClientError, TimeoutError, StreamBroke) as exc:
+            except (aiohttp.ClientError, TimeoutError, StreamBroke, WorkerWentAway) as exc:
                 reason = "stalled" if isinstance(exc, TimeoutError) else type(exc).__name__
                 dispatch.breakers.failure(worker.id, f"stream {reason}")
                 resp.close()

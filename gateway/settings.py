@@ -47,7 +47,8 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     routing: dict[str, float | int] = msgspec.field(default_factory=dict)
     # LoRA adapters the gateway may place on runtime-loading workers: name -> path, base.
     adapters: dict[str, AdapterSpec] = msgspec.field(default_factory=dict)
-    # Base model name -> tokenizer.json, for exact prompt token counts (else estimated).
+    # Base model name -> tokenizer.json, for exact prompt token counts; wins over the path a
+    # worker registered (gateway/tokenizers.py); else the prompt is estimated.
     tokenizers: dict[str, str] = msgspec.field(default_factory=dict)
     connect_timeout_s: float = 2.0
     # Time allowed for an engine's first byte (a stream's first event), plus this much per

@@ -8,6 +8,7 @@ aiohttp's exceptions are translated into the gateway's error tree.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 
 import aiohttp
@@ -22,7 +23,8 @@ RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 class Upstream:
     def __init__(self, connect_timeout_s: float) -> None:
         self._connect = connect_timeout_s
-        # Streams time their reads themselves (first event, then stalls): see proxy._relay.
+        # Streams time their reads themselves (first event, then stalls): see proxy._relay;
+        # their headers are timed in post().
         self._stream = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=None)
         self._plain: dict[float, aiohttp.ClientTimeout] = {}
         self._urls: dict[str, URL] = {}
@@ -63,10 +65,13 @@ class Upstream:
             if len(self._urls) < 4096:
                 self._urls[url] = parsed
         try:
-            return await self.session.post(
-                parsed, data=body, headers=headers,
-                timeout=self._stream if stream else self._plain_timeout(first_byte_s),
-            )
+            if stream:
+                # A stream's response headers within the first-byte limit too: an engine hung
+                # before answering holds no byte of the client's, so the request goes elsewhere.
+                async with asyncio.timeout(first_byte_s):
+                    return await self.session.post(parsed, data=body, headers=headers, timeout=self._stream)
+            return await self.session.post(parsed, data=body, headers=headers,
+                                           timeout=self._plain_timeout(first_byte_s))
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _unreachable(url, exc) from exc
 

@@ -44,6 +44,7 @@ from workers.engines import Engine, EngineSpec
 from workers.engines.base import pooling
 from workers.probes import EngineProbe
 from workers.speed import card_speed, known_profile
+from workers.tokenizer import tokenizer_path
 from workers.warmup import StartFailed, log_tail, probe_speed, retrying, warm_up
 
 log = structlog.get_logger("workers.agent")
@@ -222,6 +223,7 @@ class Agent:
             reports_load=self.engine.reports_load,
             continues_trailing_assistant=self.engine.continues_trailing_assistant(spec),
             pooling=pooling(spec),
+            tokenizer=tokenizer_path(spec),
             agent_pid=os.getpid(),
             started_at=time.time(),
         )

@@ -18,13 +18,17 @@ class Faults:
 
     die_after: after N accepted requests the next one makes the process exit hard
     (os._exit), cutting every open stream. error_rate: that fraction of requests gets a
-    500. stall_after_chunks: streams stop after N chunks and hold the connection open.
+    500. stall_after_chunks: streams stop after N chunks and hold the connection open (0:
+    the response headers are sent, then nothing: an engine hung before its first event).
+    hang_before_headers: 1 makes streams hold the connection open before any response
+    header (an engine hung between taking a request and answering it).
     die_at: the process exits hard that many (real) seconds after the fault is set.
     """
 
     die_after: int | None = None
     error_rate: float = 0.0
     stall_after_chunks: int | None = None
+    hang_before_headers: int | None = None
     die_at: float | None = None
 
     def update(self, values: dict[str, Any]) -> None:

@@ -85,6 +85,9 @@ async def respond_stream(
         for seq in seqs:
             abort(seq)
 
+    if faults.hang_before_headers:
+        stall()
+        await _hang()
     out = await EventStream.open(request, faults, stall, "text/event-stream")
 
     async def send(data: dict[str, Any] | None) -> None:

@@ -1,0 +1,137 @@
+"""An engine that hangs at the start of a stream, before its first event: after its response
+headers (the simulator's `stall_after_chunks=0`) or before them (`hang_before_headers=1`).
+
+Either way no byte reached the client's body yet: the request is done again on another
+worker once the first-event limit (`first_byte_timeout_s`, plus its share per 1k prompt
+tokens) has passed, not after `stall_timeout_s` (meant for a stream that stops after it
+began) nor never. Real gateway, agents, simulators and Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import Fleet, children
+
+MODEL = "hang-model"
+FIRST_EVENT_S = 1.0
+STALL_S = 20.0  # far longer: a retry that waited for it would fail the timing check
+
+
+@pytest.fixture
+def hanging_pair(fleet_factory: Callable[[], Fleet]) -> Iterator[tuple[Fleet, str, str]]:
+    """A gateway (round robin, so one of two requests starts on `a`) over two simulated workers."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway("--policy", "round_robin", "--set", f"first_byte_timeout_s={FIRST_EVENT_S}",
+                           "--set", "first_byte_per_1k_tokens_s=0", "--set", f"stall_timeout_s={STALL_S}",
+                           "--set", "breaker_threshold=100")
+    for wid in ("a", "b"):
+        fleet.worker(wid, "--model", MODEL, "--option", "time_scale=0.05")
+    fleet.wait_ready(url, "a", "b")
+    yield fleet, url, str(fleet.workers(url)["a"]["url"])
+
+
+def _stream(url: str) -> tuple[str, float, list[dict[str, object]], bool]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
+            "ignore_eos": True, "stream": True}
+    started = time.monotonic()
+    events, done = [], False
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=STALL_S * 2) as resp:
+        assert resp.status_code == 200
+        first = resp.headers["x-fleetgate-worker"]
+        for line in resp.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    return first, time.monotonic() - started, events, done
+
+
+@pytest.mark.parametrize("fault", [{"stall_after_chunks": 0}, {"hang_before_headers": 1}],
+                         ids=["after-headers", "before-headers"])
+def test_a_stream_hung_before_its_first_event_is_done_again_elsewhere(
+    hanging_pair: tuple[Fleet, str, str], fault: dict[str, int],
+) -> None:
+    """The request that went to the hung engine is answered whole by the other worker, after
+    the first-event limit and well before the stall limit; the other request is not delayed."""
+    fleet, url, a_url = hanging_pair
+    assert httpx.post(f"{a_url}/sim/faults", json=fault).status_code == 200
+    if "stall_after_chunks" in fault:  # the fault as meant: headers, then nothing
+        with httpx.Client(timeout=httpx.Timeout(5, read=0.5)) as client, client.stream(
+            "POST", f"{a_url}/v1/completions",
+            json={"model": MODEL, "prompt": "x", "max_tokens": 4, "stream": True},
+        ) as direct:
+            assert direct.status_code == 200
+            with pytest.raises(httpx.ReadTimeout):
+                next(direct.iter_raw())
+    results = [_stream(url) for _ in range(2)]
+    hung = [r for r in results if r[1] > FIRST_EVENT_S * 0.9]
+    assert len(hung) == 1, [r[:2] for r in results]
+    assert FIRST_EVENT_S * 0.9 < hung[0][1] < FIRST_EVENT_S + 4, hung[0][1]
+    # After its headers the gateway had answered the client's with the hung worker's name;
+    # before them, the client's headers came from the worker that answered.
+    assert hung[0][0] == ("a" if "stall_after_chunks" in fault else "b")
+    for _, _, events, done in results:
+        content = [c for e in events for c in e["choices"] if c["delta"].get("content")]  # type: ignore[index, union-attr]
+        finishes = [c for e in events for c in e["choices"] if c.get("finish_reason")]  # type: ignore[index, union-attr]
+        assert done and len(content) == 12 and len(finishes) == 1 and len({e["id"] for e in events}) == 1
+        assert not any("error" in e for e in events)
+    log = next(p for p in fleet.procs if "gateway" in p.log_path.name).output()
+    print(f"hang[{next(iter(fault))}]: answered after {hung[0][1]:.2f} s "
+          f"(first-event limit {FIRST_EVENT_S} s, stall limit {STALL_S} s)")
+    broke = [json.loads(line) for line in log.splitlines()
+             if '"gateway.stream_broke"' in line or '"gateway.attempt_failed"' in line]
+    assert [e["worker"] for e in broke] == ["a"], broke
+    if "stall_after_chunks" in fault:
+        assert broke[0]["event"] == "gateway.stream_broke" and broke[0]["sent_chunks"] == 0
+
+
+def test_a_stream_waiting_for_its_first_event_leaves_an_engine_that_turns_unhealthy(
+    fleet_factory: Callable[[], Fleet],
+) -> None:
+    """The engine sent a stream's headers, then hangs (SIGSTOP): once its agent publishes it
+    unhealthy (a few seconds) the stream is done again on the other worker, long before the
+    first-event limit (20 s here) would have run out."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway("--policy", "round_robin", "--set", "first_byte_timeout_s=20",
+                           "--set", f"stall_timeout_s={STALL_S}", "--set", "breaker_threshold=100")
+    agents = {wid: fleet.worker(wid, "--model", MODEL, "--option", "time_scale=0.05") for wid in ("a", "b")}
+    fleet.wait_ready(url, "a", "b")
+    [engine] = children(agents["a"].pid)
+    a_url = str(fleet.workers(url)["a"]["url"])
+    assert httpx.post(f"{a_url}/sim/faults", json={"stall_after_chunks": 0}).status_code == 200
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
+            "ignore_eos": True, "stream": True}
+    stopped = None
+    try:
+        for _ in range(2):  # round robin: one of two starts on `a`
+            pieces, done = 0, False
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as resp:
+                if resp.headers["x-fleetgate-worker"] == "a":
+                    os.kill(engine, signal.SIGSTOP)
+                    stopped = time.monotonic()
+                for line in resp.iter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        event = json.loads(line[6:])
+                        assert "error" not in event, event
+                        pieces += sum(bool(c["delta"].get("content")) for c in event["choices"])
+            assert done and pieces == 12
+            if stopped is not None:
+                break
+        assert stopped is not None
+        after_s = time.monotonic() - stopped
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    print(f"hang[after-headers, then unhealthy]: answered {after_s:.2f} s after SIGSTOP (first-event limit 20 s)")
+    assert after_s < 10, after_s
+    log = next(p for p in fleet.procs if "gateway" in p.log_path.name).output()
+    assert "gateway.waiting_interrupted" in log
