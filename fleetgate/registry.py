@@ -29,6 +29,7 @@ from fleetgate.keys import (
 )
 from fleetgate.records import decode_worker, encode, sign, unsigned
 from fleetgate.schema import Load, WorkerInfo, WorkerState, WorkerView
+from fleetgate.sentinel import follow_master
 
 __all__ = ["DEFAULT_HEARTBEAT_TTL_S", "DEFAULT_PREFIX", "HeartbeatReply", "Keys", "Registry", "connect"]
 
@@ -378,6 +379,11 @@ class Registry:
     async def unlock_adapter(self, adapter: str, owner: str) -> None:
         """Release the lock if `owner` still holds it (it may have expired and been retaken)."""
         await self._unlock(keys=[self.keys.lora_lock(adapter)], args=[owner])
+
+    async def follow_master(self) -> str:
+        """With Sentinel: reconnect to the master the sentinels name, if it moved while the
+        old one stayed up ("host:port" then, else ""; fleetgate/sentinel.py says why)."""
+        return await follow_master(self.redis)
 
     async def subscribe(self) -> aioredis.client.PubSub:
         """A pub/sub connection listening on the events channel (its data: worker ids)."""

@@ -28,7 +28,14 @@ from gateway.admission import Admission
 from gateway.api.admin import HANDLERS as ADMIN_HANDLERS
 from gateway.auth import check_api_key, digest, open_data_plane
 from gateway.circuit import Breakers
-from gateway.errors import GatewayError, InvalidRequest, ModelNotFound, NotFound
+from gateway.errors import (
+    REGISTRY_ERRORS,
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    NotFound,
+    registry_unavailable,
+)
 from gateway.fastpath import FastPath
 from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
@@ -168,6 +175,11 @@ def _http_error(request: Request, exc: HTTPException) -> Response:
     return _gateway_error(request, err)
 
 
+def _registry_error(request: Request, exc: Exception) -> Response:
+    log.warning("gateway.registry_error", path=request.url.path, error=repr(exc))
+    return _gateway_error(request, registry_unavailable())
+
+
 def _internal_error(request: Request, exc: Exception) -> Response:
     log.exception("gateway.internal_error", path=request.url.path)
     return _gateway_error(request, GatewayError("Internal error in the gateway."))
@@ -254,6 +266,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
         exception_handlers={
             GatewayError: _gateway_error,
             HTTPException: _http_error,
+            **dict.fromkeys(REGISTRY_ERRORS, _registry_error),
             Exception: _internal_error,
         },
         # Litestar's default path: the schema at /schema/openapi.json.

@@ -22,6 +22,7 @@ OpenAI's `{"error": {"message", "type", "param", "code"}}`.
 from __future__ import annotations
 
 import msgspec
+from redis import exceptions as redis_errors
 
 
 class ErrorBody(msgspec.Struct):
@@ -118,6 +119,20 @@ class NoWorkerAvailable(GatewayError):
     status = 503
     type = "service_unavailable"
     code = "no_worker_available"
+
+
+# Redis is out of reach (down, failing over, or a replica answering READONLY): a 503 the
+# client retries, never a 500. Other Redis errors are bugs and stay 500s.
+REGISTRY_ERRORS: tuple[type[Exception], ...] = (
+    redis_errors.ConnectionError, redis_errors.TimeoutError, redis_errors.ReadOnlyError,
+)
+
+
+def registry_unavailable() -> NoWorkerAvailable:
+    return NoWorkerAvailable(
+        "The gateway cannot reach its worker registry (Redis) right now; try again shortly.",
+        code="registry_unavailable", retry_after=2,
+    )
 
 
 class UpstreamError(GatewayError):

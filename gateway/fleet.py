@@ -3,7 +3,10 @@
 The request path only reads `FleetWatcher.snapshot` (an attribute load); it never
 waits on Redis. The watcher re-reads the registry when a pub/sub event arrives and
 at least every `refresh_interval_s`. While Redis is unreachable it keeps serving
-the last snapshot, marks itself degraded and reconnects with backoff.
+the last snapshot, marks itself degraded and reconnects with backoff. When Redis comes
+back without the fleet's records (a restart that lost them), or after an outage or a
+Sentinel failover long enough for records to expire before their agents could heartbeat,
+workers missing from it are kept for `resync_grace_s`, until their agents register again.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from gateway.known import KnownModels
 from gateway.routing.table import Routes
 
 log = structlog.get_logger("gateway.fleet")
+
+# A read this much later than the refresh interval means Redis was out of reach meanwhile.
+OUTAGE_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,10 +99,12 @@ class FleetWatcher:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._ready = asyncio.Event()
-        # After Redis lost its data, workers missing from it are kept this long (until their
+        # After Redis lost its data, or was out of reach long enough for records to expire
+        # (a Sentinel failover), workers missing from it are kept this long (until their
         # agents, heartbeating every second, have registered again).
         self.resync_grace_s = registry.ttl_ms / 1000 + 2.0
         self._keep_until = 0.0
+        self._read_at = 0.0  # monotonic time of the last successful read
         # Worker id -> (when its agent was last told its record is ignored, when it was logged).
         self._told: dict[str, tuple[float, float]] = {}
 
@@ -130,6 +138,7 @@ class FleetWatcher:
         self._wake.set()
 
     async def refresh(self) -> None:
+        moved = await self.registry.follow_master()
         rejected: dict[str, str] = {}
         workers = await self.registry.read_all(rejected)
         if rejected:
@@ -138,7 +147,17 @@ class FleetWatcher:
             log.warning("gateway.registry_lost_data", keep_s=self.resync_grace_s,
                         workers=len(self.snapshot.workers))
             self._keep_until = time.monotonic() + self.resync_grace_s
-        if time.monotonic() < self._keep_until:
+        now = time.monotonic()
+        unreachable_s = now - self._read_at if self._read_at else 0.0
+        if self.snapshot.workers and (moved or unreachable_s > self.refresh_interval_s + OUTAGE_S):
+            # Agents could not heartbeat either (Redis away, a read that retried through a
+            # failover, a master that moved): records may have expired under them on the new
+            # master, until each agent's next heartbeat registers it again.
+            log.warning("gateway.registry_resync", master_moved=moved, unreachable_s=round(unreachable_s, 2),
+                        keep_s=self.resync_grace_s, workers=len(self.snapshot.workers))
+            self._keep_until = now + self.resync_grace_s
+        self._read_at = now
+        if now < self._keep_until:
             present = {w.id for w in workers}
             workers += [w for w in self.snapshot.workers if w.id not in present]
         self._version += 1
@@ -187,7 +206,8 @@ class FleetWatcher:
                 self.degraded = True
                 self.last_error = repr(exc)
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                # At most a refresh interval: a promoted replica is read as soon as it answers.
+                backoff = min(backoff * 2, self.refresh_interval_s)
 
     async def _listen_loop(self) -> None:
         backoff = 0.1
@@ -202,7 +222,8 @@ class FleetWatcher:
                 raise
             except Exception:
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                # Like the re-reads: subscribed again within a refresh interval of Redis being back.
+                backoff = min(backoff * 2, self.refresh_interval_s)
             finally:
                 if pubsub is not None:
                     with contextlib.suppress(Exception):

@@ -10,8 +10,10 @@
 If the engine dies, the agent deregisters and exits non-zero; if the warm-up fails (after
 retries), likewise, printing the engine's last log lines. A hung engine (probes time out
 a few times in a row) is published unhealthy, out of routing, until a probe passes again.
-If Redis loses the record (a restart), the next heartbeat notices and registers again,
-re-asserting an operator's drain; a worker an operator removed never registers again.
+If Redis loses the record (a restart, or a Sentinel failover that outlasted its TTL), the
+next heartbeat notices and registers again, re-asserting an operator's drain; a worker an
+operator removed never registers again. With Sentinel, each heartbeat first asks the
+sentinels whether the master moved (fleetgate/sentinel.py).
 If the gateways reject the record (no registration secret, or another one), the agent
 learns it from the registry while starting and for a few seconds after turning ready, and
 exits non-zero, stopping its engine.
@@ -314,6 +316,8 @@ class Agent:
     async def _beat(self, load: Load, announce: bool = False) -> HeartbeatReply | None:
         """The registry's answer to a heartbeat; None when Redis is unreachable."""
         try:
+            if moved := await self.registry.follow_master():
+                self.log.warning("agent.registry_master_moved", master=moved)
             return await self.registry.heartbeat(self.opts.worker_id, load, announce=announce)
         except Exception as exc:
             self.log.warning("agent.registry_unreachable", error=repr(exc))

@@ -1,0 +1,47 @@
+"""Following a Sentinel-managed master when it moves while the old one is still up.
+
+redis-py asks the sentinels for the master's address only when it opens a connection: a
+master that dies breaks every connection, so the next command finds the promoted replica.
+But after an operator's switchover (`SENTINEL FAILOVER`), or a failover around a master
+that was cut off rather than dead, the old master keeps its clients, still accepts their
+writes for seconds (until the sentinels turn it into a replica, which then discards them),
+and every reader on it sees a registry nobody else writes to any more. So gateways and
+agents call `follow_master` about once a second: it asks the sentinels, and when their
+master is not the one the pool is connected to, closes every connection of the pool (idle
+and in use, pub/sub included); each reconnects, through the sentinels, to the new master.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from redis.asyncio.sentinel import SentinelConnectionPool
+from redis.exceptions import ConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+
+async def follow_master(redis: Any, timeout_s: float = 2.0) -> str:
+    """"host:port" of the new master when it moved since the client's last connection (its
+    connections are then closed, to reconnect there); "" otherwise, for a client that is not
+    Sentinel-managed, or when no sentinel answers within `timeout_s` (nothing to learn: the
+    commands' own errors say whether Redis is reachable)."""
+    pool = getattr(redis, "connection_pool", None)
+    if not isinstance(pool, SentinelConnectionPool) or not pool.is_master:
+        return ""
+    before = pool.master_address
+    if before is None:  # not connected yet: the first connection asks the sentinels anyway
+        return ""
+    try:
+        # Updates pool.master_address and closes the idle connections when it changed.
+        async with asyncio.timeout(timeout_s):
+            now = await pool.get_master_address()
+    except (ConnectionError, RedisTimeoutError, TimeoutError):
+        return ""
+    if now == before:
+        return ""
+    # In-use connections too: released later, they would go back to the pool still
+    # connected to the old master. A command on one fails and is retried on a new connection.
+    await pool.disconnect(inuse_connections=True)
+    host, port = now
+    return f"{host}:{port}"
