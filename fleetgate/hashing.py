@@ -13,8 +13,12 @@ import hashlib
 _MASK = (1 << 64) - 1
 
 
-def stable_hash(data: str | bytes) -> int:
-    raw = data.encode() if isinstance(data, str) else data
+def stable_hash(*parts: str | bytes) -> int:
+    """blake2b-64 of the parts joined by NUL: the same in every process and every run."""
+    if len(parts) == 1:
+        raw = parts[0].encode() if isinstance(parts[0], str) else parts[0]
+    else:
+        raw = b"\x00".join(p.encode() if isinstance(p, str) else p for p in parts)
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
 
 

@@ -1,51 +1,9 @@
-"""The Redis registry: the one module that knows key names, TTLs and record encoding.
+"""The Redis registry: every read and write of the fleet's records, shared by gateway and agents.
 
-Layout (``P`` is the key prefix, ``v1`` the schema version)::
-
-    {P}:v1:workers        SET   ids of registered workers (an index; stale ids are pruned by readers)
-    {P}:v1:w:<id>         HASH  info  -> WorkerInfo JSON (written by the agent)
-                                state -> starting|ready|draining (written by the agent)
-                                drain -> "1" when an operator drained it (written by the admin API;
-                                         re-asserted by its agent after a Redis restart)
-                                load  -> Load JSON (refreshed by the agent's heartbeat)
-                                hb    -> unix time of the last heartbeat
-                                sig   -> HMAC-SHA256 of `info` with the registration secret
-                                         (when one is set, readers ignore unsigned records)
-                                stop  -> "1" when an operator asked the agent to stop
-                          PEXPIRE heartbeat_ttl: a worker whose agent dies vanishes by itself
-    {P}:v1:removed:<id>   STRING set when an operator removes a worker (TTL 10 min), so its
-                          agent stops instead of registering again
-    {P}:v1:events         PUBSUB a worker id whenever something about it changed
-    {P}:v1:circuit:<id>   STRING why a gateway's circuit breaker took the worker out of routing,
-                          PX cooldown (+ the probe's timeout): when it expires the worker gets
-                          traffic again (half-open)
-    {P}:v1:rejected:<id>  STRING why gateways ignore worker <id>'s record (not signed, or signed
-                          with another registration secret), written by a gateway that read it,
-                          EX REJECTED_TTL_S: the agent reads it (`rejection`) to learn it is ignored
-    {P}:v1:epoch          STRING set once by the first gateway; its absence means Redis lost
-                          everything (a restart without persistence)
-    {P}:v1:gateways       SET   ids of gateways that publish in-flight counts (pruned by readers)
-    {P}:v1:inflight:<gw>  HASH  worker id -> requests gateway <gw> has in flight there,
-                          rewritten whole every ~100 ms, PEXPIRE lease: a gateway that crashes
-                          leaks nothing, its counts vanish with the lease
-    {P}:v1:rate:<key id>  STRING per-client rate limit (GCRA): the theoretical arrival time, in
-                          ms of Redis's clock, of the client's next request; PX until then
-    {P}:v1:resp:<id>      STRING the worker that created (and stores) Responses API response
-                          <id>, so a follow-up (`previous_response_id`), a retrieve or a cancel
-                          reaches it from any gateway; PX the gateway's `responses_ttl_s`
-    {P}:v1:adapters       HASH  adapter name -> {"path", "base"} JSON: adapters an operator added
-                          through the admin API, so every gateway (and one that restarts) can
-                          place them
-    {P}:v1:lora:<gw>      HASH  "<worker>\t<adapter>" -> requests gateway <gw> has in flight for
-                          that adapter on that worker, rewritten whole every ~200 ms, PEXPIRE
-                          lease (like inflight:<gw>): no gateway evicts an adapter in use
-    {P}:v1:lora_used:<id> ZSET  adapter -> unix time a gateway last sent it to worker <id> (the
-                          LRU every gateway evicts by), PEXPIRE 1 h after the last write
-    {P}:v1:lora_lock:<a>  STRING the gateway loading adapter <a> (one load of it at a time in the
-                          fleet), PX the load's time limit
-
-The prefix is wrapped in a hash tag so every key lands in one Redis Cluster slot:
-multi-key pipelines and the Lua scripts below work unchanged on a cluster.
+It is the one place that talks to Redis about the fleet. The schema is in three small
+modules beside it: `fleetgate/keys.py` (the key layout, drawn there, and the TTLs),
+`fleetgate/records.py` (encoding a worker's hash and checking its signature) and
+`fleetgate/connection.py` (opening a client from a URL: standalone, Sentinel, Cluster).
 Every write is atomic (MULTI pipelines or single-key Lua scripts), and writes to
 an existing worker never recreate a key that has expired. Events are published
 after the write they announce.
@@ -53,29 +11,27 @@ after the write they announce.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
-import msgspec
 import redis.asyncio as aioredis
 
-from fleetgate.hashing import stable_hash
-from fleetgate.schema import SCHEMA_VERSION, Load, WorkerInfo, WorkerState, WorkerView
+from fleetgate.connection import connect
+from fleetgate.keys import (
+    DEFAULT_HEARTBEAT_TTL_S,
+    DEFAULT_INFLIGHT_LEASE_S,
+    DEFAULT_PREFIX,
+    LEASE_FIELD,
+    REJECTED_TTL_S,
+    REMOVED_TTL_S,
+    Keys,
+)
+from fleetgate.records import decode_worker, encode, sign, unsigned
+from fleetgate.schema import Load, WorkerInfo, WorkerState, WorkerView
 from fleetgate.sentinel import follow_master
 
-DEFAULT_PREFIX = "fleetgate"
-DEFAULT_HEARTBEAT_TTL_S = 3.0
-DEFAULT_INFLIGHT_LEASE_S = 3.0
-REMOVED_TTL_S = 600
-REJECTED_TTL_S = 120
-_LEASE_FIELD = "_at"
-
-_info_encoder = msgspec.json.Encoder()
-_info_decoder = msgspec.json.Decoder(WorkerInfo)
-_load_decoder = msgspec.json.Decoder(Load)
+__all__ = ["DEFAULT_HEARTBEAT_TTL_S", "DEFAULT_PREFIX", "HeartbeatReply", "Keys", "Registry", "connect"]
 
 # Updates fields of a worker hash only while it exists, refreshing its TTL when asked.
 # KEYS[1] = worker hash; ARGV[1] = ttl ms (0: keep), ARGV[2..] = field, value pairs.
@@ -117,166 +73,6 @@ HeartbeatReply = Literal["ok", "missing", "stop", "drained"]
 _REPLIES: dict[int, HeartbeatReply] = {0: "missing", 1: "ok", 2: "stop", 3: "drained"}
 
 
-def sign(secret: str, info: bytes) -> str:
-    return hmac.new(secret.encode(), info, hashlib.sha256).hexdigest()
-
-
-def connect(url: str, **kwargs: Any) -> aioredis.Redis:
-    """Open an asyncio Redis client for ``url``.
-
-    ``redis://``, ``rediss://`` and ``unix://`` as redis-py reads them; Sentinel as
-    ``redis+sentinel://[:password@]host1:26379,host2:26379/<master name>[/<db>]``: the
-    client asks the sentinels for the current master and follows a failover; Redis
-    Cluster as ``redis+cluster://[:password@]host1:7000,host2:7001`` (any reachable nodes:
-    the client learns the rest and follows slot moves and failovers). Every key lives in
-    one slot (the prefix is a hash tag), so a cluster gives failover, not sharding.
-    """
-    kwargs.setdefault("socket_connect_timeout", 2.0)
-    kwargs.setdefault("socket_timeout", 5.0)
-    kwargs.setdefault("health_check_interval", 10)
-    if url.startswith("redis+sentinel://"):
-        return _sentinel_master(url, **kwargs)
-    if url.startswith("redis+cluster://"):
-        return _cluster(url, **kwargs)
-    return aioredis.from_url(url, **kwargs)
-
-
-def _nodes(url: str, scheme: str, default_port: int) -> tuple[str | None, list[tuple[str, int]], list[str]]:
-    """`scheme[:password@]host:port,host:port[/a/b]` -> (password, [(host, port)], [a, b])."""
-    rest = url.removeprefix(scheme)
-    password = None
-    if "@" in rest:
-        auth, rest = rest.rsplit("@", 1)
-        password = auth.partition(":")[2] or None
-    hosts, _, path = rest.partition("/")
-    nodes = []
-    for node in hosts.split(","):
-        host, _, port = node.rpartition(":")
-        nodes.append((host or node, int(port) if port.isdigit() else default_port))
-    return password, nodes, [p for p in path.split("/") if p]
-
-
-def _sentinel_master(url: str, **kwargs: Any) -> aioredis.Redis:
-    from redis.asyncio.sentinel import Sentinel
-
-    password, nodes, parts = _nodes(url, "redis+sentinel://", 26379)
-    if not parts:
-        raise ValueError("a Sentinel URL names the master: redis+sentinel://host:26379/<master>[/<db>]")
-    db = int(parts[1]) if len(parts) > 1 else 0
-    # The sentinels are asked about once a second (fleetgate/sentinel.py): bound every wait.
-    timeouts = {k: kwargs[k] for k in ("socket_timeout", "socket_connect_timeout") if k in kwargs}
-    sentinel = Sentinel(nodes, sentinel_kwargs={**timeouts, **({"password": password} if password else {})})
-    return sentinel.master_for(parts[0], db=db, password=password, **kwargs)
-
-
-def _cluster(url: str, **kwargs: Any) -> aioredis.Redis:
-    from redis.asyncio.cluster import ClusterNode, RedisCluster
-
-    password, nodes, parts = _nodes(url, "redis+cluster://", 6379)
-    if parts not in ([], ["0"]):
-        raise ValueError("Redis Cluster has only database 0: redis+cluster://host:7000,host:7001")
-    # A cluster client is not a Redis subclass, but offers every command the registry uses.
-    return RedisCluster(  # type: ignore[return-value]
-        startup_nodes=[ClusterNode(host, port) for host, port in nodes], password=password, **kwargs
-    )
-
-
-class Keys:
-    """Key names for one fleet (one prefix)."""
-
-    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
-        base = f"{{{prefix}}}:v{SCHEMA_VERSION}"
-        self.workers = f"{base}:workers"
-        self.events = f"{base}:events"
-        self._worker = f"{base}:w:"
-        self._removed = f"{base}:removed:"
-        self._circuit = f"{base}:circuit:"
-        self._rejected = f"{base}:rejected:"
-        self.gateways = f"{base}:gateways"
-        self.epoch = f"{base}:epoch"
-        self._inflight = f"{base}:inflight:"
-        self._rate = f"{base}:rate:"
-        self._response = f"{base}:resp:"
-        self.adapters = f"{base}:adapters"
-        self._lora = f"{base}:lora:"
-        self._lora_used = f"{base}:lora_used:"
-        self._lora_lock = f"{base}:lora_lock:"
-
-    def worker(self, worker_id: str) -> str:
-        return self._worker + worker_id
-
-    def removed(self, worker_id: str) -> str:
-        return self._removed + worker_id
-
-    def circuit(self, worker_id: str) -> str:
-        return self._circuit + worker_id
-
-    def rejected(self, worker_id: str) -> str:
-        return self._rejected + worker_id
-
-    def inflight(self, gateway_id: str) -> str:
-        return self._inflight + gateway_id
-
-    def rate(self, client_id: str) -> str:
-        return self._rate + client_id
-
-    def response(self, response_id: str) -> str:
-        return self._response + response_id
-
-    def lora(self, gateway_id: str) -> str:
-        return self._lora + gateway_id
-
-    def lora_used(self, worker_id: str) -> str:
-        return self._lora_used + worker_id
-
-    def lora_lock(self, adapter: str) -> str:
-        return self._lora_lock + adapter
-
-
-def unsigned(fields: dict[bytes, bytes], secret: str) -> str:
-    """Why a worker hash is not signed with `secret` ("" when it is, or no secret is set)."""
-    raw_info = fields.get(b"info")
-    if not secret or not raw_info:
-        return ""
-    sig = fields.get(b"sig", b"").decode(errors="replace")
-    if hmac.compare_digest(sig, sign(secret, raw_info)):
-        return ""
-    return "signed with another registration secret" if sig else "not signed (no registration secret)"
-
-
-def decode_worker(
-    fields: dict[bytes, bytes], circuit: bytes | None = None, secret: str = ""
-) -> WorkerView | None:
-    """A worker hash as read from Redis, or None if it is incomplete, of another schema,
-    or (with a registration secret) not signed with it."""
-    raw_info = fields.get(b"info")
-    if not raw_info or unsigned(fields, secret):
-        return None
-    try:
-        info = _info_decoder.decode(raw_info)
-    except msgspec.DecodeError:
-        return None
-    if info.schema != SCHEMA_VERSION:
-        return None
-    state = fields.get(b"state", b"starting").decode()
-    if state not in ("starting", "ready", "draining"):
-        state = "starting"
-    raw_load = fields.get(b"load")
-    try:
-        load = _load_decoder.decode(raw_load) if raw_load else Load()
-    except msgspec.DecodeError:
-        load = Load()
-    return WorkerView(
-        info=info,
-        state=state,  # type: ignore[arg-type]
-        load=load,
-        last_heartbeat=float(fields.get(b"hb", b"0") or 0),
-        admin_drain=fields.get(b"drain") == b"1",
-        id_hash=stable_hash(info.id),
-        circuit=circuit.decode(errors="replace") if circuit else "",
-    )
-
-
 class Registry:
     """Reads and writes the fleet's records in Redis. Shared by gateway and agents."""
 
@@ -307,12 +103,12 @@ class Registry:
         restart lost it with the record); otherwise the field is left as it is.
         """
         key = self.keys.worker(info.id)
-        raw = _info_encoder.encode(info)
+        raw = encode(info)
         fields: dict[str, bytes | str] = {"info": raw, "state": state, "hb": repr(time.time())}
         if self.secret:
             fields["sig"] = sign(self.secret, raw)
         if load is not None:
-            fields["load"] = _info_encoder.encode(load)
+            fields["load"] = encode(load)
         if admin_drain:
             fields["drain"] = "1"
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -335,7 +131,7 @@ class Registry:
         """
         reply = await self._update(
             keys=[self.keys.worker(worker_id)],
-            args=[self.ttl_ms, "load", _info_encoder.encode(load), "hb", repr(time.time())],
+            args=[self.ttl_ms, "load", encode(load), "hb", repr(time.time())],
         )
         if announce and reply:
             await self._announce(worker_id)
@@ -345,7 +141,7 @@ class Registry:
         return await self._set_fields(worker_id, "state", state)
 
     async def update_info(self, info: WorkerInfo) -> bool:
-        raw = _info_encoder.encode(info)
+        raw = encode(info)
         if self.secret:
             return await self._set_fields(info.id, "info", raw, "sig", sign(self.secret, raw))
         return await self._set_fields(info.id, "info", raw)
@@ -444,7 +240,7 @@ class Registry:
         key = self.keys.inflight(gateway_id)
         # The hash always holds `_at`, so it exists exactly while the gateway lives.
         fields: dict[str, object] = {worker: n for worker, n in counts.items() if n > 0}
-        fields[_LEASE_FIELD] = repr(time.time())
+        fields[LEASE_FIELD] = repr(time.time())
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(key)
             pipe.hset(key, mapping=fields)  # type: ignore[arg-type]
@@ -470,7 +266,7 @@ class Registry:
                 dead.append(gateway_id)
             for worker, n in row.items():
                 name = worker.decode() if isinstance(worker, bytes) else str(worker)
-                if name != _LEASE_FIELD:
+                if name != LEASE_FIELD:
                     total[name] = total.get(name, 0) + int(n)
         if dead:
             await self.redis.srem(self.keys.gateways, *dead)
@@ -527,7 +323,7 @@ class Registry:
         record when it last sent each adapter to each worker (never moving a time back)."""
         key = self.keys.lora(gateway_id)
         fields: dict[str, object] = {f"{w}\t{a}": n for (w, a), n in inflight.items() if n > 0}
-        fields[_LEASE_FIELD] = repr(time.time())
+        fields[LEASE_FIELD] = repr(time.time())
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(key)
             pipe.hset(key, mapping=fields)  # type: ignore[arg-type]

@@ -9,14 +9,12 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import msgspec
 import structlog
-from litestar import Litestar, Request, Response, delete, get, post
+from litestar import Litestar, Request, Response, get, post
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 from litestar.handlers import HTTPRouteHandler
@@ -24,10 +22,10 @@ from litestar.openapi import OpenAPIConfig
 from litestar.response import Stream
 
 from fleetgate.registry import Registry, connect
-from fleetgate.schema import WorkerView
 from gateway import front
 from gateway.adapters import AdapterPlacer
 from gateway.admission import Admission
+from gateway.api.admin import HANDLERS as ADMIN_HANDLERS
 from gateway.auth import check_api_key, digest, open_data_plane
 from gateway.circuit import Breakers
 from gateway.errors import (
@@ -36,7 +34,6 @@ from gateway.errors import (
     InvalidRequest,
     ModelNotFound,
     NotFound,
-    Unauthorized,
     registry_unavailable,
 )
 from gateway.fastpath import FastPath
@@ -54,9 +51,9 @@ from gateway.routing import make_policy
 from gateway.routing.homes import Homes
 from gateway.scaling import ScalingCollector, admin_scaling, current
 from gateway.settings import GatewaySettings
+from gateway.state import Gateway, gw_of
 from gateway.tokenizers import Tokenizers
 from gateway.ui import HANDLERS as UI_HANDLERS
-from gateway.ui import admin_authorized
 from gateway.upstream import Upstream
 
 log = structlog.get_logger("gateway.app")
@@ -64,37 +61,8 @@ log = structlog.get_logger("gateway.app")
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
-@dataclass
-class Gateway:
-    """Everything the handlers need, owned by the lifespan."""
-
-    settings: GatewaySettings
-    registry: Registry
-    watcher: FleetWatcher
-    proxy: Proxy
-    api_key_digests: frozenset[bytes]
-    metrics: GatewayMetrics
-    limiter: RateLimiter
-    # Said at start and on /health: what an operator must fix (an open data plane, say).
-    warnings: tuple[str, ...] = ()
-
-
-def _gw(state: State) -> Gateway:
-    return state["gw"]  # type: ignore[no-any-return]
-
-
 def _check_client(gw: Gateway, request: Request) -> str:
     return check_api_key(gw.api_key_digests, request.headers.get("authorization", ""))
-
-
-def _check_admin(gw: Gateway, request: Request) -> None:
-    token = gw.settings.admin_token
-    # A bearer token, or the dashboard's session cookie (gateway/ui.py).
-    if not admin_authorized(request, token):
-        raise Unauthorized(
-            "Admin endpoints need `Authorization: Bearer <FLEETGATE_ADMIN_TOKEN>`"
-            + ("" if token else " (no admin token is configured on this gateway)."),
-        )
 
 
 # -- OpenAI API ---------------------------------------------------------------
@@ -103,7 +71,7 @@ def _check_admin(gw: Gateway, request: Request) -> None:
 async def _proxied(request: Request, state: State, path: str, kind: str) -> Response:
     # Served by gateway/fastpath.py in front of Litestar; this route is the same logic for
     # when the fast path is off, and it documents the operation in the OpenAPI schema.
-    gw = _gw(state)
+    gw = gw_of(state)
     try:
         reply, hangup = await front.serve(gw, request.headers.get, request.client.host if request.client else None,
                                           request.body, request.receive, path, kind)
@@ -129,7 +97,7 @@ def _proxy_route(path: str, kind: str) -> HTTPRouteHandler:
 
 
 async def _stored(request: Request, state: State, method: str, response_id: str, suffix: str) -> Response:
-    gw = _gw(state)
+    gw = gw_of(state)
     _check_client(gw, request)
     reply = await gw.proxy.stored(method, response_id, suffix, request.url.query)
     headers = dict(reply.headers)
@@ -150,14 +118,14 @@ async def cancel_response(request: Request, state: State, response_id: str) -> R
 
 @get("/v1/models", operation_class=ModelsOperation)
 async def list_models(request: Request, state: State) -> Response:
-    gw = _gw(state)
+    gw = gw_of(state)
     _check_client(gw, request)
     return Response(content=gw.watcher.snapshot.models_json, media_type="application/json")
 
 
 @get("/v1/models/{model_id:path}")
 async def get_model(request: Request, state: State, model_id: str) -> Response:
-    gw = _gw(state)
+    gw = gw_of(state)
     _check_client(gw, request)
     name = model_id.lstrip("/")
     models = gw.watcher.snapshot.models
@@ -169,7 +137,7 @@ async def get_model(request: Request, state: State, model_id: str) -> Response:
 
 @get("/health")
 async def health(state: State) -> Response:
-    gw = _gw(state)
+    gw = gw_of(state)
     watcher = gw.watcher
     ready = sum(1 for w in watcher.snapshot.workers if w.routable)
     body = {
@@ -181,142 +149,6 @@ async def health(state: State) -> Response:
         **({"warnings": list(gw.warnings)} if gw.warnings else {}),
     }
     return Response(content=msgspec.json.encode(body), media_type="application/json")
-
-
-# -- admin --------------------------------------------------------------------
-
-
-def _worker_json(w: WorkerView, inflight: int) -> dict[str, object]:
-    info = w.info
-    return {
-        "id": info.id,
-        "url": info.url,
-        "engine": info.engine,
-        "state": w.effective_state,
-        "agent_state": w.state,
-        "admin_drain": w.admin_drain,
-        "model": info.model,
-        "adapters": list(info.adapters),
-        "max_model_len": info.max_model_len,
-        "pooling": info.pooling,
-        "capacity": info.capacity,
-        "speed": info.speed,
-        "gpu": msgspec.to_builtins(info.gpu) if info.gpu else None,
-        "host": info.host,
-        "load": {
-            "running": w.load.running,
-            "waiting": w.load.waiting,
-            "kv_cache_usage": w.load.kv_cache_usage,
-            "inflight": inflight,
-        },
-        "circuit": {"state": "open", "reason": w.circuit} if w.circuit else {"state": "closed"},
-        "unhealthy": w.load.unhealthy,
-        "last_heartbeat": w.last_heartbeat,
-        "heartbeat_age_s": round(time.time() - w.last_heartbeat, 3) if w.last_heartbeat else None,
-    }
-
-
-@get("/admin/workers")
-async def admin_workers(request: Request, state: State) -> Response:
-    gw = _gw(state)
-    _check_admin(gw, request)
-    # Read Redis directly: operators want the registry's truth, not a second-old snapshot.
-    workers = await gw.registry.read_all()
-    inflight = gw.proxy.inflight
-    data = [_worker_json(w, inflight.get(w.id, 0)) for w in workers]
-    return Response(content=msgspec.json.encode({"data": data}), media_type="application/json")
-
-
-async def _admin_write(gw: Gateway, worker_id: str, action: str) -> Response:
-    if action == "remove":
-        found = await gw.registry.deregister(worker_id, by_operator=True)
-    elif action == "drain-and-stop":
-        found = await gw.registry.request_stop(worker_id)
-    else:
-        found = await gw.registry.set_admin_drain(worker_id, action == "drain")
-    if not found:
-        raise NotFound(f"No worker `{worker_id}` is registered.", param="id", code="worker_not_found")
-    gw.watcher.poke()
-    log.info("gateway.admin", action=action, worker=worker_id)
-    body = {"id": worker_id, "action": action, "ok": True}
-    return Response(content=msgspec.json.encode(body), media_type="application/json")
-
-
-@post("/admin/workers/{worker_id:str}/drain", status_code=200)
-async def admin_drain(request: Request, state: State, worker_id: str) -> Response:
-    """Stop sending the worker new requests; with `?stop=true` its agent then stops it."""
-    gw = _gw(state)
-    _check_admin(gw, request)
-    stop = request.query_params.get("stop", "false").lower()
-    if stop not in ("true", "false", "1", "0"):
-        raise InvalidRequest("`stop` must be true or false.", param="stop")
-    return await _admin_write(gw, worker_id, "drain-and-stop" if stop in ("true", "1") else "drain")
-
-
-@post("/admin/workers/{worker_id:str}/undrain", status_code=200)
-async def admin_undrain(request: Request, state: State, worker_id: str) -> Response:
-    gw = _gw(state)
-    _check_admin(gw, request)
-    return await _admin_write(gw, worker_id, "undrain")
-
-
-@delete("/admin/workers/{worker_id:str}", status_code=200)
-async def admin_remove(request: Request, state: State, worker_id: str) -> Response:
-    gw = _gw(state)
-    _check_admin(gw, request)
-    return await _admin_write(gw, worker_id, "remove")
-
-
-class AdapterLoad(msgspec.Struct, forbid_unknown_fields=True):
-    name: str
-    # Optional when the adapter is in the gateway's `adapters` config.
-    path: str | None = None
-
-
-def _registered(gw: Gateway, worker_id: str) -> WorkerView:
-    worker = gw.watcher.snapshot.by_id.get(worker_id)
-    if worker is None:
-        raise NotFound(f"No worker `{worker_id}` is registered.", param="id", code="worker_not_found")
-    if not worker.info.runtime_lora:
-        raise InvalidRequest(
-            f"Worker `{worker_id}` ({worker.info.engine}) cannot load adapters at runtime; "
-            "give them to its agent at start (--adapters).", code="adapters_fixed_at_start",
-        )
-    return worker
-
-
-@post("/admin/workers/{worker_id:str}/adapters", status_code=200)
-async def admin_load_adapter(request: Request, state: State, worker_id: str) -> Response:
-    """Load a LoRA adapter on a worker: body `{"name": ..., "path": ...}` (path optional if configured)."""
-    gw = _gw(state)
-    _check_admin(gw, request)
-    try:
-        load = msgspec.json.decode(await request.body(), type=AdapterLoad)
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"Body must be {{\"name\": ..., \"path\": ...}}: {exc}") from exc
-    if not load.name or "/" in load.name:
-        raise InvalidRequest("`name` must be a non-empty adapter name without '/'.", param="name")
-    worker = _registered(gw, worker_id)
-    try:
-        await gw.proxy.placer.load_on(worker, load.name, load.path)
-    except KeyError:
-        raise InvalidRequest(f"Adapter `{load.name}` is not configured; send its `path`.", param="path") from None
-    log.info("gateway.admin", action="load_adapter", worker=worker_id, adapter=load.name)
-    return Response(content=msgspec.json.encode({"id": worker_id, "adapter": load.name, "loaded": True}),
-                    media_type="application/json")
-
-
-@delete("/admin/workers/{worker_id:str}/adapters/{name:str}", status_code=200)
-async def admin_unload_adapter(request: Request, state: State, worker_id: str, name: str) -> Response:
-    gw = _gw(state)
-    _check_admin(gw, request)
-    worker = _registered(gw, worker_id)
-    if name not in worker.info.adapters:
-        raise NotFound(f"Worker `{worker_id}` has no adapter `{name}`.", param="name", code="adapter_not_found")
-    await gw.proxy.placer.unload_from(worker, name)
-    log.info("gateway.admin", action="unload_adapter", worker=worker_id, adapter=name)
-    return Response(content=msgspec.json.encode({"id": worker_id, "adapter": name, "loaded": False}),
-                    media_type="application/json")
 
 
 # -- errors -------------------------------------------------------------------
@@ -428,8 +260,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
         route_handlers=[
             *(_proxy_route(path, kind) for path, kind in KINDS.items()),
             retrieve_response, cancel_response, list_models, get_model, health,
-            admin_workers, admin_drain, admin_undrain, admin_remove,
-            admin_load_adapter, admin_unload_adapter, admin_scaling, metrics_endpoint, *UI_HANDLERS,
+            admin_scaling, metrics_endpoint, *ADMIN_HANDLERS, *UI_HANDLERS,
         ],
         lifespan=[lifespan],
         exception_handlers={

@@ -1,12 +1,27 @@
-"""Client API keys: kept and compared as SHA-256 digests, logged only as a short key id."""
+"""Who may call what: client API keys, and the admin token or the dashboard's session cookie.
+
+API keys are kept and compared as SHA-256 digests, logged only as a short key id.
+
+The admin session (see `gateway/ui.py` for the browser side): the cookie carries no token,
+only an expiry and an HMAC of it keyed by the token, so any gateway of the fleet that shares
+the token accepts it, and changing the token logs every browser out.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import ipaddress
+import time
 from collections.abc import Sequence
 
+from litestar import Request
+
 from gateway.errors import Unauthorized
+
+COOKIE = "fleetgate_admin"
+CSRF_HEADER = "x-fleetgate-csrf"
+SESSION_S = 12 * 3600
 
 
 def digest(key: str) -> bytes:
@@ -43,3 +58,47 @@ def open_data_plane(host: str, api_keys: Sequence[str]) -> str | None:
     return (f"The OpenAI API (/v1) is open: the gateway listens on {host}, beyond loopback, and no "
             "API keys are set, so anyone who can reach it can use the fleet. Set FLEETGATE_API_KEYS "
             "(or bind to 127.0.0.1 behind a proxy that authenticates).")
+
+
+# -- admin ---------------------------------------------------------------------------
+
+
+def _sign(token: str, expires: int) -> str:
+    return hmac.new(token.encode(), f"fleetgate-ui:{expires}".encode(), hashlib.sha256).hexdigest()
+
+
+def session_value(token: str, now: float | None = None) -> str:
+    expires = int((time.time() if now is None else now) + SESSION_S)
+    return f"{expires}.{_sign(token, expires)}"
+
+
+def session_ok(token: str, value: str, now: float | None = None) -> bool:
+    expires, _, mac = value.partition(".")
+    if not token or not expires.isdigit() or int(expires) < (time.time() if now is None else now):
+        return False
+    return hmac.compare_digest(mac.encode(), _sign(token, int(expires)).encode())
+
+
+def _bearer_ok(request: Request, token: str) -> bool:
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def admin_authorized(request: Request, token: str) -> bool:
+    """A bearer token, or the dashboard's cookie (plus the CSRF header on writes)."""
+    if not token:
+        return False
+    if _bearer_ok(request, token):
+        return True
+    if not session_ok(token, request.cookies.get(COOKIE, "")):
+        return False
+    return request.method in ("GET", "HEAD") or request.headers.get(CSRF_HEADER) == "1"
+
+
+def check_admin(request: Request, token: str) -> None:
+    """Raise `Unauthorized` unless the request carries the admin token or a valid session."""
+    if not admin_authorized(request, token):
+        raise Unauthorized(
+            "Admin endpoints need `Authorization: Bearer <FLEETGATE_ADMIN_TOKEN>`"
+            + ("" if token else " (no admin token is configured on this gateway)."),
+        )

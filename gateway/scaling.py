@@ -30,14 +30,14 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from fleetgate.schema import WorkerView
+from gateway.auth import admin_authorized
 from gateway.errors import Unauthorized
-from gateway.ui import admin_authorized
 
 if TYPE_CHECKING:
     from gateway.admission import Admission
-    from gateway.app import Gateway
     from gateway.fleet import FleetWatcher
     from gateway.inflight import SharedInflight
+    from gateway.state import Gateway
 
 # Metric names: the Helm chart's KEDA/HPA example and docs/autoscaling.md name these.
 OUTSTANDING = "fleetgate_model_outstanding_requests"

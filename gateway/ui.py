@@ -17,27 +17,21 @@ it from `/admin/workers`, `/admin/stats` and `/admin/decisions` every 1.5 s.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import html
 import time
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import msgspec
 from litestar import Request, Response, get, post
 from litestar.datastructures import Cookie, State
 from litestar.response import Redirect
 
 from fleetgate.schema import WorkerView
-from gateway.errors import NotFound, Unauthorized
+from gateway.auth import COOKIE, SESSION_S, session_ok, session_value
+from gateway.errors import NotFound
+from gateway.state import Gateway, gw_of
 
-if TYPE_CHECKING:
-    from gateway.app import Gateway
-
-COOKIE = "fleetgate_admin"
-CSRF_HEADER = "x-fleetgate-csrf"
-SESSION_S = 12 * 3600
 _ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 _PAGE_HEADERS = {
     "content-security-policy": (
@@ -51,87 +45,12 @@ _PAGE_HEADERS = {
 }
 
 
-# -- authorisation ------------------------------------------------------------------
-
-
-def _sign(token: str, expires: int) -> str:
-    return hmac.new(token.encode(), f"fleetgate-ui:{expires}".encode(), hashlib.sha256).hexdigest()
-
-
-def session_value(token: str, now: float | None = None) -> str:
-    expires = int((time.time() if now is None else now) + SESSION_S)
-    return f"{expires}.{_sign(token, expires)}"
-
-
-def session_ok(token: str, value: str, now: float | None = None) -> bool:
-    expires, _, mac = value.partition(".")
-    if not token or not expires.isdigit() or int(expires) < (time.time() if now is None else now):
-        return False
-    return hmac.compare_digest(mac.encode(), _sign(token, int(expires)).encode())
-
-
-def _bearer_ok(request: Request, token: str) -> bool:
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
-
-
-def admin_authorized(request: Request, token: str) -> bool:
-    """A bearer token, or the dashboard's cookie (plus the CSRF header on writes)."""
-    if not token:
-        return False
-    if _bearer_ok(request, token):
-        return True
-    if not session_ok(token, request.cookies.get(COOKIE, "")):
-        return False
-    return request.method in ("GET", "HEAD") or request.headers.get(CSRF_HEADER) == "1"
-
-
-def _gw(state: State) -> Gateway:
-    return state["gw"]  # type: ignore[no-any-return]
-
-
-def _require_admin(request: Request, gw: Gateway) -> None:
-    if not admin_authorized(request, gw.settings.admin_token):
-        raise Unauthorized("Admin endpoints need `Authorization: Bearer <FLEETGATE_ADMIN_TOKEN>`.")
-
-
 def _cookie(request: Request, value: str, max_age: int) -> Cookie:
     https = request.url.scheme == "https" or request.headers.get("x-forwarded-proto") == "https"
     return Cookie(
         key=COOKIE, value=value, path="/admin", max_age=max_age, httponly=True,
         samesite="strict", secure=https,
     )
-
-
-# -- JSON the page polls --------------------------------------------------------------
-
-
-@get("/admin/decisions")
-async def admin_decisions(request: Request, state: State) -> Response:
-    """This gateway's last routing decisions, newest first."""
-    gw = _gw(state)
-    _require_admin(request, gw)
-    log = gw.metrics.decisions
-    body = {"data": log.as_json(), "total": log.total}
-    return Response(content=msgspec.json.encode(body), media_type="application/json")
-
-
-@get("/admin/stats")
-async def admin_stats(request: Request, state: State) -> Response:
-    """This gateway's counters since start: requests per worker (for rates) and totals."""
-    gw = _gw(state)
-    _require_admin(request, gw)
-    watcher = gw.watcher
-    body = {
-        "now": time.time(),
-        "uptime_s": round(time.time() - gw.metrics.started_at, 3),
-        "requests_by_worker": gw.metrics.by_worker,
-        "totals": gw.metrics.totals(),
-        "registry": "degraded" if watcher.degraded else "ok",
-        "snapshot_age_s": round(watcher.age_s, 3) if watcher.snapshot.read_at else None,
-        "policy": gw.settings.policy,
-    }
-    return Response(content=msgspec.json.encode(body), media_type="application/json")
 
 
 # -- pages ----------------------------------------------------------------------------
@@ -240,7 +159,7 @@ def _dashboard(gw: Gateway) -> Response:
 
 @get("/admin/ui", include_in_schema=False)
 async def ui_page(request: Request, state: State) -> Response:
-    gw = _gw(state)
+    gw = gw_of(state)
     token = gw.settings.admin_token
     if not token:
         return _login_page("No admin token is configured on this gateway (FLEETGATE_ADMIN_TOKEN).", 503)
@@ -256,7 +175,7 @@ async def ui_page(request: Request, state: State) -> Response:
 
 @post("/admin/ui/login", status_code=303, include_in_schema=False)
 async def ui_login(request: Request, state: State) -> Response:
-    token = _gw(state).settings.admin_token
+    token = gw_of(state).settings.admin_token
     form = await request.form()
     given = str(form.get("token", ""))
     if token and hmac.compare_digest(given.encode(), token.encode()):
@@ -284,4 +203,4 @@ async def ui_asset(name: str) -> Response:
     )
 
 
-HANDLERS: list[Any] = [admin_decisions, admin_stats, ui_page, ui_login, ui_logout, ui_asset]
+HANDLERS: list[Any] = [ui_page, ui_login, ui_logout, ui_asset]

@@ -17,7 +17,7 @@ one), the fleet from --fleet as real `python -m workers --engine sim` agents, an
 workload one gateway per policy; prints the table and ratios against round-robin (and
 against the tenant_affinity client when it ran), writes JSON and a PNG (TTFT CDFs and
 throughput bars). `tenant_affinity` and `direct_round_robin` are client-side strategies:
-they send to the engines directly (fleetgate/bench/strategies.py).
+they send to the engines directly (fleetgate_tools/bench/strategies.py).
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fleetgate.bench import png  # noqa: E402
-from fleetgate.bench.cluster import running  # noqa: E402
-from fleetgate.bench.fleet import FleetSpec, load_fleet  # noqa: E402
-from fleetgate.bench.progress import Progress  # noqa: E402
-from fleetgate.bench.report import AFFINITY, format_ratios, format_routing, format_table  # noqa: E402
-from fleetgate.bench.runner import (  # noqa: E402
+from fleetgate_tools.bench import png  # noqa: E402
+from fleetgate_tools.bench.cluster import running  # noqa: E402
+from fleetgate_tools.bench.fleet import FleetSpec, load_fleet  # noqa: E402
+from fleetgate_tools.bench.progress import Progress  # noqa: E402
+from fleetgate_tools.bench.report import AFFINITY, format_ratios, format_routing, format_table  # noqa: E402
+from fleetgate_tools.bench.runner import (  # noqa: E402
     BenchOptions,
     finish,
     plan,
@@ -45,7 +45,7 @@ from fleetgate.bench.runner import (  # noqa: E402
     run_capacity,
     run_fleet,
 )
-from fleetgate.bench.workloads import DEFAULT_WORKLOADS, WORKLOADS  # noqa: E402
+from fleetgate_tools.bench.workloads import DEFAULT_WORKLOADS, WORKLOADS  # noqa: E402
 
 DEFAULT_POLICIES = "round_robin,random,least_outstanding,fleet"
 

@@ -7,7 +7,7 @@
     python scripts/bench_overhead.py --soak 600             # 10 min of load, RSS every 30 s
 
 Starts Redis (FLEETGATE_REDIS_URL, else 127.0.0.1:6379 if it answers, else an embedded
-one), two stub engines (fleetgate/overhead/stub.py) registered by real agents
+one), two stub engines (fleetgate_tools/overhead/stub.py) registered by real agents
 (`python -m workers --engine external`), the real gateway (policy fleet, an API key,
 metrics, JSON logs at info into its log file) and, when installed (.venv-router or
 PATH), vllm-router in front of the same stubs. A closed-loop load generator in its own
@@ -28,9 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fleetgate.overhead.runner import MODES, Plan, run, soak  # noqa: E402
-from fleetgate.overhead.stack import Stack, find_router  # noqa: E402
-from fleetgate.overhead.table import as_json, render  # noqa: E402
+from fleetgate_tools.overhead.runner import MODES, Plan, run, soak  # noqa: E402
+from fleetgate_tools.overhead.stack import Stack, find_router  # noqa: E402
+from fleetgate_tools.overhead.table import as_json, render  # noqa: E402
 
 
 def _ints(text: str) -> tuple[int, ...]:

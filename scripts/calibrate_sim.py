@@ -66,9 +66,9 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fleetgate.bench.report import percentile  # noqa: E402
-from fleetgate.redis_server import free_port  # noqa: E402
-from workers.simulator.profiles import PROFILES  # noqa: E402
+from fleetgate_tools.bench.report import percentile  # noqa: E402
+from fleetgate_tools.redis_server import free_port  # noqa: E402
+from workers.timing import PROFILES  # noqa: E402
 
 MAX_SEQS = 8
 PROMPT = 256

@@ -21,7 +21,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fleetgate.redis_server import free_port, ping, redis_server_binary  # noqa: E402
+from fleetgate_tools.redis_server import free_port, ping, redis_server_binary  # noqa: E402
 
 RUN = ROOT / ".run" / "demo"
 GATEWAY_PORT = int(os.environ.get("FLEETGATE_DEMO_PORT", "8000"))

@@ -292,10 +292,10 @@ bench_one() {  # policy round
   fg - "http://127.0.0.1:$GW_PORT" "$TOKEN" "$W/fleet.yaml" "$RATE" "$DURATION" "$DRAIN" "$SEED" \
        "$W/res/$name.json" <<'EOF' 2>&1 | tee "$W/logs/bench-$name.txt" | tr '\r' '\n' | grep -vE '^\[|^$' || true
 import json, sys, time
-from fleetgate.bench.fleet import load_fleet
-from fleetgate.bench.progress import Progress
-from fleetgate.bench.report import format_table
-from fleetgate.bench.runner import BenchOptions, finish, run_attached
+from fleetgate_tools.bench.fleet import load_fleet
+from fleetgate_tools.bench.progress import Progress
+from fleetgate_tools.bench.report import format_table
+from fleetgate_tools.bench.runner import BenchOptions, finish, run_attached
 url, token, fleet, rate, duration, drain, seed, out = sys.argv[1:9]
 started = time.monotonic()
 opts = BenchOptions(workloads=["prefix"], policies=["attached"], rate=float(rate), duration_s=float(duration),

@@ -238,7 +238,7 @@ pcollect() {
   IFS=, read -r -a scenarios <<< "$P_SCENARIOS"
   IFS=, read -r -a strats <<< "$P_STRATEGIES"
   total=$(( ${#scenarios[@]} * ${#strats[@]} * P_REPS ))
-  fg -m fleetgate.bench.tables "$P_DIR" "$OUT" > /dev/null
+  fg -m fleetgate_tools.bench.tables "$P_DIR" "$OUT" > /dev/null
   nvidia-smi > "$W/logs/nvidia-smi-end.txt" 2>&1
   tar -C "$W" -czf "$OUT/logs-pressure.tgz" logs pres 2>/dev/null
   cat "$OUT/results-pressure.md"

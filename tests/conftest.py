@@ -20,7 +20,7 @@ import httpx
 import pytest
 import structlog
 
-from fleetgate.redis_server import EmbeddedRedis, free_port, ping
+from fleetgate_tools.redis_server import EmbeddedRedis, free_port, ping
 
 
 @pytest.fixture(autouse=True)

@@ -22,7 +22,7 @@ import httpx
 import yaml
 
 from fleetgate.logs import configure_logging
-from fleetgate.redis_server import free_port
+from fleetgate.net import free_port
 from fleetgate.schema import GpuInfo
 from workers.agent import AgentOptions, default_worker_id, run_agent
 from workers.context import FALLBACK as FALLBACK_MAX_MODEL_LEN

@@ -11,8 +11,8 @@ capacity x speed. It comes from one of three sources, never from a silent defaul
                 reference profile predicts for the same batch
 
 Everything here is pure; the agent and the simulator engine (`workers/engines/sim.py`)
-both take the profile choice from this module. The profiles themselves live with the
-simulator (`workers/simulator/profiles.py`), which models them.
+both take the profile choice from this module. The profiles themselves are the cards'
+timing profiles (`workers/timing.py`), which the simulator runs by as well.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from workers.simulator.profiles import PROFILES, profile_for_gpu, relative_speed
+from workers.timing import PROFILES, profile_for_gpu, relative_speed
 
 if TYPE_CHECKING:
     from workers.engines.base import EngineSpec

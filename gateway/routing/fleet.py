@@ -21,7 +21,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Self
 
 import msgspec
 
@@ -57,6 +58,14 @@ class FleetOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
 
 class FleetPolicy:
     name = "fleet"
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> Self:
+        """The policy tuned by the `routing` settings (see FleetOptions)."""
+        try:
+            return cls(msgspec.convert(dict(options), FleetOptions))
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"bad `routing` setting for the fleet policy: {exc}") from None
 
     def __init__(self, options: FleetOptions | None = None) -> None:
         self.opts = options or FleetOptions()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Self
 
 from gateway.routing.base import Choice, Live, RequestFacts, best
 from gateway.routing.table import ModelRoutes, Slot
@@ -10,6 +11,11 @@ from gateway.routing.table import ModelRoutes, Slot
 
 class LeastOutstanding:
     name = "least_outstanding"
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> Self:
+        """The `routing` knobs tune the fleet policy only; this one takes none."""
+        return cls()
 
     def rank(
         self, candidates: Sequence[Slot], facts: RequestFacts, live: Live, routes: ModelRoutes, limit: int,

@@ -6,7 +6,8 @@ random state.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Self
 
 from fleetgate.hashing import mix
 from gateway.routing.base import Choice, Live, RequestFacts, best
@@ -15,6 +16,11 @@ from gateway.routing.table import ModelRoutes, Slot
 
 class RandomPick:
     name = "random"
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> Self:
+        """The `routing` knobs tune the fleet policy only; this one takes none."""
+        return cls()
 
     def rank(
         self, candidates: Sequence[Slot], facts: RequestFacts, live: Live, routes: ModelRoutes, limit: int,

@@ -6,7 +6,7 @@ Needs `make vllm` (.venv-vllm and .cache/tiny). Starts vLLM exactly as the agent
 (VllmEngine's argv and environment, own process group), sends the traffic described in
 tests/data/README.md, writes OUT_DIR/metrics-idle.txt and OUT_DIR/metrics-busy.txt and
 stops the group. Writes to OUT_DIR, never over the committed files: the busy figures
-depend on timing, and tests/test_vllm_engine.py expects the committed ones.
+depend on timing, and tests/unit/test_vllm_engine.py expects the committed ones.
 """
 
 from __future__ import annotations

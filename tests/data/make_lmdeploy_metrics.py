@@ -20,7 +20,7 @@ OUT = Path(__file__).with_name("lmdeploy-0.18-metrics.txt")
 LABELS = ["model_name", "engine"]
 VALUES = ["tiny", "0"]
 
-# The values the tests expect (tests/test_vllm_engine.py reads the file, not these).
+# The values the tests expect (tests/unit/test_vllm_engine.py reads the file, not these).
 RUNNING, WAITING, KV_USAGE, PREFIX_HIT_RATE = 3, 2, 0.4375, 0.625
 
 LATENCY_BUCKETS = [

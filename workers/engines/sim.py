@@ -19,8 +19,8 @@ from fleetgate.schema import Load
 from workers.engines.base import EngineSpec, KvCache, engine_environment, flag_args, lora_enabled
 from workers.engines.lmdeploy import parse_lmdeploy_metrics
 from workers.engines.vllm import load_lora, parse_vllm_kv_cache, parse_vllm_metrics, unload_lora
-from workers.simulator.profiles import PROFILES
 from workers.speed import sim_profile
+from workers.timing import PROFILES
 
 # Options passed through as `--flag value`, in this order.
 _FLAGS = (

@@ -6,7 +6,7 @@ gateway sees queues, cache hits and latencies shaped like a real engine's.
 """
 
 from workers.simulator.config import Faults, SimConfig
-from workers.simulator.profiles import PROFILES, Profile
 from workers.simulator.server import create_app
+from workers.timing import PROFILES, Profile
 
 __all__ = ["PROFILES", "Faults", "Profile", "SimConfig", "create_app"]

@@ -11,8 +11,8 @@ import sys
 from aiohttp import web
 
 from workers.simulator.config import SimConfig, parse_fault_args
-from workers.simulator.profiles import PROFILES
 from workers.simulator.server import create_app
+from workers.timing import PROFILES
 
 
 def _lora_module(text: str) -> tuple[str, str]:

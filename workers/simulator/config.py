@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
-from workers.simulator.profiles import PROFILES, Profile
+from workers.timing import PROFILES, Profile
 
 FlavorName = Literal["vllm", "lmdeploy"]
 RunnerOption = Literal["auto", "generate", "pooling"]  # vLLM's --runner, less "draft"

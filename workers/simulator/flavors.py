@@ -13,9 +13,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from fleetgate.hashing import stable_hash
 from workers.simulator.config import SimConfig
 from workers.simulator.metrics import LmdeployMetrics, VllmMetrics, vllm_cache_config
-from workers.simulator.tokens import stable_hash
 
 # "validation": a body that fails vLLM's request schema (FastAPI/pydantic: type "Bad Request").
 ErrorKind = Literal[

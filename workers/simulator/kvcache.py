@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from workers.simulator.tokens import stable_hash
+from fleetgate.hashing import stable_hash
 
 
 def block_hashes(ids: Sequence[int], block_size: int, namespace: str) -> list[int]:

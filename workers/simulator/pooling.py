@@ -24,11 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fleetgate.hashing import stable_hash
 from workers.simulator.flavors import SimError
 from workers.simulator.kvcache import block_hashes
 from workers.simulator.requests import Context, bad, invalid, resolve_model
 from workers.simulator.seqs import Seq
-from workers.simulator.tokens import TextSource, render_chat, stable_hash
+from workers.simulator.tokens import TextSource, render_chat
 
 DEFAULT_DIM = 128
 Json = dict[str, Any]

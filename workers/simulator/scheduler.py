@@ -40,8 +40,8 @@ from itertools import islice
 from typing import Any
 
 from workers.simulator.kvcache import BlockPool, LoraSlots
-from workers.simulator.profiles import Profile
 from workers.simulator.seqs import Event, Limits, SchedulerHooks, Seq, StepStats
+from workers.timing import Profile
 
 __all__ = ["Event", "Limits", "Scheduler", "SchedulerHooks", "Seq", "StepStats"]
 

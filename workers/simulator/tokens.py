@@ -12,7 +12,6 @@ so that what is streamed, what usage reports and what the scheduler counted agre
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import random
@@ -156,12 +155,6 @@ def render_chat(
     if add_generation_prompt and not continue_final:
         parts.append("<|im_start|>assistant\n")
     return "".join(parts)
-
-
-def stable_hash(*parts: str) -> int:
-    """A hash that is the same in every process (Python's str hash is salted)."""
-    digest = hashlib.blake2b("\x00".join(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
 
 
 class TextSource:

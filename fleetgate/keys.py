@@ -1,0 +1,114 @@
+"""The registry's key layout and TTLs: the names every gateway and agent read and write.
+
+Layout (``P`` is the key prefix, ``v1`` the schema version)::
+
+    {P}:v1:workers        SET   ids of registered workers (an index; stale ids are pruned by readers)
+    {P}:v1:w:<id>         HASH  info  -> WorkerInfo JSON (written by the agent)
+                                state -> starting|ready|draining (written by the agent)
+                                drain -> "1" when an operator drained it (written by the admin API;
+                                         re-asserted by its agent after a Redis restart)
+                                load  -> Load JSON (refreshed by the agent's heartbeat)
+                                hb    -> unix time of the last heartbeat
+                                sig   -> HMAC-SHA256 of `info` with the registration secret
+                                         (when one is set, readers ignore unsigned records)
+                                stop  -> "1" when an operator asked the agent to stop
+                          PEXPIRE heartbeat_ttl: a worker whose agent dies vanishes by itself
+    {P}:v1:removed:<id>   STRING set when an operator removes a worker (TTL 10 min), so its
+                          agent stops instead of registering again
+    {P}:v1:events         PUBSUB a worker id whenever something about it changed
+    {P}:v1:circuit:<id>   STRING why a gateway's circuit breaker took the worker out of routing,
+                          PX cooldown (+ the probe's timeout): when it expires the worker gets
+                          traffic again (half-open)
+    {P}:v1:rejected:<id>  STRING why gateways ignore worker <id>'s record (not signed, or signed
+                          with another registration secret), written by a gateway that read it,
+                          EX REJECTED_TTL_S: the agent reads it (`rejection`) to learn it is ignored
+    {P}:v1:epoch          STRING set once by the first gateway; its absence means Redis lost
+                          everything (a restart without persistence)
+    {P}:v1:gateways       SET   ids of gateways that publish in-flight counts (pruned by readers)
+    {P}:v1:inflight:<gw>  HASH  worker id -> requests gateway <gw> has in flight there,
+                          rewritten whole every ~100 ms, PEXPIRE lease: a gateway that crashes
+                          leaks nothing, its counts vanish with the lease
+    {P}:v1:rate:<key id>  STRING per-client rate limit (GCRA): the theoretical arrival time, in
+                          ms of Redis's clock, of the client's next request; PX until then
+    {P}:v1:resp:<id>      STRING the worker that created (and stores) Responses API response
+                          <id>, so a follow-up (`previous_response_id`), a retrieve or a cancel
+                          reaches it from any gateway; PX the gateway's `responses_ttl_s`
+    {P}:v1:adapters       HASH  adapter name -> {"path", "base"} JSON: adapters an operator added
+                          through the admin API, so every gateway (and one that restarts) can
+                          place them
+    {P}:v1:lora:<gw>      HASH  "<worker>\t<adapter>" -> requests gateway <gw> has in flight for
+                          that adapter on that worker, rewritten whole every ~200 ms, PEXPIRE
+                          lease (like inflight:<gw>): no gateway evicts an adapter in use
+    {P}:v1:lora_used:<id> ZSET  adapter -> unix time a gateway last sent it to worker <id> (the
+                          LRU every gateway evicts by), PEXPIRE 1 h after the last write
+    {P}:v1:lora_lock:<a>  STRING the gateway loading adapter <a> (one load of it at a time in the
+                          fleet), PX the load's time limit
+
+The prefix is wrapped in a hash tag so every key lands in one Redis Cluster slot:
+multi-key pipelines and the registry's Lua scripts work unchanged on a cluster.
+The reads and writes themselves are `fleetgate/registry.py`'s.
+"""
+
+from __future__ import annotations
+
+from fleetgate.schema import SCHEMA_VERSION
+
+DEFAULT_PREFIX = "fleetgate"
+DEFAULT_HEARTBEAT_TTL_S = 3.0
+DEFAULT_INFLIGHT_LEASE_S = 3.0
+REMOVED_TTL_S = 600
+REJECTED_TTL_S = 120
+# The field of a lease hash (inflight:<gw>, lora:<gw>) that holds when it was written.
+LEASE_FIELD = "_at"
+
+
+class Keys:
+    """Key names for one fleet (one prefix)."""
+
+    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
+        base = f"{{{prefix}}}:v{SCHEMA_VERSION}"
+        self.workers = f"{base}:workers"
+        self.events = f"{base}:events"
+        self._worker = f"{base}:w:"
+        self._removed = f"{base}:removed:"
+        self._circuit = f"{base}:circuit:"
+        self._rejected = f"{base}:rejected:"
+        self.gateways = f"{base}:gateways"
+        self.epoch = f"{base}:epoch"
+        self._inflight = f"{base}:inflight:"
+        self._rate = f"{base}:rate:"
+        self._response = f"{base}:resp:"
+        self.adapters = f"{base}:adapters"
+        self._lora = f"{base}:lora:"
+        self._lora_used = f"{base}:lora_used:"
+        self._lora_lock = f"{base}:lora_lock:"
+
+    def worker(self, worker_id: str) -> str:
+        return self._worker + worker_id
+
+    def removed(self, worker_id: str) -> str:
+        return self._removed + worker_id
+
+    def circuit(self, worker_id: str) -> str:
+        return self._circuit + worker_id
+
+    def rejected(self, worker_id: str) -> str:
+        return self._rejected + worker_id
+
+    def inflight(self, gateway_id: str) -> str:
+        return self._inflight + gateway_id
+
+    def rate(self, client_id: str) -> str:
+        return self._rate + client_id
+
+    def response(self, response_id: str) -> str:
+        return self._response + response_id
+
+    def lora(self, gateway_id: str) -> str:
+        return self._lora + gateway_id
+
+    def lora_used(self, worker_id: str) -> str:
+        return self._lora_used + worker_id
+
+    def lora_lock(self, adapter: str) -> str:
+        return self._lora_lock + adapter

@@ -1,0 +1,194 @@
+"""Tables over many runs of issue 14's scenarios (scripts/gpu_bench.sh `pressure`).
+
+Each run is one `scripts/bench_fleet.py --attach` result named `<scenario>-<strategy>-r<round>.json`
+(scenario: pressure, skew or ample; a `<name>.peaks.json` beside it holds the engines' peak
+running / waiting / KV use). The markdown has every run, the mean per scenario and strategy,
+those means against the tenant_affinity client's, and issue 14's "Done when" checks of the
+gateway's `fleet` policy:
+
+* pressure: TTFT p50 <= 1.3x and p99 <= 1.5x tenant_affinity's, output tok/s >= 0.97x,
+  preemptions <= 5% of round-robin's (direct_round_robin's where it ran), zero 429s;
+* ample: TTFT p99 <= 1.3x tenant_affinity's;
+* skew: TTFT p99 below tenant_affinity's.
+
+    python -m fleetgate_tools.bench.tables RESULTS_DIR OUT_DIR      # results-pressure.md + .json
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from fleetgate_tools.bench.report import AFFINITY
+
+SUBJECT = "fleet"
+# Rows in this order (others after them, by name).
+STRATEGY_ORDER = ("tenant_affinity", "direct_round_robin", "round_robin", "least_outstanding", "fleet")
+SCENARIO_ORDER = ("pressure", "skew", "ample")
+_NAME = re.compile(r"(?P<scenario>[a-z]+)-(?P<strategy>[a-z_]+)-r(?P<round>\d+)")
+MEAN_KEYS = ("ttft_p50", "ttft_p99", "e2e_p99", "out_tok_s", "http_429", "other_errors", "preemptions",
+             "prefix_hit_rate", "herded_windows", "off_majority", "peak_waiting")  # fmt: skip
+
+
+def load_runs(folder: Path) -> list[dict[str, Any]]:
+    runs = []
+    for path in sorted(folder.glob("*-r*.json")):
+        m = _NAME.fullmatch(path.stem)
+        if not m:
+            continue
+        data = json.loads(path.read_text())
+        run = {k: v for k, v in data["runs"][0].items() if k != "ttft_sorted"}
+        peaks_path = path.with_name(path.stem + ".peaks.json")
+        peaks = json.loads(peaks_path.read_text()) if peaks_path.exists() else {}
+        run.update(scenario=m["scenario"], strategy=m["strategy"], round=int(m["round"]),
+                   rate=(data.get("meta") or {}).get("rate"), peaks=peaks,
+                   peak_waiting=sum(p.get("waiting", 0) for p in peaks.values()) if peaks else None,
+                   peak_kv=max((p.get("kv_cache_usage", 0) for p in peaks.values()), default=None))  # fmt: skip
+        runs.append(run)
+    return sorted(runs, key=lambda r: (*_order(r["scenario"], r["strategy"]), r["round"]))
+
+
+def _order(scenario: str, strategy: str) -> tuple[tuple[int, str], tuple[int, str]]:
+    rank = lambda names, x: (names.index(x) if x in names else len(names), x)  # noqa: E731
+    return rank(SCENARIO_ORDER, scenario), rank(STRATEGY_ORDER, strategy)
+
+
+def means(runs: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """(scenario, strategy) -> the mean of each figure over its runs, and the run count."""
+    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["scenario"], r["strategy"]), []).append(r)
+    out = {}
+    for key, rs in groups.items():
+        row: dict[str, Any] = {"runs": len(rs)}
+        for k in MEAN_KEYS:
+            vals = [r[k] for r in rs if r.get(k) is not None]
+            row[k] = statistics.mean(vals) if vals else None
+        out[key] = row
+    return out
+
+
+def _ratio(x: Any, y: Any) -> float | None:
+    return x / y if x is not None and y else None
+
+
+def checks(m: Mapping[tuple[str, str], Mapping[str, Any]], subject: str = SUBJECT) -> list[tuple[str, bool | None, str]]:
+    """Issue 14's "Done when" for `subject`: (what, passed or None if not measured, figures)."""
+    out: list[tuple[str, bool | None, str]] = []
+
+    def check(scenario: str, what: str, key: str, test: Callable[[float], bool],
+              base: str = AFFINITY, of_base: bool = True) -> None:  # fmt: skip
+        s, b = m.get((scenario, subject)), m.get((scenario, base))
+        x = s.get(key) if s else None
+        y = b.get(key) if b else None
+        label = f"{scenario}: {what}"
+        if of_base and x is not None and y == 0:
+            # No ratio to a zero (e.g. a baseline that never preempted): as a ratio, any
+            # figure above zero is infinitely many times it.
+            out.append((label, test(0.0 if x == 0 else math.inf), f"{x:.3g} vs {base}'s 0"))
+            return
+        value = _ratio(x, y) if of_base else x
+        if value is None:
+            out.append((label, None, "not measured"))
+        else:
+            out.append((label, test(value), f"{value:.3g}" + ("x" if of_base else "")))
+
+    check("pressure", "TTFT p50 <= 1.3x tenant_affinity", "ttft_p50", lambda v: v <= 1.3)
+    check("pressure", "TTFT p99 <= 1.5x tenant_affinity", "ttft_p99", lambda v: v <= 1.5)
+    check("pressure", "output tok/s >= 0.97x tenant_affinity", "out_tok_s", lambda v: v >= 0.97)
+    # The client's round-robin where it ran: the gateway's may refuse requests with 429s
+    # (which then cannot preempt), so its preemptions understate a cache-blind spread.
+    rr = "direct_round_robin" if ("pressure", "direct_round_robin") in m else "round_robin"
+    check("pressure", f"preemptions <= 5% of {rr}", "preemptions", lambda v: v <= 0.05, base=rr)
+    check("pressure", "zero 429s (mean per run)", "http_429", lambda v: v == 0, of_base=False)
+    check("ample", "TTFT p99 <= 1.3x tenant_affinity", "ttft_p99", lambda v: v <= 1.3)
+    check("skew", "TTFT p99 below tenant_affinity", "ttft_p99", lambda v: v < 1.0)
+    return out
+
+
+def _f(v: Any, unit: str = "") -> str:
+    if v is None:
+        return "-"
+    if unit == "%":
+        return f"{100 * v:.1f}%"
+    if unit == "s":
+        return f"{v:.3f}" if v < 10 else f"{v:.1f}"
+    if unit == "x":
+        return f"{v:.2f}x"
+    if isinstance(v, float) and (abs(v) >= 10 or v.is_integer()):
+        return f"{v:,.0f}"
+    return f"{v:.2f}" if isinstance(v, float) else f"{v:,}"
+
+
+def _md(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def markdown(runs: Sequence[Mapping[str, Any]], capacity: Mapping[str, Any] | None = None) -> str:
+    lines = ["# Fleet benchmark under KV pressure (issue 14)", ""]
+    if capacity:
+        lines += [f"capacity rate: {capacity.get('capacity_rps')} req/s ({capacity.get('strategy')} TTFT p50 < "
+                  f"{capacity.get('target_ttft_p50')} s, {len(capacity.get('steps') or [])} steps)", ""]  # fmt: skip
+    rates = sorted({r["rate"] for r in runs if r.get("rate")})
+    lines += [f"rate: {', '.join(f'{x:g}' for x in rates) or '-'} req/s; prompt tokens (engine's count): "
+              + (_f(statistics.mean([r["prompt_tokens_mean"] for r in runs if r.get("prompt_tokens_mean")]))
+                 if any(r.get("prompt_tokens_mean") for r in runs) else "-"), "", "## Per run", ""]  # fmt: skip
+    rows = []
+    for r in runs:
+        codes = ", ".join(f"{c} {n}" for c, n in (r.get("http_429_codes") or {}).items()) or "0"
+        share = " / ".join(f"{v:.0%}" for v in (r.get("worker_share") or {}).values())
+        other = ", ".join(f"{k} {n}" for k, n in (r.get("error_kinds") or {}).items() if k != "http_429") or "0"
+        rows.append([r["scenario"], r["strategy"], str(r["round"]), str(r["requests"]), _f(r["ttft_p50"], "s"),
+                     _f(r["ttft_p99"], "s"), _f(r["e2e_p99"], "s"), _f(r["out_tok_s"]), codes, other,
+                     _f(r.get("preemptions")), _f(r.get("prefix_hit_rate"), "%"), share, f"{r.get('herded_windows', 0)}/{r.get('windows', 0)}", _f(r.get("off_majority"), "%"),
+                     _f(r.get("peak_waiting"))])  # fmt: skip
+    lines += _md(["scenario", "strategy", "round", "requests", "TTFT p50 s", "TTFT p99 s", "E2E p99 s", "out tok/s",
+                  "429s by code", "other errors", "preemptions", "hit rate", "share", "herded s", "off-home",
+                  "peak waiting"], rows)  # fmt: skip
+    m = means(runs)
+    lines += ["", "## Mean per scenario and strategy, and against tenant_affinity", ""]
+    rows = []
+    for (scenario, strategy), row in sorted(m.items(), key=lambda kv: _order(*kv[0])):
+        base = m.get((scenario, AFFINITY), {})
+        rows.append([scenario, strategy, str(row["runs"]), _f(row["ttft_p50"], "s"), _f(row["ttft_p99"], "s"),
+                     _f(row["e2e_p99"], "s"), _f(row["out_tok_s"]), _f(row["http_429"]), _f(row["other_errors"]),
+                     _f(row["preemptions"]), _f(row["prefix_hit_rate"], "%"), _f(row["herded_windows"]),
+                     _f(row["off_majority"], "%"),
+                     *(_f(_ratio(row[k], base.get(k)), "x") for k in ("ttft_p50", "ttft_p99", "out_tok_s"))])  # fmt: skip
+    lines += _md(["scenario", "strategy", "runs", "TTFT p50 s", "TTFT p99 s", "E2E p99 s", "out tok/s", "429s",
+                  "other errors", "preemptions", "hit rate", "herded s", "off-home", "p50 / affinity",
+                  "p99 / affinity", "tok/s / affinity"], rows)  # fmt: skip
+    lines += ["", f"## Done when (issue 14), `{SUBJECT}` policy", ""]
+    mark = {True: "PASS", False: "FAIL", None: "-"}
+    lines += _md(["check", "result", "measured"], [[w, mark[ok], v] for w, ok, v in checks(m)])
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    folder, out = Path(args[0]), Path(args[1])
+    runs = load_runs(folder)
+    cap_path = folder / "capacity.json"
+    capacity = json.loads(cap_path.read_text()) if cap_path.exists() else None
+    if capacity:
+        capacity = {k: v for k, v in capacity.items() if k != "runs"}
+    out.mkdir(parents=True, exist_ok=True)
+    text = markdown(runs, capacity)
+    (out / "results-pressure.md").write_text(text)
+    (out / "results-pressure.json").write_text(json.dumps({"capacity": capacity, "runs": runs,
+                                                           "checks": checks(means(runs))}, indent=1))  # fmt: skip
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The gateway's HTTP endpoints beside the OpenAI API: the admin JSON API."""

@@ -1,0 +1,189 @@
+"""The admin JSON API under `/admin` (workers, drain, adapters, the dashboard's reads).
+
+Every handler checks the admin token first (`gateway/auth.py`); writes poke the fleet
+watcher so the next routing snapshot sees them at once.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import structlog
+from litestar import Request, Response, delete, get, post
+from litestar.datastructures import State
+
+from fleetgate.schema import WorkerView
+from gateway.auth import check_admin
+from gateway.errors import InvalidRequest, NotFound
+from gateway.state import Gateway, gw_of
+
+log = structlog.get_logger("gateway.app")
+
+
+def _worker_json(w: WorkerView, inflight: int) -> dict[str, object]:
+    info = w.info
+    return {
+        "id": info.id,
+        "url": info.url,
+        "engine": info.engine,
+        "state": w.effective_state,
+        "agent_state": w.state,
+        "admin_drain": w.admin_drain,
+        "model": info.model,
+        "adapters": list(info.adapters),
+        "max_model_len": info.max_model_len,
+        "pooling": info.pooling,
+        "capacity": info.capacity,
+        "speed": info.speed,
+        "gpu": msgspec.to_builtins(info.gpu) if info.gpu else None,
+        "host": info.host,
+        "load": {
+            "running": w.load.running,
+            "waiting": w.load.waiting,
+            "kv_cache_usage": w.load.kv_cache_usage,
+            "inflight": inflight,
+        },
+        "circuit": {"state": "open", "reason": w.circuit} if w.circuit else {"state": "closed"},
+        "unhealthy": w.load.unhealthy,
+        "last_heartbeat": w.last_heartbeat,
+        "heartbeat_age_s": round(time.time() - w.last_heartbeat, 3) if w.last_heartbeat else None,
+    }
+
+
+@get("/admin/workers")
+async def admin_workers(request: Request, state: State) -> Response:
+    gw = gw_of(state)
+    check_admin(request, gw.settings.admin_token)
+    # Read Redis directly: operators want the registry's truth, not a second-old snapshot.
+    workers = await gw.registry.read_all()
+    inflight = gw.proxy.inflight
+    data = [_worker_json(w, inflight.get(w.id, 0)) for w in workers]
+    return Response(content=msgspec.json.encode({"data": data}), media_type="application/json")
+
+
+async def _admin_write(gw: Gateway, worker_id: str, action: str) -> Response:
+    if action == "remove":
+        found = await gw.registry.deregister(worker_id, by_operator=True)
+    elif action == "drain-and-stop":
+        found = await gw.registry.request_stop(worker_id)
+    else:
+        found = await gw.registry.set_admin_drain(worker_id, action == "drain")
+    if not found:
+        raise NotFound(f"No worker `{worker_id}` is registered.", param="id", code="worker_not_found")
+    gw.watcher.poke()
+    log.info("gateway.admin", action=action, worker=worker_id)
+    body = {"id": worker_id, "action": action, "ok": True}
+    return Response(content=msgspec.json.encode(body), media_type="application/json")
+
+
+@post("/admin/workers/{worker_id:str}/drain", status_code=200)
+async def admin_drain(request: Request, state: State, worker_id: str) -> Response:
+    """Stop sending the worker new requests; with `?stop=true` its agent then stops it."""
+    gw = gw_of(state)
+    check_admin(request, gw.settings.admin_token)
+    stop = request.query_params.get("stop", "false").lower()
+    if stop not in ("true", "false", "1", "0"):
+        raise InvalidRequest("`stop` must be true or false.", param="stop")
+    return await _admin_write(gw, worker_id, "drain-and-stop" if stop in ("true", "1") else "drain")
+
+
+@post("/admin/workers/{worker_id:str}/undrain", status_code=200)
+async def admin_undrain(request: Request, state: State, worker_id: str) -> Response:
+    gw = gw_of(state)
+    check_admin(request, gw.settings.admin_token)
+    return await _admin_write(gw, worker_id, "undrain")
+
+
+@delete("/admin/workers/{worker_id:str}", status_code=200)
+async def admin_remove(request: Request, state: State, worker_id: str) -> Response:
+    gw = gw_of(state)
+    check_admin(request, gw.settings.admin_token)
+    return await _admin_write(gw, worker_id, "remove")
+
+
+class AdapterLoad(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    # Optional when the adapter is in the gateway's `adapters` config.
+    path: str | None = None
+
+
+def _registered(gw: Gateway, worker_id: str) -> WorkerView:
+    worker = gw.watcher.snapshot.by_id.get(worker_id)
+    if worker is None:
+        raise NotFound(f"No worker `{worker_id}` is registered.", param="id", code="worker_not_found")
+    if not worker.info.runtime_lora:
+        raise InvalidRequest(
+            f"Worker `{worker_id}` ({worker.info.engine}) cannot load adapters at runtime; "
+            "give them to its agent at start (--adapters).", code="adapters_fixed_at_start",
+        )
+    return worker
+
+
+@post("/admin/workers/{worker_id:str}/adapters", status_code=200)
+async def admin_load_adapter(request: Request, state: State, worker_id: str) -> Response:
+    """Load a LoRA adapter on a worker: body `{"name": ..., "path": ...}` (path optional if configured)."""
+    gw = gw_of(state)
+    check_admin(request, gw.settings.admin_token)
+    try:
+        load = msgspec.json.decode(await request.body(), type=AdapterLoad)
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"Body must be {{\"name\": ..., \"path\": ...}}: {exc}") from exc
+    if not load.name or "/" in load.name:
+        raise InvalidRequest("`name` must be a non-empty adapter name without '/'.", param="name")
+    worker = _registered(gw, worker_id)
+    try:
+        await gw.proxy.placer.load_on(worker, load.name, load.path)
+    except KeyError:
+        raise InvalidRequest(f"Adapter `{load.name}` is not configured; send its `path`.", param="path") from None
+    log.info("gateway.admin", action="load_adapter", worker=worker_id, adapter=load.name)
+    return Response(content=msgspec.json.encode({"id": worker_id, "adapter": load.name, "loaded": True}),
+                    media_type="application/json")
+
+
+@delete("/admin/workers/{worker_id:str}/adapters/{name:str}", status_code=200)
+async def admin_unload_adapter(request: Request, state: State, worker_id: str, name: str) -> Response:
+    gw = gw_of(state)
+    check_admin(request, gw.settings.admin_token)
+    worker = _registered(gw, worker_id)
+    if name not in worker.info.adapters:
+        raise NotFound(f"Worker `{worker_id}` has no adapter `{name}`.", param="name", code="adapter_not_found")
+    await gw.proxy.placer.unload_from(worker, name)
+    log.info("gateway.admin", action="unload_adapter", worker=worker_id, adapter=name)
+    return Response(content=msgspec.json.encode({"id": worker_id, "adapter": name, "loaded": False}),
+                    media_type="application/json")
+
+
+@get("/admin/decisions")
+async def admin_decisions(request: Request, state: State) -> Response:
+    """This gateway's last routing decisions, newest first."""
+    gw = gw_of(state)
+    check_admin(request, gw.settings.admin_token)
+    log = gw.metrics.decisions
+    body = {"data": log.as_json(), "total": log.total}
+    return Response(content=msgspec.json.encode(body), media_type="application/json")
+
+
+@get("/admin/stats")
+async def admin_stats(request: Request, state: State) -> Response:
+    """This gateway's counters since start: requests per worker (for rates) and totals."""
+    gw = gw_of(state)
+    check_admin(request, gw.settings.admin_token)
+    watcher = gw.watcher
+    body = {
+        "now": time.time(),
+        "uptime_s": round(time.time() - gw.metrics.started_at, 3),
+        "requests_by_worker": gw.metrics.by_worker,
+        "totals": gw.metrics.totals(),
+        "registry": "degraded" if watcher.degraded else "ok",
+        "snapshot_age_s": round(watcher.age_s, 3) if watcher.snapshot.read_at else None,
+        "policy": gw.settings.policy,
+    }
+    return Response(content=msgspec.json.encode(body), media_type="application/json")
+
+
+HANDLERS: list[Any] = [
+    admin_workers, admin_drain, admin_undrain, admin_remove, admin_load_adapter, admin_unload_adapter,
+    admin_decisions, admin_stats,
+]

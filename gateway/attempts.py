@@ -1,0 +1,340 @@
+"""The attempts at one request: choose a worker, send, and on a safe failure choose again.
+
+`Attempt` sends one request to the best worker it has not tried yet; `run` drives it: it
+re-places an evicted adapter, waits in the gateway's queue while every eligible worker is
+full (gateway/admission.py), and retries a failure that reached no client byte on another
+worker, bounded in attempts and in time, with jittered backoff and one log event per retry.
+An attempt sees only `Dispatch`, the few collaborators a send needs, never the whole proxy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import NoReturn
+
+import aiohttp
+import structlog
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_random_exponential,
+)
+
+from fleetgate.schema import WorkerView
+from gateway.adapters import AdapterPlacer
+from gateway.admission import Admission
+from gateway.circuit import Breakers
+from gateway.context import error_message, refit, refused_prompt_tokens
+from gateway.errors import (
+    ContextLengthExceeded,
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    NoWorkerAvailable,
+    Overloaded,
+    UpstreamError,
+)
+from gateway.fleet import FleetWatcher
+from gateway.inflight import SharedInflight
+from gateway.metrics import GatewayMetrics
+from gateway.placement import Placement
+from gateway.routing import Choice, Live, Policy, RequestFacts, decide
+from gateway.routing.table import Slot
+from gateway.settings import GatewaySettings
+from gateway.upstream import RETRYABLE_STATUS, Upstream, openai_error_body
+from gateway.waiting import FirstByteWaits
+
+log = structlog.get_logger("gateway.proxy")
+
+FORWARD_HEADERS = {"content-type": "application/json"}
+# What a request without max_tokens is expected to generate, for the KV account.
+_DEFAULT_COMPLETION_TOKENS = 256
+
+
+class Retryable(Exception):
+    def __init__(self, error: GatewayError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class Held(Exception):
+    """The chosen worker's KV cache is full by the account: wait there a moment (`_hold`)."""
+
+    def __init__(self, slot: Slot) -> None:
+        self.slot = slot
+
+
+class Saturated(Exception):
+    """Every eligible worker is full: the request waits in the gateway's queue."""
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """What an attempt needs: the fleet and the policy to choose, the engines' session to
+    send, and the accounts a send keeps (in flight, adapters in use, breakers, waits)."""
+
+    settings: GatewaySettings
+    watcher: FleetWatcher
+    upstream: Upstream
+    policy: Policy
+    live: Live
+    inflight: SharedInflight
+    placer: AdapterPlacer
+    placement: Placement
+    breakers: Breakers
+    waits: FirstByteWaits
+
+
+# (choice, open streaming response or None, (status, body) when not streaming)
+Result = tuple[Choice, aiohttp.ClientResponse | None, tuple[int, bytes]]
+
+
+class Attempt:
+    """The attempts at one request: each picks the best worker not tried yet."""
+
+    def __init__(
+        self, dispatch: Dispatch, path: str, kind: str, body: bytes, stream: bool, facts: RequestFacts, floor: int
+    ) -> None:
+        self.dispatch = dispatch
+        self.path = path
+        self.kind = kind
+        self.body = body
+        self.stream = stream
+        self.facts = facts
+        # The fewest tokens the prompt can have (equal to the estimate with a tokenizer).
+        self.floor = floor
+        # Each attempt decides afresh (the fleet may have changed), skipping these.
+        self.tried: list[str] = []
+        self.count = 0
+        self.last_error: GatewayError | None = None
+        self.queue_deadline: float | None = None
+        # Held once for its worker's KV room (`_hold`); never twice.
+        self.held = False
+        self.replaced = False
+        # The KV tokens this request holds on its worker by the gateway's account: its own
+        # prompt tokens and completion budget, and the prefix it shares with its key's others.
+        self.prefix = facts.prefix_tokens
+        self.own_tokens = max(0, facts.prompt_tokens - self.prefix) + (
+            facts.max_tokens or _DEFAULT_COMPLETION_TOKENS)
+        self.key = facts.affinity_key
+        self.headers = FORWARD_HEADERS
+
+    def hold(self, worker_id: str) -> None:
+        self.dispatch.inflight.add(worker_id, self.own_tokens, self.key, self.prefix)
+        if self.facts.adapter:  # never evicted while in flight; a busy adapter gets a replica
+            self.dispatch.placer.started(worker_id, self.facts.model)
+
+    def release(self, worker_id: str) -> None:
+        self.dispatch.inflight.done(worker_id, self.own_tokens, self.key, self.prefix)
+        if self.facts.adapter:
+            self.dispatch.placer.finished(worker_id, self.facts.model)
+
+    def first_byte_timeout(self) -> float:
+        s = self.dispatch.settings
+        return s.first_byte_timeout_s + s.first_byte_per_1k_tokens_s * self.facts.prompt_tokens / 1000
+
+    def answer_timeout(self, worker: WorkerView) -> float:
+        """A whole non-streamed answer: its first byte's time, plus time for every token asked
+        for (without max_tokens, for what the worker's context leaves)."""
+        facts = self.facts
+        tokens = facts.max_tokens or max(_DEFAULT_COMPLETION_TOKENS, worker.info.max_model_len - facts.prompt_tokens)
+        return self.first_byte_timeout() + self.dispatch.settings.answer_per_token_s * tokens
+
+    def saturated(self) -> str | None:
+        """The limit every eligible worker is at ("slots", "kv"), or None when one has room."""
+        dispatch = self.dispatch
+        decision = decide(dispatch.watcher.snapshot.routes, self.facts, dispatch.live, dispatch.policy,
+                          self.tried, limit=1, full_at=dispatch.settings.full_at)
+        return decision.why or "slots" if decision.verdict == "saturated" else None
+
+    async def next(self, body: Callable[[WorkerView], bytes] | None = None) -> Result:
+        """Send the request (or `body(worker)`, shaped for the chosen worker) to the best worker left."""
+        dispatch = self.dispatch
+        if self.key is not None and self.count == 0:
+            # Looked up now, not when the request arrived: it may have waited in the queue.
+            home, second, heavy = dispatch.placement.lookup(self.key)
+            if home != self.facts.home or second != self.facts.second or heavy != self.facts.heavy:
+                self.facts = replace(self.facts, home=home, second=second, heavy=heavy)
+        choice = self._choose()
+        worker = choice.worker
+        if self.count == 0:
+            dispatch.placement.record(self.facts, choice, self.own_tokens)
+        self.tried.append(worker.id)
+        self.count += 1
+        self.hold(worker.id)
+        url = worker.info.url + self.path
+        try:
+            with dispatch.waits.waiting(worker.id):
+                resp = await dispatch.upstream.post(url, body(worker) if body else self.body, self.headers, self.stream,
+                                                 self.first_byte_timeout() if self.stream else self.answer_timeout(worker))
+        except UpstreamError as exc:
+            self.release(worker.id)
+            self._failed(worker, exc)
+        except BaseException:  # cancelled: the client hung up, the engine's request is closed
+            self.release(worker.id)
+            raise
+        if self.stream and resp.status == 200:
+            return choice, resp, (200, b"")
+        try:
+            with dispatch.waits.waiting(worker.id):
+                data = await dispatch.upstream.read(resp)
+        except UpstreamError as exc:
+            self._failed(worker, exc)
+        finally:
+            resp.release()
+            self.release(worker.id)
+        if resp.status == 429:  # full, not sick: retried elsewhere, never held against it
+            self._failed(worker, Overloaded(f"Worker {worker.id} is at capacity.", retry_after=1), sick=False)
+        if resp.status in RETRYABLE_STATUS:
+            message = openai_error_body(resp.status, data).decode()
+            self._failed(worker, UpstreamError(f"engine {worker.id} answered {resp.status}: {message[:300]}"))
+        if resp.status < 400:  # the client's 4xx says nothing of the engine's health
+            dispatch.breakers.success(worker.id)
+        if resp.status >= 400:
+            data = openai_error_body(resp.status, data)
+            if (tokens := refused_prompt_tokens(resp.status, data)) is not None:
+                self._refused(worker, tokens, data)
+        return choice, None, (resp.status, data)
+
+    def _refused(self, worker: WorkerView, tokens: int, data: bytes) -> None:
+        """The engine's context is too small for the prompt: try a roomier worker, if any."""
+        facts = refit(self.facts, self.dispatch.watcher.snapshot.routes, self.tried, tokens)
+        if facts is None:
+            return
+        self.facts, self.floor = facts, tokens
+        log.info("gateway.context_refused", worker=worker.id, prompt_tokens=tokens,
+                 max_model_len=worker.info.max_model_len)
+        self.last_error = ContextLengthExceeded(error_message(data), param="messages")
+        raise Retryable(self.last_error)
+
+    async def resume(self, body: Callable[[WorkerView], bytes]) -> tuple[Choice, aiohttp.ClientResponse]:
+        """Start the continuation of a broken stream on another worker (retried like a request)."""
+        for _ in range(self.dispatch.settings.retry_attempts):
+            try:
+                choice, resp, _ = await self.next(body)
+            except Retryable:
+                continue
+            if resp is not None:
+                return choice, resp
+            raise UpstreamError("the engine refused the continuation")
+        raise self.last_error or NoWorkerAvailable("No other worker can continue this stream.")
+
+    def _choose(self) -> Choice:
+        dispatch = self.dispatch
+        routes = dispatch.watcher.snapshot.routes
+        # Shed load on a request's first attempt only: a retry or a resume has waited enough.
+        full_at = dispatch.settings.full_at if self.count == 0 else None
+        decision = decide(routes, self.facts, dispatch.live, dispatch.policy, self.tried, limit=1,
+                          full_at=full_at)
+        if decision.verdict == "saturated":
+            raise Saturated
+        if full_at is not None and not self.held and decision.choices and full_at.holds(
+                decision.choices[0].slot, dispatch.live, self.own_tokens):
+            raise Held(decision.choices[0].slot)
+        if decision.verdict == "context_length" and self.floor + (self.facts.max_tokens or 0) < decision.limit:
+            # Only an estimate says it does not fit: let the roomiest workers' engines decide.
+            roomiest = replace(self.facts, prompt_tokens=decision.limit - 1, max_tokens=None)
+            decision = decide(routes, roomiest, dispatch.live, dispatch.policy, self.tried, limit=1)
+        if decision.choices:
+            return decision.choices[0]
+        if decision.verdict == "unknown_model":
+            raise ModelNotFound(
+                f"The model `{self.facts.model}` does not exist or no worker serves it.", param="model"
+            )
+        if decision.verdict == "wrong_task":
+            if self.facts.pooling:
+                raise InvalidRequest(f"`{self.facts.model}` generates text; it does not serve embeddings. "
+                                     "Name an embedding model.", param="model", code="model_not_supported")
+            raise InvalidRequest(f"`{self.facts.model}` is an embedding model: it serves /v1/embeddings, not "
+                                 f"{self.path}.", param="model", code="model_not_supported")
+        if decision.verdict == "context_length":
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {decision.limit} tokens. However, you "
+                f"requested {self.floor + (self.facts.max_tokens or 0)} tokens or more "
+                f"({self.floor} in the prompt, {self.facts.max_tokens or 0} for the completion). "
+                "Please reduce the length of the prompt or of max_tokens.",
+                param="messages",
+            )
+        if self.last_error is not None:
+            raise self.last_error
+        raise NoWorkerAvailable(
+            f"No worker can serve `{self.facts.model}` right now (all draining or unhealthy); "
+            "try again shortly.",
+            retry_after=1,
+        )
+
+    def _failed(self, worker: WorkerView, error: GatewayError, sick: bool = True) -> NoReturn:
+        self.last_error = error
+        if sick:
+            self.dispatch.breakers.failure(worker.id, error.message)
+        log.warning("gateway.attempt_failed", worker=worker.id, attempt=self.count, error=error.message)
+        raise Retryable(error)
+
+async def run(attempt: Attempt, admission: Admission, metrics: GatewayMetrics) -> Result:
+    """Attempt until a worker answers: re-place an evicted adapter once, queue while the
+    fleet is full, retry a failure that reached no client byte."""
+    placer, model = attempt.dispatch.placer, attempt.facts.model
+    if attempt.facts.adapter and placer.known(model):
+        await placer.ensure(model)
+    while True:
+        try:
+            return await attempt.next()
+        except ModelNotFound:
+            if not (attempt.facts.adapter and placer.known(model)) or attempt.replaced:
+                raise
+            attempt.replaced = True  # evicted between its placement and now: place it again
+            await placer.ensure(model)
+        except Saturated:
+            await _wait_for_room(attempt, admission)
+        except Held as held:
+            await _hold(attempt, admission, held.slot)
+        except Retryable as first_failure:
+            return await _retry(attempt, first_failure, metrics)
+
+
+async def _wait_for_room(attempt: Attempt, admission: Admission) -> None:
+    """Hold a request while every eligible worker is full; bounded in count and time."""
+    settings = attempt.dispatch.settings
+    if attempt.queue_deadline is None:
+        attempt.queue_deadline = time.monotonic() + settings.queue_timeout_s
+    await admission.wait(attempt.facts.model, attempt.saturated, attempt.queue_deadline,
+                              retry_after=max(1.0, settings.queue_timeout_s / 2))
+
+async def _hold(attempt: Attempt, admission: Admission, slot: Slot) -> None:
+    """Wait, at most `hold_max_s`, until `slot` has KV room for the request by the account
+    (a completion there wakes it), rather than have its engine preempt to admit it."""
+    attempt.held = True
+    settings = attempt.dispatch.settings
+    full_at, live, tokens = settings.full_at, attempt.dispatch.live, attempt.own_tokens
+    got = await admission.hold(slot.id, lambda: not full_at.holds(slot, live, tokens),
+                               time.monotonic() + settings.hold_max_s)
+    log.debug("gateway.hold", worker_id=slot.id, model=attempt.facts.model, room=got)
+
+
+async def _retry(attempt: Attempt, failure: Retryable, metrics: GatewayMetrics) -> Result:
+    settings = attempt.dispatch.settings
+    if settings.retry_attempts <= 1:
+        raise failure.error
+    retrying = AsyncRetrying(
+        stop=stop_after_attempt(settings.retry_attempts - 1) | stop_after_delay(settings.retry_max_s),
+        wait=wait_random_exponential(multiplier=settings.retry_backoff_s, max=1.0),
+        retry=retry_if_exception_type(Retryable),
+        reraise=True,
+        before=lambda state: _log_retry(attempt, metrics),
+    )
+    try:
+        async for state in retrying:
+            with state:
+                return await attempt.next()
+    except Retryable as last:
+        raise last.error from None
+    raise failure.error  # pragma: no cover - tenacity either returns or raises
+
+def _log_retry(attempt: Attempt, metrics: GatewayMetrics) -> None:
+    metrics.retry(attempt.facts.model)
+    log.info("gateway.retry", model=attempt.facts.model, attempt=attempt.count + 1,
+             error=attempt.last_error.message if attempt.last_error else "")

