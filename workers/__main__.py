@@ -24,12 +24,13 @@ import yaml
 from fleetgate.logs import configure_logging
 from fleetgate.net import free_port
 from fleetgate.schema import GpuInfo
-from workers.agent import AgentOptions, default_worker_id, run_agent
+from workers.agent import run_agent
 from workers.context import FALLBACK as FALLBACK_MAX_MODEL_LEN
 from workers.context import default_max_model_len
 from workers.engine_process import die_with_parent
 from workers.engines import Engine, EngineSpec, get_engine
 from workers.gpu import DEFAULT_PROFILES, CardProfile, load_profiles, profile_for, query_gpus
+from workers.options import AgentOptions, default_worker_id
 from workers.preflight import check_host, check_redis
 
 # With `--instances N` each engine gets 1/N of the card: the option that sizes its memory,

@@ -34,55 +34,21 @@ import msgspec
 import structlog
 
 from fleetgate.registry import (
-    DEFAULT_HEARTBEAT_TTL_S,
-    DEFAULT_PREFIX,
     HeartbeatReply,
     Registry,
     connect,
 )
 from fleetgate.schema import Load, WorkerInfo, WorkerState
 from workers.engine_process import EngineDied, EngineProcess
-from workers.engines import Engine, EngineSpec
+from workers.engines import Engine
 from workers.engines.base import pooling
+from workers.options import AgentOptions
 from workers.probes import EngineProbe
 from workers.speed import card_speed, known_profile
 from workers.tokenizer import tokenizer_path
 from workers.warmup import StartFailed, log_tail, probe_speed, retrying, warm_up
 
 log = structlog.get_logger("workers.agent")
-
-
-class AgentOptions(msgspec.Struct, kw_only=True):
-    worker_id: str
-    engine: str
-    spec: EngineSpec
-    # False for `--engine external`: the engine is someone else's; attach, never start or stop.
-    managed: bool = True
-    url: str = ""
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_prefix: str = DEFAULT_PREFIX
-    heartbeat_interval_s: float = 1.0
-    heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S
-    health_timeout_s: float = 900.0
-    drain_grace_s: float = 60.0
-    warmup: bool = True
-    warmup_attempts: int = 3
-    engine_log: str | None = None
-    # The card's speed as declared (--speed); 0: from its profile, else measured at start.
-    speed: float = 0.0
-    # Each probe of the engine (metrics or health) gives up after this long; this many
-    # failures in a row make the engine unhealthy (out of routing) until one passes.
-    probe_timeout_s: float = 1.0
-    unhealthy_after: int = 3
-    # An external engine that fails this many probes in a row (over at least as many
-    # heartbeat intervals) counts as dead.
-    max_missed_scrapes: int = 5
-    # How often the engine's model list is re-read (adapters loaded or unloaded at runtime).
-    rediscover_s: float = 5.0
-
-    @property
-    def base_url(self) -> str:
-        return self.url or f"http://{self.spec.host}:{self.spec.port}"
 
 
 class RemovedByOperator(Exception):
@@ -420,12 +386,6 @@ class Agent:
             await asyncio.sleep(min(0.5, self.opts.heartbeat_interval_s))
         self.log.warning("agent.drain_timeout", running=self.load.running, waiting=self.load.waiting,
                          inflight=inflight)
-
-
-def default_worker_id(engine: str, port: int, gpu: str = "") -> str:
-    host = socket.gethostname().split(".")[0]
-    gpu_part = f"-gpu{gpu.replace(',', '_')}" if gpu else ""
-    return f"{host}{gpu_part}-{engine}-{port}"
 
 
 def run_agent(options: AgentOptions, engine: Engine) -> int:
