@@ -12,6 +12,7 @@ way it is refused with 429 and the limit it hit, from a fixed set (`SHED_REASONS
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -85,14 +86,16 @@ class Admission:
                 left = until - time.monotonic()
                 if left <= 0:
                     return False
-                me.event.clear()
-                try:
-                    async with asyncio.timeout(min(left, self.recheck_s)):
-                        await me.event.wait()
-                except TimeoutError:
-                    pass
+                await self._nap(me, left)
         finally:
             self._release(line, _HOLD + worker_id, me)
+
+    async def _nap(self, me: _Waiter, left: float) -> None:
+        """Until a completion wakes `me`, the slow re-check, or `left` seconds pass."""
+        me.event.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(min(left, self.recheck_s)):
+                await me.event.wait()
 
     def _release(self, line: deque[_Waiter], name: str, me: _Waiter) -> None:
         line.remove(me)
@@ -125,12 +128,7 @@ class Admission:
                     log.info("gateway.shed", reason="queue_timeout", limit=why, model=model, queued=self.queued)
                     raise Shed(f"Every worker serving `{model}` is at capacity ({why}); try again shortly.",
                                reason="queue_timeout", limit=why or "", retry_after=retry_after)
-                me.event.clear()
-                try:
-                    async with asyncio.timeout(min(left, self.recheck_s)):
-                        await me.event.wait()
-                except TimeoutError:
-                    pass
+                await self._nap(me, left)
         finally:
             self._release(line, model, me)
 
