@@ -3,7 +3,7 @@
 Without the model's tokenizer the gateway only estimates a prompt's tokens, so a prompt
 can reach a worker whose context is too small for it while a roomier one is idle. The
 engines' refusals say the prompt's real length; with it the request is sent again where
-it fits (gateway/proxy.py), instead of handing the client a 400 the fleet did not need.
+it fits (gateway/attempts.py), instead of handing the client a 400 the fleet did not need.
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleetgate.schema import GpuInfo, Load, WorkerInfo, WorkerView
 from gateway.fleet import FleetSnapshot
 from gateway.metrics import DecisionLog, GatewayMetrics, usage_of
-from gateway.proxy import Proxy
 from tests.conftest import Fleet
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,10 +164,6 @@ def test_scrape_of_a_live_gateway(live: tuple[Fleet, str]) -> None:
             assert (f"fleetgate_worker_{gauge}", frozenset({("worker", wid)})) in scrape
 
 
-@pytest.mark.skipif(
-    "metrics" not in getattr(Proxy, "__dataclass_fields__", {}),
-    reason="gateway/proxy.py does not call GatewayMetrics yet (the hooks of issue 8)",
-)
 def test_live_requests_are_counted(live: tuple[Fleet, str]) -> None:
     """Requests through a live gateway show up in the request, latency and TTFT series."""
     _, url = live
