@@ -20,6 +20,9 @@ from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import ConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+# The attribute of a pool that holds the master `follow_master` last saw there.
+_SEEN = "_fleetgate_master_seen"
+
 
 async def follow_master(redis: Any, timeout_s: float = 2.0) -> str:
     """"host:port" of the new master when it moved since the client's last connection (its
@@ -29,7 +32,10 @@ async def follow_master(redis: Any, timeout_s: float = 2.0) -> str:
     pool = getattr(redis, "connection_pool", None)
     if not isinstance(pool, SentinelConnectionPool) or not pool.is_master:
         return ""
-    before = pool.master_address
+    # The master this function last saw, not pool.master_address alone: any new connection
+    # of the pool (a reconnecting pub/sub, a busy moment) updates that one silently, and
+    # the connections still on the old master would then never be closed.
+    before = getattr(pool, _SEEN, None) or pool.master_address
     if before is None:  # not connected yet: the first connection asks the sentinels anyway
         return ""
     try:
@@ -38,6 +44,7 @@ async def follow_master(redis: Any, timeout_s: float = 2.0) -> str:
             now = await pool.get_master_address()
     except (ConnectionError, RedisTimeoutError, TimeoutError):
         return ""
+    setattr(pool, _SEEN, now)
     if now == before:
         return ""
     # In-use connections too: released later, they would go back to the pool still

@@ -222,7 +222,8 @@ def create_app(settings: GatewaySettings) -> Litestar:
             w.info.capacity for w in watcher.snapshot.workers if w.routable)))
         proxy = Proxy(
             settings, watcher, upstream, policy, inflight, breakers, metrics, placer, placement, admission,
-            tokenizers=Tokenizers(settings.tokenizers, lambda: watcher.snapshot),
+            tokenizers=Tokenizers(settings.tokenizers,
+                                  (lambda: watcher.snapshot) if settings.registered_tokenizers else None),
         )
         metrics.registry.register(ScalingCollector(lambda: current(watcher, inflight, admission)))
         exposed = open_data_plane(settings.host, settings.api_keys)

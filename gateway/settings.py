@@ -50,6 +50,8 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Base model name -> tokenizer.json, for exact prompt token counts; wins over the path a
     # worker registered (gateway/tokenizers.py); else the prompt is estimated.
     tokenizers: dict[str, str] = msgspec.field(default_factory=dict)
+    # Use the tokenizers agents register (false: only `tokenizers:`, else the estimate).
+    registered_tokenizers: bool = True
     connect_timeout_s: float = 2.0
     # Time allowed for an engine's first byte (a stream's first event), plus this much per
     # 1,000 prompt tokens: what was asked sets the limit, not one fixed figure.
