@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import msgspec
+import structlog
 import uvicorn
 import yaml
 
 from fleetgate.logs import configure_logging
 from gateway.app import create_asgi
+from gateway.multiproc import Supervisor, reuse_port_socket
 from gateway.settings import load_settings
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "gateway.yaml"
@@ -27,11 +30,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--policy")
     parser.add_argument("--admin-token", help="prefer the FLEETGATE_ADMIN_TOKEN variable")
     parser.add_argument("--log-level")
+    parser.add_argument("--workers", type=int, default=int(os.environ.get("FLEETGATE_WORKERS", "1")),
+                        help="gateway processes on the one port (SO_REUSEPORT), one per core; "
+                             "they share state through Redis like replicas (default 1)")
+    parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any setting of config/gateway.yaml (YAML value); repeatable")
     args = parser.parse_args(argv)
     overrides = {
-        k: v for k, v in vars(args).items() if k not in ("config", "set") and v is not None
+        k: v for k, v in vars(args).items()
+        if k not in ("config", "set", "workers", "reuse_port") and v is not None
     }
     for pair in args.set:
         key, sep, value = pair.partition("=")
@@ -43,7 +51,14 @@ def main(argv: list[str] | None = None) -> None:
     except msgspec.ValidationError as exc:
         parser.error(f"bad setting: {exc}")
     configure_logging(settings.log_level, settings.log_json)
-    uvicorn.run(
+    if args.workers < 1:
+        parser.error("--workers needs 1 or more")
+    if args.workers > 1:
+        if not settings.port:
+            parser.error("--workers needs a fixed --port")
+        sys.exit(Supervisor(sys.argv[1:] if argv is None else argv, args.workers, settings.host,
+                            settings.port).run())
+    config = uvicorn.Config(
         create_asgi(settings),
         host=settings.host,
         port=settings.port,
@@ -52,6 +67,14 @@ def main(argv: list[str] | None = None) -> None:
         timeout_graceful_shutdown=30,
         server_header=False,
     )
+    server = uvicorn.Server(config)
+    if args.reuse_port:  # one of --workers N: every line it logs says which process wrote it
+        structlog.contextvars.bind_contextvars(gateway_pid=os.getpid())
+        server.run(sockets=[reuse_port_socket(settings.host, settings.port)])
+    else:
+        server.run()
+    if not server.started:
+        sys.exit(3)  # uvicorn's code for a failed start-up (the lifespan raised, the port is taken)
 
 
 if __name__ == "__main__":

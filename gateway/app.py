@@ -22,7 +22,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.response import Stream
 
 from fleetgate.registry import Registry, connect
-from gateway import front
+from gateway import front, gctune
 from gateway.adapters import AdapterPlacer
 from gateway.admission import Admission
 from gateway.api.admin import HANDLERS as ADMIN_HANDLERS
@@ -239,7 +239,8 @@ def create_app(settings: GatewaySettings) -> Litestar:
         lora_state.start(lambda: [w.id for w in watcher.snapshot.workers if w.info.max_loras > 0])
         inflight.start()
         placement.start()
-        log.info("gateway.started", gateway_id=gateway_id, **settings.public())
+        gctune.settle()
+        log.info("gateway.started", gateway_id=gateway_id, pid=os.getpid(), **settings.public())
         if exposed:
             log.warning("gateway.open_data_plane", host=settings.host, message=exposed)
         try:

@@ -5,6 +5,8 @@
     python scripts/bench_overhead.py --rounds 5 --duration 5 --concurrency 1,64
     python scripts/bench_overhead.py --no-router --json .run/overhead.json
     python scripts/bench_overhead.py --soak 600             # 10 min of load, RSS every 30 s
+    python scripts/bench_overhead.py --gateway-workers 1,2,4,8 --concurrency 64,256 --modes plain \
+        --stubs 4 --loadgen-procs 4                         # the scaling table (a machine with cores)
 
 Starts Redis (FLEETGATE_REDIS_URL, else 127.0.0.1:6379 if it answers, else an embedded
 one), two stub engines (fleetgate_tools/overhead/stub.py) registered by real agents
@@ -51,6 +53,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--router", default=None, help="vllm-router executable (default: .venv-router's)")
     p.add_argument("--no-router", action="store_true", help="leave vllm-router out")
     p.add_argument("--router-policy", default="cache_aware", help="vllm-router's --policy (its default)")
+    p.add_argument("--gateway-workers", type=_ints, default=(1,), metavar="N,N,...",
+                   help="one fleetgate per count, each `python -m gateway --workers N` (default 1); "
+                        "more than one count adds the scaling table")
+    p.add_argument("--stubs", type=int, default=2, help="stub engines (default 2)")
+    p.add_argument("--loadgen-procs", type=int, default=1,
+                   help="load generator processes sharing each run's clients (default 1)")
     p.add_argument("--soak", type=float, default=0.0, metavar="SECONDS",
                    help="instead: load the gateway this long (C=64), printing RSS every 30 s")
     p.add_argument("--soak-concurrency", type=int, default=64)
@@ -79,14 +87,17 @@ def main(argv: list[str] | None = None) -> int:
         rounds=args.rounds, duration_s=args.duration, warmup_s=args.warmup, concurrency=args.concurrency,
         modes=tuple(m for m in args.modes.split(",") if m in MODES), chunks=args.chunks,
         timing_requests=args.timing_requests, timing_chunk_delay_ms=args.chunk_delay_ms,
+        loadgen_procs=args.loadgen_procs,
     )
     log(f"starting the stack (logs in {run_dir})")
-    with Stack(run_dir, router=router, router_policy=args.router_policy) as stack:
+    with Stack(run_dir, stubs=args.stubs, router=router, router_policy=args.router_policy,
+               gateway_workers=args.gateway_workers) as stack:
         targets = list(stack.targets.values())
         log("targets: " + ", ".join(f"{t.name} {' '.join(t.urls)}" + (f" pid {t.pid}" if t.pid else "")
                                     for t in targets))
         if args.soak:
-            samples = soak(stack.targets["fleetgate"], plan, args.soak, args.soak_concurrency, log)
+            gw = next(t for n, t in stack.targets.items() if n.startswith("fleetgate"))
+            samples = soak(gw, plan, args.soak, args.soak_concurrency, log)
             first, last = samples[0][2], samples[-1][2]
             print(f"soak {args.soak:.0f}s at C={args.soak_concurrency}: gateway RSS {first:.1f} -> "
                   f"{last:.1f} MiB ({last - first:+.1f}); max {max(s[2] for s in samples):.1f} MiB")
@@ -106,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps(as_json(report), indent=1))
             log(f"wrote {args.json}")
         if args.hold:
-            gw = stack.targets["fleetgate"]
+            gw = next(t for n, t in stack.targets.items() if n.startswith("fleetgate"))
             log(f"holding the stack up; Ctrl-C to stop. gateway {gw.urls[0]} pid {gw.pid} "
                 f"api key {gw.api_key}; direct {' '.join(stack.targets['direct'].urls)}")
             try:

@@ -29,25 +29,33 @@ from fleetgate_tools.overhead.stack import ROOT, Target, cpu_seconds, rss_mib
 MODES = ("plain", "stream")
 
 
-class LoadGen:
-    """The load generator's process: one job in, one short line out, over pipes; each
-    result (every latency of the job) comes back in a file of its own."""
+class _LoadGenProc:
+    """One load generator process: one job in, one short line out, over pipes; each result
+    (every latency of the job) comes back in a file of its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, workdir: Path, index: int) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fleetgate_tools.overhead.loadgen"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, cwd=ROOT, start_new_session=True,
         )
-        self._dir = tempfile.TemporaryDirectory(prefix="fleetgate-loadgen-")
+        self._dir = workdir
+        self._index = index
         self._jobs = 0
+        self._pending: tuple[Job, Path] | None = None
 
-    def run(self, job: Job) -> Result:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+    def submit(self, job: Job) -> None:
+        assert self.proc.stdin is not None
         self._jobs += 1
-        path = Path(self._dir.name) / f"result-{self._jobs}.json"
+        path = self._dir / f"result-{self._index}-{self._jobs}.json"
         job = msgspec.structs.replace(job, result_path=str(path))
         self.proc.stdin.write(msgspec.json.encode(job) + b"\n")
         self.proc.stdin.flush()
+        self._pending = (job, path)
+
+    def collect(self) -> Result:
+        assert self.proc.stdout is not None and self._pending is not None
+        job, path = self._pending
+        self._pending = None
         # A job runs for its duration (or up to a second per counted request), plus two
         # minutes to spare; never wait forever on it.
         limit = job.warmup_s + job.duration_s + job.requests + 120.0
@@ -74,7 +82,47 @@ class LoadGen:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5)
+
+
+class LoadGen:
+    """The load generator: `procs` processes, each running its share of a job's clients at
+    once (one event loop keeps up with a 1- or 2-process gateway; several gateway processes
+    on a machine with cores to spare need several), their results merged into one."""
+
+    def __init__(self, procs: int = 1) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="fleetgate-loadgen-")
+        self.procs = [_LoadGenProc(Path(self._dir.name), i) for i in range(max(1, procs))]
+
+    def run(self, job: Job) -> Result:
+        # A fixed number of requests (the timing run) stays in one process, one at a time.
+        n = 1 if job.requests else min(len(self.procs), job.concurrency)
+        shares = [job.concurrency // n + (i < job.concurrency % n) for i in range(n)]
+        for proc, c in zip(self.procs, shares, strict=False):
+            proc.submit(msgspec.structs.replace(job, concurrency=c))
+        return merge([proc.collect() for proc in self.procs[:n]])
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.close()
         self._dir.cleanup()
+
+
+def merge(results: list[Result]) -> Result:
+    """The results of one job's processes (same window) as one."""
+    if len(results) == 1:
+        return results[0]
+    out = Result(window_s=max(r.window_s for r in results))
+    for r in results:
+        out.completed += r.completed
+        out.errors += r.errors
+        out.first_error = out.first_error or r.first_error
+        out.latencies_ms.extend(r.latencies_ms)
+        out.ttfc_ms.extend(r.ttfc_ms)
+        out.chunks += r.chunks
+        out.total += r.total
+        out.cpu_s += r.cpu_s
+        out.chunk_times_ms.extend(r.chunk_times_ms)
+    return out
 
 
 def pct(values: list[float], q: float) -> float:
@@ -137,6 +185,7 @@ class Plan:
     chunks: int = 64
     timing_requests: int = 8
     timing_chunk_delay_ms: float = 10.0
+    loadgen_procs: int = 1
 
 
 @dataclass
@@ -171,7 +220,7 @@ def measure(loadgen: LoadGen, target: Target, job: Job) -> Measure:
 
 def run(targets: list[Target], plan: Plan, log: Callable[[str], None]) -> Report:
     report = Report([t.name for t in targets])
-    loadgen = LoadGen()
+    loadgen = LoadGen(plan.loadgen_procs)
     try:
         for t in targets:  # connections, caches, the first snapshot: nothing is cold later
             loadgen.run(job_for(t, plan, "stream", 4, duration_s=0.5, warmup_s=0.0))
@@ -227,7 +276,7 @@ def soak(loadgen_target: Target, plan: Plan, seconds: float, concurrency: int,
          log: Callable[[str], None], every_s: float = 30.0) -> list[tuple[float, float, float]]:
     """Load the target for `seconds`, alternating plain and streaming; (t, rps, RSS MiB) per step."""
     assert loadgen_target.pid is not None
-    loadgen = LoadGen()
+    loadgen = LoadGen(plan.loadgen_procs)
     samples = [(0.0, 0.0, rss_mib(loadgen_target.pid))]
     log(f"soak: RSS at start {samples[0][2]:.1f} MiB")
     t = 0.0

@@ -8,6 +8,7 @@ JSON request logs at level info (into its log file).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -26,15 +27,38 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process (all its threads) so far, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def tree(pid: int) -> list[int]:
+    """`pid` and its descendants (a gateway run with --workers N: the supervisor and its children)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                todo.extend(int(c) for c in task.read_text().split())
+    return out
+
+
+def _own_cpu(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU so far of a process (all its threads) and its live descendants, from /proc."""
+    return sum(_own_cpu(p) for p in tree(pid))
+
+
 def rss_mib(pid: int) -> float:
-    pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
-    return pages * PAGE / 2**20
+    """Resident memory of a process and its descendants."""
+    total = 0
+    for p in tree(pid):
+        with contextlib.suppress(OSError):
+            total += int(Path(f"/proc/{p}/statm").read_text().split()[1])
+    return total * PAGE / 2**20
 
 
 def find_router(explicit: str | None) -> str | None:
@@ -64,6 +88,8 @@ class Stack:
     stubs: int = 2
     router: str | None = None
     router_policy: str = "cache_aware"
+    # One fleetgate target per count: "fleetgate" for 1 process, "fleetgate-wN" for `--workers N`.
+    gateway_workers: tuple[int, ...] = (1,)
     redis_url: str | None = None
     api_key: str = field(default_factory=lambda: "fg-bench-" + secrets.token_hex(8))
     procs: list[Proc] = field(default_factory=list)
@@ -111,16 +137,9 @@ class Stack:
                 "--log-level", "warning",
             ])
         self.targets["direct"] = Target("direct", stub_urls)
-        port = free_port()
-        gw_url = f"http://127.0.0.1:{port}"
-        gateway = self._spawn("gateway", [
-            py, "-m", "gateway", "--port", str(port), "--redis-url", self.redis_url,
-            "--redis-prefix", prefix, "--policy", "fleet",
-        ], {"FLEETGATE_API_KEYS": self.api_key, "FLEETGATE_ADMIN_TOKEN": secrets.token_hex(8)})
-        wait_for(f"the gateway with {self.stubs} ready workers",
-              lambda: httpx.get(gw_url + "/health").json().get("ready_workers", 0) >= self.stubs,
-              self.procs, timeout=90)
-        self.targets["fleetgate"] = Target("fleetgate", [gw_url], gateway.popen.pid, self.api_key)
+        for n in self.gateway_workers:
+            name = "fleetgate" if n == 1 else f"fleetgate-w{n}"
+            self.targets[name] = self._gateway(name, n, prefix)
         if self.router:
             port = free_port()
             r_url = f"http://127.0.0.1:{port}"
@@ -131,6 +150,25 @@ class Stack:
             ])
             wait_for("vllm-router", lambda: httpx.get(r_url + "/v1/models").status_code == 200, [router])
             self.targets["vllm-router"] = Target("vllm-router", [r_url], router.popen.pid)
+
+    def _gateway(self, name: str, workers: int, prefix: str) -> Target:
+        assert self.redis_url is not None
+        port = free_port()
+        gw_url = f"http://127.0.0.1:{port}"
+        gateway = self._spawn(name, [
+            sys.executable, "-m", "gateway", "--port", str(port), "--redis-url", self.redis_url,
+            "--redis-prefix", prefix, "--policy", "fleet", "--workers", str(workers),
+        ], {"FLEETGATE_API_KEYS": self.api_key, "FLEETGATE_ADMIN_TOKEN": secrets.token_hex(8)})
+
+        def ready() -> bool:
+            # With --workers N each connection may reach another process: every one must be ready.
+            if len(tree(gateway.popen.pid)) < workers + (workers > 1):
+                return False
+            return all(httpx.get(gw_url + "/health").json().get("ready_workers", 0) >= self.stubs
+                       for _ in range(4 * workers))
+
+        wait_for(f"{name} with {self.stubs} ready workers", ready, self.procs, timeout=90)
+        return Target(name, [gw_url], gateway.popen.pid, self.api_key)
 
     def close(self) -> None:
         for proc in reversed(self.procs):

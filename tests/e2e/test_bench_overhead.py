@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from fleetgate.net import free_port
-from fleetgate_tools.overhead.loadgen import Job, run_job
-from fleetgate_tools.overhead.runner import Measure, Report, pct
+from fleetgate_tools.overhead.loadgen import Job, Result, run_job
+from fleetgate_tools.overhead.runner import Measure, Report, merge, pct
 from fleetgate_tools.overhead.table import as_json, render, timing_diffs
 from tests.conftest import ROOT, wait_until
 from workers.engines.vllm import parse_vllm_metrics
@@ -103,12 +103,37 @@ def test_report_renders_ratios_and_targets() -> None:
             report.runs[(mode, c, "fleetgate")] = [m(500, 1.5, 0.5), m(600, 1.4, 0.4), m(400, 1.6, 0.6)]
     report.timing = {"direct": [0.2, 0.2], "fleetgate": [0.5, 0.3]}
     text = render(report)
-    assert "PASS  added p50 ms, C=1, non-streaming: 0.500" in text
-    assert "PASS  req/s x direct, C=64, non-streaming: 0.500" in text
+    assert "FAIL  added p50 ms, C=1, non-streaming: 0.500" in text
+    assert "FAIL  req/s x direct, C=64, non-streaming: 0.500" in text
+    assert "PASS  p99 x direct, C=64, non-streaming: 1.500" in text
     assert "FAIL  chunks/s x direct, C=64, streaming: 0.500" in text
+    assert "Scaling over gateway processes" not in text
     assert timing_diffs(report, "fleetgate") == pytest.approx([0.3, 0.1])
     assert as_json(report)["ratios"][0]["rps_ratio"] == 0.5
     assert pct([3.0, 1.0, 2.0], 50) == 2.0 and pct([float(i) for i in range(100)], 99) == 98.0
+
+
+def test_scaling_table_sets_each_process_count_beside_one() -> None:
+    """With gateways of several process counts the report adds the scaling table: each
+    count's req/s against direct's and against one process's."""
+    report = Report(["direct", "fleetgate", "fleetgate-w2", "vllm-router"])
+    for name, rps in (("direct", 1000.0), ("fleetgate", 300.0), ("fleetgate-w2", 540.0), ("vllm-router", 700.0)):
+        report.runs[("plain", 64, name)] = [Measure(rps, 5.0, 9.0, 0, 0, 0, None, 0, 0.1)]
+    text = render(report).split("Scaling over gateway processes")[1]
+    rows = {line.split()[2]: line.split() for line in text.splitlines() if line.startswith("plain")}
+    assert rows["fleetgate-w2"][3:5] == ["540", "0.54"] and rows["fleetgate-w2"][-1] == "1.80"
+    assert rows["vllm-router"][-1] == "-" and rows["direct"][4] == "1.00"
+
+
+def test_results_of_several_loadgen_processes_merge() -> None:
+    """A job split over load generator processes reads as one: counts add, latencies pool."""
+    a = Result(completed=2, total=3, errors=1, first_error="HTTP 500", window_s=1.0, latencies_ms=[1.0, 2.0],
+               chunks=4, cpu_s=0.1)
+    b = Result(completed=1, total=1, window_s=1.0, latencies_ms=[3.0], chunks=2, cpu_s=0.2)
+    got = merge([a, b])
+    assert (got.completed, got.total, got.errors, got.first_error, got.chunks) == (3, 4, 1, "HTTP 500", 6)
+    assert sorted(got.latencies_ms) == [1.0, 2.0, 3.0] and got.window_s == 1.0
+    assert got.cpu_s == pytest.approx(0.3)
 
 
 def test_benchmark_end_to_end_tiny(tmp_path: Path) -> None:
@@ -120,6 +145,6 @@ def test_benchmark_end_to_end_tiny(tmp_path: Path) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=180,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "stream  2  fleetgate" in out.stdout and "Issue 7 targets" in out.stdout
+    assert "stream  2  fleetgate" in out.stdout and "Issue 17 targets" in out.stdout
     assert " 0\n" in out.stdout.split("Against direct")[0]  # the errors column
     assert (tmp_path / "out.json").exists()
