@@ -11,6 +11,7 @@ from __future__ import annotations
 import json as jsonlib
 import logging
 import sys
+import time
 
 import msgspec
 import structlog
@@ -29,6 +30,33 @@ def _dumps(obj: object, **_: object) -> str:
         return jsonlib.dumps(obj, default=str)
 
 
+def _render_bytes(_logger: object, _name: str, event: structlog.types.EventDict) -> bytes:
+    """The JSON line as bytes, for structlog's BytesLogger (no str round trip)."""
+    try:
+        return _encoder.encode(event)
+    except TypeError:
+        return jsonlib.dumps(event, default=str).encode()
+
+
+class _Stamper:
+    """structlog's TimeStamper(fmt="iso", utc=True), same text, a fraction of its cost: the
+    date and time of day are formatted once a second, only the microseconds per line."""
+
+    __slots__ = ("_prefix", "_sec")
+
+    def __init__(self) -> None:
+        self._sec = -1
+        self._prefix = ""
+
+    def __call__(self, _logger: object, _name: str, event: structlog.types.EventDict) -> structlog.types.EventDict:
+        now = time.time()
+        sec = int(now)
+        if sec != self._sec:
+            self._sec, self._prefix = sec, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec))
+        event["timestamp"] = f"{self._prefix}.{int((now - sec) * 1e6):06d}Z"
+        return event
+
+
 def configure_logging(level: str = "info", json: bool | None = None) -> None:
     if json is None:
         json = not sys.stderr.isatty()
@@ -43,12 +71,24 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
     renderer: structlog.types.Processor = (
         structlog.processors.JSONRenderer(serializer=_dumps) if json else structlog.dev.ConsoleRenderer()
     )
-    structlog.configure(
-        processors=[*shared, structlog.processors.format_exc_info, renderer],
-        wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
-    )
+    out = getattr(sys.stderr, "buffer", None)
+    if json and out is not None:
+        # The request path logs a line per request: bytes straight to stderr's buffer, and
+        # a cheaper clock stamp (the lines read the same).
+        structlog.configure(
+            processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
+                        _Stamper(), structlog.processors.format_exc_info, _render_bytes],
+            wrapper_class=structlog.make_filtering_bound_logger(numeric),
+            logger_factory=structlog.BytesLoggerFactory(file=out),
+            cache_logger_on_first_use=True,
+        )
+    else:
+        structlog.configure(
+            processors=[*shared, structlog.processors.format_exc_info, renderer],
+            wrapper_class=structlog.make_filtering_bound_logger(numeric),
+            logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+            cache_logger_on_first_use=True,
+        )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
