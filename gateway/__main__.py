@@ -15,6 +15,7 @@ import yaml
 from fleetgate.logs import configure_logging
 from gateway.app import create_asgi
 from gateway.multiproc import Supervisor, reuse_port_socket
+from gateway.server import GatewayHttpProtocol
 from gateway.settings import load_settings
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "gateway.yaml"
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         access_log=False,
         timeout_graceful_shutdown=30,
         server_header=False,
+        http=GatewayHttpProtocol,
     )
     server = uvicorn.Server(config)
     if args.reuse_port:  # one of --workers N: every line it logs says which process wrote it
