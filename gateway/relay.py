@@ -50,15 +50,22 @@ async def relay(
             try:
                 buffer = b""
                 # The first event may wait behind the engine's queue; later ones may not stall.
+                read = resp.content.readany  # b"" at the end; no iterator layers per chunk
                 async with asyncio.timeout(attempt.first_byte_timeout()) as deadline:
-                    async for data in dispatch.waits.first_event(worker.id, resp.content.iter_any()):
+                    # Waiting for the first event counts as waiting for a first byte
+                    # (gateway/waiting.py): the engine has sent the client nothing yet.
+                    with dispatch.waits.waiting(worker.id):
+                        data = await read()
+                    while data:
                         deadline.reschedule(loop.time() + settings.stall_timeout_s)
                         *events, buffer = (buffer + data).split(b"\n\n")
                         if not events:
+                            data = await read()
                             continue
                         # What arrived in one read leaves in one write.
                         out = [x for e in events if (x := tracker.on_event(e.strip(b"\r\n"))) is not None]
                         if not out:
+                            data = await read()
                             continue
                         if first_chunk_ms is None:
                             first_chunk_ms = round((time.perf_counter() - started) * 1000, 2)
@@ -76,6 +83,7 @@ async def relay(
                         yield joined
                         if tracker.done:
                             break
+                        data = await read()
                 if tracker.done:
                     dispatch.breakers.success(worker.id)
                     return

@@ -5,7 +5,8 @@ requests already sent there would wait out their whole timeout. When the agent p
 the worker unhealthy (its probes failed: fleetgate/schema.py `Load.unhealthy`) or the
 worker leaves the registry, every request still waiting on it with no byte sent is
 interrupted at once and retried elsewhere like any failure before the first byte; so is a
-stream whose engine sent its response headers but no event yet (`first_event`).
+stream whose engine sent its response headers but no event yet (gateway/relay.py waits for
+its first event inside `waiting`).
 
 The request path pays a dict insert and delete per attempt: the waiting task itself is
 cancelled (and uncancelled, turned into `WorkerWentAway`), no extra task is created.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import structlog
 
@@ -65,18 +66,6 @@ class FirstByteWaits:
             if not tasks and self._waiting.get(worker_id) is tasks:
                 del self._waiting[worker_id]
             self._interrupted.discard(task)
-
-    async def first_event(self, worker_id: str, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """`chunks` of a stream whose headers came; waiting for the first one counts as waiting
-        for a first byte (an engine that sent its headers and then hung has sent the client
-        nothing yet). Raises WorkerWentAway as waiting() does."""
-        with self.waiting(worker_id):
-            first = await anext(chunks, None)
-        if first is None:
-            return
-        yield first
-        async for chunk in chunks:
-            yield chunk
 
     def check(self, snapshot: FleetSnapshot) -> None:
         for worker_id, tasks in list(self._waiting.items()):
