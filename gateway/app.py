@@ -6,11 +6,12 @@ session, puts them on `app.state`, and closes them in reverse order.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 import structlog
@@ -185,6 +186,18 @@ def _internal_error(request: Request, exc: Exception) -> Response:
     return _gateway_error(request, GatewayError("Internal error in the gateway."))
 
 
+async def _close(part: str, close: Callable[[], Awaitable[object]], timeout_s: float = 5.0) -> None:
+    """Close one part of the gateway on the way out, bounded: a background task that does not
+    end when cancelled (a Redis call that swallowed the cancellation) must not hold the
+    process up, nor keep the parts after it open."""
+    try:
+        await asyncio.wait_for(close(), timeout_s)
+    except TimeoutError:
+        log.warning("gateway.close_timed_out", part=part, timeout_s=timeout_s)
+    except Exception as exc:
+        log.warning("gateway.close_failed", part=part, error=repr(exc))
+
+
 def create_app(settings: GatewaySettings) -> Litestar:
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -246,15 +259,12 @@ def create_app(settings: GatewaySettings) -> Litestar:
         try:
             yield
         finally:
-            await placement.stop()
-            await proxy.waits.stop()
-            await placer.close()
-            await lora_state.stop()
-            await breakers.close()
-            await inflight.stop()
-            await watcher.stop()
-            await upstream.close()
-            await redis.aclose()
+            for part, close in (
+                ("placement", placement.stop), ("waits", proxy.waits.stop), ("adapters", placer.close),
+                ("lora_state", lora_state.stop), ("breakers", breakers.close), ("inflight", inflight.stop),
+                ("watcher", watcher.stop), ("upstream", upstream.close), ("redis", redis.aclose),
+            ):
+                await _close(part, close)
             log.info("gateway.stopped")
 
     make_policy(settings.policy, settings.routing)  # fail at start-up, not on the first request
