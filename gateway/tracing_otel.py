@@ -64,7 +64,7 @@ class OtelTracing(Tracing):
 class SpanTrace(RequestTrace):
     """One request's spans: the server span, and the upstream attempt in progress."""
 
-    __slots__ = ("_attempt", "_attempts", "_ended", "_tracing", "span")
+    __slots__ = ("_attempt", "_attempts", "_attrs", "_ended", "_tracing", "span")
 
     def __init__(self, tracing: OtelTracing, span: Span) -> None:
         super().__init__({})  # the propagator writes each attempt's own traceparent
@@ -73,9 +73,11 @@ class SpanTrace(RequestTrace):
         self._attempt: Span | None = None
         self._attempts = 0
         self._ended = False
+        # The request span's attributes, set once when it ends (each SDK call validates and locks).
+        self._attrs: dict[str, str | bool | int | list[str]] = {}
 
     def described(self, model: str, stream: bool) -> None:
-        self.span.set_attributes({"fleetgate.model": model, "gen_ai.request.model": model, "fleetgate.stream": stream})
+        self._attrs.update({"fleetgate.model": model, "fleetgate.stream": stream})
 
     def attempt(self, headers: Mapping[str, str], attempt: Attempt, choice: Choice, url: str) -> Mapping[str, str]:
         self.attempt_end()  # one left open (an engine's context refusal, retried elsewhere)
@@ -87,11 +89,10 @@ class SpanTrace(RequestTrace):
         candidates = [s.id for s in routes.routable if s.id not in before] if routes is not None else [worker]
         route = {"fleetgate.route.policy": dispatch.policy.name, "fleetgate.route.reason": choice.reason,
                  "fleetgate.route.worker": worker}
+        self._attrs.update(route)
         if self._attempts == 1:  # the first decision saw the whole fleet for this model
-            self.span.set_attributes({**route, "fleetgate.route.candidates": candidates,
-                                      "fleetgate.route.candidate_count": len(candidates)})
-        else:
-            self.span.set_attributes(route)
+            self._attrs.update({"fleetgate.route.candidates": candidates,
+                                "fleetgate.route.candidate_count": len(candidates)})
         self._attempt = span = self._tracing.tracer.start_span(
             "fleetgate.attempt", context=set_span_in_context(self.span), kind=SpanKind.CLIENT,
             attributes={**route, "fleetgate.attempt": self._attempts, "fleetgate.worker.id": worker,
@@ -126,7 +127,7 @@ class SpanTrace(RequestTrace):
 
     def resumed(self, worker_id: str, resumes: int) -> None:
         self.span.add_event("fleetgate.stream_resumed", {"fleetgate.worker.id": worker_id, "fleetgate.resumes": resumes})
-        self.span.set_attribute("fleetgate.resumes", resumes)
+        self._attrs["fleetgate.resumes"] = resumes
 
     def end(self, status: int, outcome: str = "", error: str | None = None) -> None:
         if self._ended:
@@ -134,11 +135,13 @@ class SpanTrace(RequestTrace):
         self._ended = True
         self.attempt_end("client_gone" if outcome == "client_gone" else "")
         span = self.span
-        span.set_attributes({"http.response.status_code": status, "fleetgate.attempts": self._attempts})
+        attrs = self._attrs
+        attrs.update({"http.response.status_code": status, "fleetgate.attempts": self._attempts})
         if outcome:
-            span.set_attribute("fleetgate.outcome", outcome)
+            attrs["fleetgate.outcome"] = outcome
         if error:
-            span.set_attribute("error.type", error)
+            attrs["error.type"] = error
+        span.set_attributes(attrs)
         if status >= 500 or outcome.startswith("broken"):
             span.set_status(Status(StatusCode.ERROR, error or outcome))
         span.end()
