@@ -189,9 +189,11 @@ def register(fleet: Fleet, workers: dict[str, tuple[Stub, str]]) -> None:
     asyncio.run(go())
 
 
-def traced_fleet(fleet_factory: Callable[[], Fleet], stubs: dict[str, Stub], env: dict[str, str]) -> tuple[Proc, str]:
+def traced_fleet(
+    fleet_factory: Callable[[], Fleet], stubs: dict[str, Stub], env: dict[str, str], *flags: str,
+) -> tuple[Proc, str]:
     fleet = fleet_factory()
-    proc, url = fleet.gateway("--policy", "round_robin", env=env)
+    proc, url = fleet.gateway("--policy", "round_robin", *flags, env=env)
     register(fleet, {"ok": (stubs["ok"], OK), "bad": (stubs["bad"], RETRY), "ok2": (stubs["ok2"], RETRY),
                      "broken": (stubs["broken"], RESUME), "ok3": (stubs["ok3"], RESUME)})
     wait_until(lambda: {OK, RETRY, RESUME} <= {m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]})
@@ -249,14 +251,17 @@ def engine_parent(stub: Stub, trace_id: str) -> list[str]:
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize(("stream", "fast_path"), [(False, True), (True, True), (False, False)],
+                         ids=["whole", "stream", "whole-litestar"])
 def test_request_span_is_the_clients_child_and_the_engine_gets_the_attempt_span(
-    fleet_factory: Callable[[], Fleet], stubs: dict[str, Stub], receiver: Receiver, stream: bool,
+    fleet_factory: Callable[[], Fleet], stubs: dict[str, Stub], receiver: Receiver, stream: bool, fast_path: bool,
 ) -> None:
     """The request span joins the client's trace (child of its traceparent) with the routing
     decision on it; one attempt span is its child, and the engine's traceparent names that span
-    (same trace id, the attempt's span id) and carries the client's tracestate on."""
-    _, url = traced_fleet(fleet_factory, stubs, {"FLEETGATE_OTLP_ENDPOINT": receiver.url, **FAST_EXPORT})
+    (same trace id, the attempt's span id) and carries the client's tracestate on. The same
+    through Litestar's routes (fast_path off) as through the fast path."""
+    _, url = traced_fleet(fleet_factory, stubs, {"FLEETGATE_OTLP_ENDPOINT": receiver.url, **FAST_EXPORT},
+                          "--set", f"fast_path={str(fast_path).lower()}")
     trace_id, parent_id, traceparent = new_parent()
     assert chat(url, OK, stream, traceparent, "vendor=42") == "hello"
     request, tries = spans_of(receiver, trace_id, 1)
