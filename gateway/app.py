@@ -53,6 +53,7 @@ from gateway.scaling import ScalingCollector, admin_scaling, current
 from gateway.settings import GatewaySettings
 from gateway.state import Gateway, gw_of
 from gateway.tokenizers import Tokenizers
+from gateway.tracing import build_tracing
 from gateway.ui import HANDLERS as UI_HANDLERS
 from gateway.upstream import Upstream
 
@@ -211,6 +212,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
         lora_state = LoraState(registry, gateway_id)
         placer = AdapterPlacer(dict(settings.adapters), watcher, registry, inflight, lora_state)
         policy = make_policy(settings.policy, settings.routing)
+        tracing = build_tracing(settings, gateway_id)
         opts = getattr(policy, "opts", None)
         homes = Homes(half_life_s=getattr(opts, "half_life_s", 30.0),
                       second_hold_s=getattr(opts, "second_hold_s", 10.0),
@@ -224,6 +226,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
             settings, watcher, upstream, policy, inflight, breakers, metrics, placer, placement, admission,
             tokenizers=Tokenizers(settings.tokenizers,
                                   (lambda: watcher.snapshot) if settings.registered_tokenizers else None),
+            tracing=tracing,
         )
         metrics.registry.register(ScalingCollector(lambda: current(watcher, inflight, admission)))
         exposed = open_data_plane(settings.host, settings.api_keys)
@@ -254,6 +257,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
             await watcher.stop()
             await upstream.close()
             await redis.aclose()
+            await tracing.shutdown()  # exports the last spans
             log.info("gateway.stopped")
 
     make_policy(settings.policy, settings.routing)  # fail at start-up, not on the first request

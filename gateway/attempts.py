@@ -45,6 +45,7 @@ from gateway.placement import Placement
 from gateway.routing import Choice, Live, Policy, RequestFacts, decide
 from gateway.routing.table import Slot
 from gateway.settings import GatewaySettings
+from gateway.tracing import NO_TRACE, RequestTrace
 from gateway.upstream import RETRYABLE_STATUS, Upstream, openai_error_body
 from gateway.waiting import FirstByteWaits
 
@@ -122,6 +123,7 @@ class Attempt:
             facts.max_tokens or _DEFAULT_COMPLETION_TOKENS)
         self.key = facts.affinity_key
         self.headers = FORWARD_HEADERS
+        self.trace: RequestTrace = NO_TRACE
 
     def hold(self, worker_id: str) -> None:
         self.dispatch.inflight.add(worker_id, self.own_tokens, self.key, self.prefix)
@@ -167,9 +169,10 @@ class Attempt:
         self.count += 1
         self.hold(worker.id)
         url = worker.info.url + self.path
+        headers = self.trace.attempt(self.headers, self, choice, url)
         try:
             with dispatch.waits.waiting(worker.id):
-                resp = await dispatch.upstream.post(url, body(worker) if body else self.body, self.headers, self.stream,
+                resp = await dispatch.upstream.post(url, body(worker) if body else self.body, headers, self.stream,
                                                  self.first_byte_timeout() if self.stream else self.answer_timeout(worker))
         except UpstreamError as exc:
             self.release(worker.id)
@@ -177,6 +180,7 @@ class Attempt:
         except BaseException:  # cancelled: the client hung up, the engine's request is closed
             self.release(worker.id)
             raise
+        self.trace.attempt_status(resp.status)
         if self.stream and resp.status == 200:
             return choice, resp, (200, b"")
         try:
@@ -198,6 +202,7 @@ class Attempt:
             data = openai_error_body(resp.status, data)
             if (tokens := refused_prompt_tokens(resp.status, data)) is not None:
                 self._refused(worker, tokens, data)
+        self.trace.attempt_end()
         return choice, None, (resp.status, data)
 
     def _refused(self, worker: WorkerView, tokens: int, data: bytes) -> None:
@@ -269,6 +274,7 @@ class Attempt:
 
     def _failed(self, worker: WorkerView, error: GatewayError, sick: bool = True) -> NoReturn:
         self.last_error = error
+        self.trace.attempt_end(error.message)
         if sick:
             self.dispatch.breakers.failure(worker.id, error.message)
         log.warning("gateway.attempt_failed", worker=worker.id, attempt=self.count, error=error.message)
@@ -336,5 +342,6 @@ async def _retry(attempt: Attempt, failure: Retryable, metrics: GatewayMetrics) 
 
 def _log_retry(attempt: Attempt, metrics: GatewayMetrics) -> None:
     metrics.retry(attempt.facts.model)
+    attempt.trace.retry(attempt.count + 1, attempt.last_error.message if attempt.last_error else "")
     log.info("gateway.retry", model=attempt.facts.model, attempt=attempt.count + 1,
              error=attempt.last_error.message if attempt.last_error else "")

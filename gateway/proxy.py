@@ -49,6 +49,7 @@ from gateway.resume import StreamTracker, unresumable, with_usage
 from gateway.routing import Live, Policy, RequestFacts
 from gateway.settings import GatewaySettings
 from gateway.tokenizers import Tokenizers
+from gateway.tracing import RequestTrace, Tracing
 from gateway.upstream import Upstream
 from gateway.waiting import FirstByteWaits
 
@@ -78,6 +79,7 @@ class Proxy:
     placement: Placement
     admission: Admission
     tokenizers: Tokenizers = field(default_factory=Tokenizers)
+    tracing: Tracing = field(default_factory=Tracing)
     seq: int = 0
     live: Live = field(init=False)
     waits: FirstByteWaits = field(init=False)
@@ -106,19 +108,31 @@ class Proxy:
         started = time.perf_counter()
         self.seq += 1
         request_id = header("x-request-id") or self._next_id()
+        trace = self.tracing.start(header, path, request_id)
         try:
-            return await self._serve(body, header, path, kind, key_id, request_id, started)
+            reply = await self._serve(body, header, path, kind, key_id, request_id, started, trace)
         except GatewayError as exc:
+            trace.end(exc.status, error=exc.code)
             if exc.request_id is None:  # refused before routing (a bad body): not logged yet
                 exc.request_id = request_id
                 outcomes.failed(self.metrics, exc, started, request_id=request_id, key_id=key_id)
             raise
+        except asyncio.CancelledError:  # the client hung up, or the server stops
+            trace.end(outcomes.CLIENT_GONE, "client_gone")
+            raise
+        except Exception:
+            trace.end(500, error="internal_error")
+            raise
+        if reply.stream is None:  # a stream's trace ends with it (gateway/relay.py)
+            trace.end(reply.status)
+        return reply
 
     async def _serve(
         self, body: bytes, header: Callable[[str], str | None], path: str, kind: str, key_id: str,
-        request_id: str, started: float,
+        request_id: str, started: float, trace: RequestTrace,
     ) -> Reply:
         probe = parse_request(body, kind)
+        trace.described(probe.model, probe.stream)
         snapshot = self.watcher.snapshot
         session = header("x-session-id") or probe.user
         is_adapter = snapshot.models.get(probe.model, "") != ""
@@ -162,7 +176,8 @@ class Proxy:
         if hide_usage:  # count every stream's tokens: ask the engine for usage anyway
             body = with_usage(body)
         attempt = Attempt(self.dispatch, path, kind, body, probe.stream, facts, floor)
-        attempt.headers = {**FORWARD_HEADERS, "x-request-id": request_id}
+        attempt.headers = {**FORWARD_HEADERS, "x-request-id": request_id, **trace.forward}
+        attempt.trace = trace
         try:
             result = await attempts.run(attempt, self.admission, self.metrics)
         except GatewayError as exc:

@@ -86,6 +86,7 @@ async def relay(
             except (aiohttp.ClientError, TimeoutError, StreamBroke, WorkerWentAway) as exc:
                 reason = "stalled" if isinstance(exc, TimeoutError) else type(exc).__name__
                 dispatch.breakers.failure(worker.id, f"stream {reason}")
+                attempt.trace.stream_broke(worker.id, reason)
                 resp.close()
                 attempt.release(worker.id)
                 counted = False
@@ -113,6 +114,7 @@ async def relay(
                 worker = choice.worker
                 counted = True
                 metrics.resumed_stream(str(fields["model"]))
+                attempt.trace.resumed(worker.id, resumes)
                 tracker.start_segment()
                 log.info("gateway.stream_resumed", worker=worker.id, resumes=resumes,
                          sent_chunks=tracker.content_chunks, request_id=fields["request_id"])
@@ -128,6 +130,7 @@ async def relay(
             else:
                 resp.close()
             attempt.release(worker.id)
+        attempt.trace.end(200, outcome)
         elapsed = time.perf_counter() - started
         tokens = tokens if tokens[1] else tracker.hidden_usage
         metrics.request_done(

@@ -93,6 +93,10 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     responses_ttl_s: float = 86400.0
     # Largest request body accepted (413 above it).
     max_body_bytes: int = 32 * 1024 * 1024
+    # OpenTelemetry: the OTLP/HTTP traces URL (http://collector:4318/v1/traces) spans are
+    # sent to; empty: no tracing (a client's traceparent still reaches the engine).
+    tracing_endpoint: str = ""
+    tracing_service: str = "fleetgate-gateway"
     log_level: str = "info"
     log_json: bool | None = None
 
@@ -107,6 +111,7 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         out["registration_secret"] = "***" if self.registration_secret else ""
         out["api_keys"] = [f"***{k[-4:]}" if len(k) > 8 else "***" for k in self.api_keys]
         out["redis_url"] = _mask_url(self.redis_url)
+        out["tracing_endpoint"] = _mask_url(self.tracing_endpoint)
         return out
 
 
@@ -118,6 +123,10 @@ def _mask_url(url: str) -> str:
 
 
 _ENV = {
+    # The OpenTelemetry standard names first: fleetgate's own win over them.
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "tracing_endpoint",
+    "OTEL_SERVICE_NAME": "tracing_service",
+    "FLEETGATE_OTLP_ENDPOINT": "tracing_endpoint",
     "FLEETGATE_REDIS_URL": "redis_url",
     "FLEETGATE_REDIS_PREFIX": "redis_prefix",
     "FLEETGATE_ADMIN_TOKEN": "admin_token",
