@@ -44,6 +44,7 @@ from gateway.lora_state import LoraState
 from gateway.metrics import GatewayMetrics, metrics_endpoint
 from gateway.openapi import ModelsOperation, StoredResponseOperation, proxied_operation
 from gateway.placement import Placement
+from gateway.priorities import Priorities, PriorityCollector
 from gateway.proxy import Proxy
 from gateway.ratelimit import RateLimiter
 from gateway.requests import KINDS
@@ -221,14 +222,16 @@ def create_app(settings: GatewaySettings) -> Litestar:
                               heavy_share=getattr(opts, "heavy_share", 0.3))
         # The queue is as long as the fleet is wide (every worker's batch once), at least queue_max.
         admission = Admission(lambda: max(settings.queue_max, sum(
-            w.info.capacity for w in watcher.snapshot.workers if w.routable)))
+            w.info.capacity for w in watcher.snapshot.workers if w.routable)), weights=priorities.weights)
         proxy = Proxy(
             settings, watcher, upstream, policy, inflight, breakers, metrics, placer, placement, admission,
+            priorities=priorities,
             tokenizers=Tokenizers(settings.tokenizers,
                                   (lambda: watcher.snapshot) if settings.registered_tokenizers else None),
             tracing=tracing,
         )
         metrics.registry.register(ScalingCollector(lambda: current(watcher, inflight, admission)))
+        metrics.registry.register(PriorityCollector(admission, list(priorities.classes)))
         exposed = open_data_plane(settings.host, settings.api_keys)
         app.state["gw"] = Gateway(
             settings, registry, watcher, proxy, frozenset(digest(k) for k in settings.api_keys),
@@ -261,6 +264,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
             log.info("gateway.stopped")
 
     make_policy(settings.policy, settings.routing)  # fail at start-up, not on the first request
+    priorities = Priorities.from_settings(settings)
     return Litestar(
         route_handlers=[
             *(_proxy_route(path, kind) for path, kind in KINDS.items()),

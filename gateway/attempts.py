@@ -42,6 +42,7 @@ from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
 from gateway.metrics import GatewayMetrics
 from gateway.placement import Placement
+from gateway.priorities import Priority
 from gateway.routing import Choice, Live, Policy, RequestFacts, decide
 from gateway.routing.table import Slot
 from gateway.settings import GatewaySettings
@@ -54,6 +55,7 @@ log = structlog.get_logger("gateway.proxy")
 FORWARD_HEADERS = {"content-type": "application/json"}
 # What a request without max_tokens is expected to generate, for the KV account.
 _DEFAULT_COMPLETION_TOKENS = 256
+_DEFAULT_PRIORITY = Priority("default")
 
 
 class Retryable(Exception):
@@ -124,6 +126,11 @@ class Attempt:
         self.key = facts.affinity_key
         self.headers = FORWARD_HEADERS
         self.trace: RequestTrace = NO_TRACE
+        # Its priority class (gateway/priorities.py), the key it is queued fairly among
+        # ("": all one line), and when a worker counts full for it (its class's share).
+        self.priority = _DEFAULT_PRIORITY
+        self.tenant = ""
+        self.full_at = dispatch.settings.full_at
 
     def hold(self, worker_id: str) -> None:
         self.dispatch.inflight.add(worker_id, self.own_tokens, self.key, self.prefix)
@@ -150,7 +157,7 @@ class Attempt:
         """The limit every eligible worker is at ("slots", "kv"), or None when one has room."""
         dispatch = self.dispatch
         decision = decide(dispatch.watcher.snapshot.routes, self.facts, dispatch.live, dispatch.policy,
-                          self.tried, limit=1, full_at=dispatch.settings.full_at)
+                          self.tried, limit=1, full_at=self.full_at)
         return decision.why or "slots" if decision.verdict == "saturated" else None
 
     async def next(self, body: Callable[[WorkerView], bytes] | None = None) -> Result:
@@ -232,7 +239,7 @@ class Attempt:
         dispatch = self.dispatch
         routes = dispatch.watcher.snapshot.routes
         # Shed load on a request's first attempt only: a retry or a resume has waited enough.
-        full_at = dispatch.settings.full_at if self.count == 0 else None
+        full_at = self.full_at if self.count == 0 else None
         decision = decide(routes, self.facts, dispatch.live, dispatch.policy, self.tried, limit=1,
                           full_at=full_at)
         if decision.verdict == "saturated":
@@ -304,11 +311,14 @@ async def run(attempt: Attempt, admission: Admission, metrics: GatewayMetrics) -
 
 async def _wait_for_room(attempt: Attempt, admission: Admission) -> None:
     """Hold a request while every eligible worker is full; bounded in count and time."""
-    settings = attempt.dispatch.settings
+    settings, priority = attempt.dispatch.settings, attempt.priority
+    timeout = settings.queue_timeout_s if priority.queue_timeout_s is None else priority.queue_timeout_s
     if attempt.queue_deadline is None:
-        attempt.queue_deadline = time.monotonic() + settings.queue_timeout_s
-    await admission.wait(attempt.facts.model, attempt.saturated, attempt.queue_deadline,
-                              retry_after=max(1.0, settings.queue_timeout_s / 2))
+        attempt.queue_deadline = time.monotonic() + timeout
+    facts = attempt.facts
+    await admission.wait(facts.model, attempt.saturated, attempt.queue_deadline, retry_after=max(1.0, timeout / 2),
+                         priority=priority.name, key=attempt.tenant,
+                         tokens=facts.prompt_tokens + (facts.max_tokens or _DEFAULT_COMPLETION_TOKENS))
 
 async def _hold(attempt: Attempt, admission: Admission, slot: Slot) -> None:
     """Wait, at most `hold_max_s`, until `slot` has KV room for the request by the account

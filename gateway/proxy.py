@@ -36,6 +36,8 @@ from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
 from gateway.metrics import GatewayMetrics, usage_of
 from gateway.placement import Placement
+from gateway.priorities import HEADER as PRIORITY_HEADER
+from gateway.priorities import Priorities
 from gateway.relay import relay
 from gateway.requests import (
     GENERATES,
@@ -80,12 +82,16 @@ class Proxy:
     admission: Admission
     tokenizers: Tokenizers = field(default_factory=Tokenizers)
     tracing: Tracing = field(default_factory=Tracing)
+    # Priority classes (gateway/priorities.py); None: from the settings.
+    priorities: Priorities | None = None
     seq: int = 0
     live: Live = field(init=False)
     waits: FirstByteWaits = field(init=False)
     dispatch: Dispatch = field(init=False)
+    classes: Priorities = field(init=False)
 
     def __post_init__(self) -> None:
+        self.classes = self.priorities or Priorities.from_settings(self.settings)
         self.waits = FirstByteWaits(lambda: self.watcher.snapshot)
         self.live = self.placement.live(Live(self.inflight, self.inflight.tokens))
         self.inflight.on_done = self.admission.wake
@@ -133,6 +139,7 @@ class Proxy:
     ) -> Reply:
         probe = parse_request(body, kind)
         trace.described(probe.model, probe.stream)
+        priority = self.classes.priority_of(key_id, header(PRIORITY_HEADER))
         snapshot = self.watcher.snapshot
         session = header("x-session-id") or probe.user
         is_adapter = snapshot.models.get(probe.model, "") != ""
@@ -178,6 +185,9 @@ class Proxy:
         attempt = Attempt(self.dispatch, path, kind, body, probe.stream, facts, floor)
         attempt.headers = {**FORWARD_HEADERS, "x-request-id": request_id, **trace.forward}
         attempt.trace = trace
+        attempt.priority, attempt.full_at = priority, priority.full_at(attempt.full_at)
+        if self.classes.enabled:
+            attempt.tenant = key_id
         try:
             result = await attempts.run(attempt, self.admission, self.metrics)
         except GatewayError as exc:
@@ -200,6 +210,8 @@ class Proxy:
             ("x-fleetgate-route", route),
             ("x-request-id", request_id),
         ]
+        if self.classes.enabled:
+            headers.append((PRIORITY_HEADER, priority.name))
         fields = {
             "request_id": request_id, "key_id": key_id, "model": probe.model, "adapter": facts.adapter,
             "worker": worker.id, "route": choice.reason, "attempts": attempt.count, "stream": probe.stream,

@@ -20,6 +20,15 @@ class AdapterSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     base: str
 
 
+class PriorityClass(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """A priority class (gateway/priorities.py): its weight in the admission queue, the share of
+    a worker it may fill, and its own queue timeout (None: `queue_timeout_s`)."""
+
+    weight: float = 1.0
+    share: float = 1.0
+    queue_timeout_s: float | None = None
+
+
 class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 8000
@@ -85,6 +94,13 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     hold_max_s: float = 0.5
     queue_max: int = 512
     queue_timeout_s: float = 10.0
+    # Priority classes and which keys are in which (docs/operations.md, "Priorities and
+    # fairness"): key_priority maps a key id (or the key's last 4+ characters) to a class;
+    # other keys are in default_priority. One `default` class: the queue is FIFO per model.
+    priority_classes: dict[str, PriorityClass] = msgspec.field(
+        default_factory=lambda: {"default": PriorityClass()})
+    key_priority: dict[str, str] = msgspec.field(default_factory=dict)
+    default_priority: str = "default"
     # Serve the OpenAI POST routes with a raw ASGI handler in front of Litestar (same logic,
     # a third less CPU per request).
     fast_path: bool = True
@@ -110,6 +126,7 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         out["admin_token"] = "***" if self.admin_token else ""
         out["registration_secret"] = "***" if self.registration_secret else ""
         out["api_keys"] = [f"***{k[-4:]}" if len(k) > 8 else "***" for k in self.api_keys]
+        out["key_priority"] = {(f"***{k[-4:]}" if len(k) > 8 else k): v for k, v in self.key_priority.items()}
         out["redis_url"] = _mask_url(self.redis_url)
         out["tracing_endpoint"] = _mask_url(self.tracing_endpoint)
         return out
