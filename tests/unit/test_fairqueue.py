@@ -286,3 +286,36 @@ def test_one_class_is_first_come_first_served() -> None:
         return order
 
     assert asyncio.run(main()) == [0, 1, 2, 3, 4]
+
+
+def test_within_a_class_keys_are_admitted_by_tokens_not_requests() -> None:
+    """A key of 1,000-token requests queued first, then a key of 100-token ones: of the next 11
+    admissions the small key gets 10 (the same tokens as the big key's one)."""
+
+    async def main() -> list[str]:
+        admission = Admission(limit=lambda: 100, recheck_s=5.0, weights={"default": 1.0, "batch": 0.5})
+        room = [0]
+        order: list[str] = []
+        eleven = asyncio.Event()
+
+        async def one(key: str, tokens: int) -> None:
+            await admission.wait("m", lambda: None if room[0] > 0 else "slots", time.monotonic() + 10, 1.0,
+                                 priority="default", key=key, tokens=tokens)
+            room[0] -= 1
+            order.append(key)
+            if len(order) == 11:
+                eleven.set()
+
+        tasks = [asyncio.create_task(one("big", 1000)) for _ in range(5)]
+        await asyncio.sleep(0.01)
+        tasks += [asyncio.create_task(one("small", 100)) for _ in range(20)]
+        await asyncio.sleep(0.01)
+        room[0] = 11
+        admission.wake()
+        await eleven.wait()
+        room[0] = 100
+        admission.wake()
+        await asyncio.gather(*tasks)
+        return order[:11]
+
+    assert Counter(asyncio.run(main())) == {"big": 1, "small": 10}
