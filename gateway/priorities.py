@@ -111,10 +111,12 @@ def _key_ids(key_priority: Mapping[str, str], api_keys: tuple[str, ...]) -> dict
     ids = {key: digest(key)[:4].hex() for key in api_keys}
     out: dict[str, str] = {}
     for name, cls in key_priority.items():
-        matches = [kid for key, kid in ids.items() if len(name) >= 4 and key.endswith(name)]
-        if len(matches) > 1:
-            raise ValueError(f"key_priority entry `...{name[-4:]}` ends more than one API key; use key ids")
-        out[matches[0] if matches else name] = cls
+        matches = {kid for kid in ids.values() if kid == name} or {
+            kid for key, kid in ids.items() if len(name) >= 4 and key.endswith(name)}
+        if len(matches) != 1:  # a mistyped entry fails loudly, never silently leaves a key default
+            raise ValueError(f"key_priority entry `{name[-4:]}` is the id or the end of "
+                             f"{'no' if not matches else 'more than one'} configured API key")
+        out[matches.pop()] = cls
     return out
 
 

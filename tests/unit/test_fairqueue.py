@@ -179,7 +179,11 @@ def test_default_settings_are_one_fifo_class_and_bad_names_fail_at_start() -> No
     assert not plain.enabled and list(plain.classes) == ["default"]
     assert plain.priority_of("", None).full_at(FullAt()) == FullAt()
     with pytest.raises(ValueError, match="not a priority class"):
-        Priorities.from_settings(GatewaySettings(key_priority={"abcd1234": "vip"}))
+        Priorities.from_settings(GatewaySettings(api_keys=KEYS, key_priority={"0001": "vip"}))
+    with pytest.raises(ValueError, match="no configured API key"):
+        Priorities.from_settings(GatewaySettings(api_keys=KEYS, key_priority={"9999": "default"}))
+    with pytest.raises(ValueError, match="more than one"):
+        Priorities.from_settings(GatewaySettings(api_keys=("sk-a-0001", "sk-b-0001"), key_priority={"0001": "default"}))
     with pytest.raises(ValueError, match="share"):
         Priorities.from_settings(GatewaySettings(priority_classes={"default": PriorityClass(share=0)}))
 
