@@ -10,6 +10,7 @@ import msgspec
 import yaml
 
 from fleetgate.registry import DEFAULT_HEARTBEAT_TTL_S, DEFAULT_PREFIX
+from gateway.aliases import AliasTarget
 from gateway.routing.base import FullAt
 
 
@@ -47,6 +48,10 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     routing: dict[str, float | int] = msgspec.field(default_factory=dict)
     # LoRA adapters the gateway may place on runtime-loading workers: name -> path, base.
     adapters: dict[str, AdapterSpec] = msgspec.field(default_factory=dict)
+    # Public model names -> the models/adapters they send to, by weight; and model -> the
+    # models a request goes to when its own has no capacity or context (gateway/aliases.py).
+    aliases: dict[str, tuple[AliasTarget, ...]] = msgspec.field(default_factory=dict)
+    fallbacks: dict[str, tuple[str, ...]] = msgspec.field(default_factory=dict)
     # Base model name -> tokenizer.json, for exact prompt token counts; wins over the path a
     # worker registered (gateway/tokenizers.py); else the prompt is estimated.
     tokenizers: dict[str, str] = msgspec.field(default_factory=dict)
