@@ -121,3 +121,46 @@ def test_fallback_takes_a_prompt_too_long_for_the_model(fleet: tuple[Fleet, str]
     assert _chat(url, "small-ctx").headers["x-fleetgate-model"] == "small-ctx"
     metrics = httpx.get(f"{url}/metrics").text
     assert 'fleetgate_fallbacks_total{fallback="beta",model="small-ctx",reason="context_length"}' in metrics
+
+
+@pytest.fixture
+def busy_fleet(fleet_factory: Callable[[], Fleet], tmp_path: Path) -> Iterator[str]:
+    """alpha on one worker of batch 1 (full at one request: shed_queue_ratio 0), gamma on a
+    worker whose engine fails every request; both fall back to beta."""
+    fleet = fleet_factory()
+    config = _config(tmp_path, fallbacks={"alpha": ["beta"], "gamma": ["beta"]}, shed_queue_ratio=0)
+    _, url = fleet.gateway("--config", config)
+    fleet.worker("a", "--model", "alpha", "--option", "time_scale=1.0", "--option", "max_num_seqs=1")
+    fleet.worker("b", "--model", "beta", *FAST)
+    fleet.worker("g", "--model", "gamma", *FAST, "--option", "faults=[error_rate=1.0]", "--no-warmup")
+    fleet.wait_ready(url, "a", "b", "g")
+    yield url
+
+
+def test_fallback_takes_requests_while_every_worker_is_full(busy_fleet: str) -> None:
+    """While a long stream fills alpha's only slot, requests for alpha are answered by beta at
+    once (not queued, not 429); once it ends, alpha answers again."""
+    url = busy_fleet
+    body = {"model": "alpha", "stream": True, "max_tokens": 400, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "a long story"}]}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as stream:
+        assert stream.headers["x-fleetgate-model"] == "alpha"
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))  # alpha is generating
+        replies = [_chat(url, "alpha") for _ in range(3)]
+        assert [r.headers["x-fleetgate-model"] for r in replies] == ["beta"] * 3, [r.text for r in replies]
+        assert all(r.status_code == 200 and r.json()["model"] == "beta" for r in replies)
+        stream.close()
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'fleetgate_fallbacks_total{fallback="beta",model="alpha",reason="no_capacity"} 3.0' in metrics
+    wait_until(lambda: _chat(url, "alpha").headers["x-fleetgate-model"] == "alpha", timeout=30, interval=0.5)
+
+
+def test_fallback_takes_requests_its_engines_fail(busy_fleet: str) -> None:
+    """gamma's engine answers 500 to everything: after the retries (then with its circuit
+    open) the request gets beta's answer instead of a 502/503."""
+    url = busy_fleet
+    for _ in range(5):
+        reply = _chat(url, "gamma")
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["x-fleetgate-model"] == "beta" and "x-fleetgate-alias" not in reply.headers
