@@ -97,6 +97,8 @@ def pick(targets: Sequence[AliasTarget], key: str, alias: str) -> str:
 
 def resolve(aliases: Aliases, fallbacks: Fallbacks, model: str, key: str) -> Route:
     """The models a request for `model` with affinity `key` is sent to, first to last."""
+    if model not in fallbacks and model not in aliases:
+        return Route((model,))  # the common case, on every request: no work
     targets = aliases.get(model)
     if targets is None:
         chain = [model, *fallbacks.get(model, ())]

@@ -11,6 +11,7 @@ message and exits with status 2, as for a bad flag.
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import typing
 from collections.abc import Iterable, Mapping
@@ -66,7 +67,7 @@ def check(settings: GatewaySettings) -> list[str]:
     except msgspec.ValidationError as exc:
         if "unknown field" not in str(exc):
             out.append(f"bad `routing` knob: {_message(exc)}")
-    if settings.log_level.lower() not in LOG_LEVELS:
+    if not isinstance(logging.getLevelName(settings.log_level.upper()), int):  # WARN is one too
         out.append(_unknown("`log_level`", settings.log_level, LOG_LEVELS))
     out.extend(problems(settings.aliases, settings.fallbacks))
     return out
