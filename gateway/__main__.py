@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
-import msgspec
 import uvicorn
 import yaml
 
 from fleetgate.logs import configure_logging
 from gateway.app import create_asgi
-from gateway.settings import load_settings
+from gateway.settings_check import SettingsError, load_checked
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "gateway.yaml"
 
@@ -37,11 +37,17 @@ def main(argv: list[str] | None = None) -> None:
         key, sep, value = pair.partition("=")
         if not sep:
             parser.error(f"--set needs KEY=VALUE, got {pair!r}")
-        overrides[key.strip().replace("-", "_")] = yaml.safe_load(value)
+        try:
+            overrides[key.strip().replace("-", "_")] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            parser.error(f"--set {key.strip()}: the value is not valid YAML: {value!r}")
+    if args.config != str(DEFAULT_CONFIG) and not Path(args.config).exists():
+        parser.error(f"--config {args.config}: no such file")
     try:
-        settings = load_settings(args.config, overrides)
-    except msgspec.ValidationError as exc:
-        parser.error(f"bad setting: {exc}")
+        settings = load_checked(args.config, overrides)
+    except SettingsError as exc:
+        parser.print_usage(sys.stderr)
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     configure_logging(settings.log_level, settings.log_json)
     uvicorn.run(
         create_asgi(settings),

@@ -25,6 +25,7 @@ from fleetgate.registry import Registry, connect
 from gateway import front
 from gateway.adapters import AdapterPlacer
 from gateway.admission import Admission
+from gateway.aliases import listed
 from gateway.api.admin import HANDLERS as ADMIN_HANDLERS
 from gateway.auth import check_api_key, digest, open_data_plane
 from gateway.circuit import Breakers
@@ -122,7 +123,8 @@ async def cancel_response(request: Request, state: State, response_id: str) -> R
 async def list_models(request: Request, state: State) -> Response:
     gw = gw_of(state)
     _check_client(gw, request)
-    return Response(content=gw.watcher.snapshot.models_json, media_type="application/json")
+    return Response(content=listed(gw.settings.aliases, gw.watcher.snapshot.models_json),
+                    media_type="application/json")
 
 
 @get("/v1/models/{model_id:path}")
@@ -131,6 +133,10 @@ async def get_model(request: Request, state: State, model_id: str) -> Response:
     _check_client(gw, request)
     name = model_id.lstrip("/")
     models = gw.watcher.snapshot.models
+    if (targets := gw.settings.aliases.get(name)) is not None:
+        body = {"id": name, "object": "model", "owned_by": "fleetgate", "parent": None,
+                "fleetgate_alias_of": [t.model for t in targets]}
+        return Response(content=msgspec.json.encode(body), media_type="application/json")
     if name not in models:
         raise gw.watcher.absent(ModelNotFound(f"The model `{name}` does not exist.", param="model"), name)
     body = {"id": name, "object": "model", "owned_by": "fleetgate", "parent": models[name] or None}

@@ -131,6 +131,9 @@ class Attempt:
         self.priority = _DEFAULT_PRIORITY
         self.tenant = ""
         self.full_at = dispatch.settings.full_at
+        # The request has a fallback model (gateway/aliases.py): when this one is full or its
+        # context too small, raise at once (no queueing, no engine 400) so the fallback gets it.
+        self.falls_back = False
 
     def hold(self, worker_id: str) -> None:
         self.dispatch.inflight.add(worker_id, self.own_tokens, self.key, self.prefix)
@@ -216,6 +219,8 @@ class Attempt:
         """The engine's context is too small for the prompt: try a roomier worker, if any."""
         facts = refit(self.facts, self.dispatch.watcher.snapshot.routes, self.tried, tokens)
         if facts is None:
+            if self.falls_back:
+                raise ContextLengthExceeded(error_message(data), param="messages")
             return
         self.facts, self.floor = facts, tokens
         log.info("gateway.context_refused", worker=worker.id, prompt_tokens=tokens,
@@ -302,6 +307,8 @@ async def run(attempt: Attempt, admission: Admission, metrics: GatewayMetrics) -
             attempt.replaced = True  # evicted between its placement and now: place it again
             await placer.ensure(model)
         except Saturated:
+            if attempt.falls_back:
+                raise Overloaded(f"Every worker of `{model}` is full.", retry_after=1) from None
             await _wait_for_room(attempt, admission)
         except Held as held:
             await _hold(attempt, admission, held.slot)

@@ -24,11 +24,13 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import structlog
 
 from gateway import attempts, outcomes
 from gateway.adapters import AdapterPlacer
 from gateway.admission import Admission
+from gateway.aliases import fallback_reason, resolve, with_model
 from gateway.attempts import FORWARD_HEADERS, Attempt, Dispatch
 from gateway.circuit import Breakers
 from gateway.errors import GatewayError, InvalidRequest, ModelNotFound
@@ -41,6 +43,7 @@ from gateway.priorities import Priorities
 from gateway.relay import relay
 from gateway.requests import (
     GENERATES,
+    Probe,
     affinity,
     estimate_tokens,
     parse_request,
@@ -140,8 +143,87 @@ class Proxy:
         probe = parse_request(body, kind)
         trace.described(probe.model, probe.stream)
         priority = self.classes.priority_of(key_id, header(PRIORITY_HEADER))
-        snapshot = self.watcher.snapshot
         session = header("x-session-id") or probe.user
+        # The alias's model for this session (else request), then its fallbacks (gateway/aliases.py).
+        plan = resolve(self.settings.aliases, self.settings.fallbacks, probe.model, session or request_id)
+        last = len(plan.models) - 1
+        error: GatewayError | None = None
+        for tried, model in enumerate(plan.models):
+            if model != probe.model:  # the engine gets, and answers with, the real model's name
+                probe, body = msgspec.structs.replace(probe, model=model), with_model(body, model)
+            attempt, body, hide_usage = await self._attempt(probe, body, path, kind, session, request_id)
+            attempt.falls_back = tried < last
+            attempt.headers = {**attempt.headers, **trace.forward}
+            attempt.trace = trace
+            attempt.priority, attempt.full_at = priority, priority.full_at(attempt.full_at)
+            if self.classes.enabled:
+                attempt.tenant = key_id
+            try:
+                result = await attempts.run(attempt, self.admission, self.metrics)
+                break
+            except GatewayError as exc:
+                reason = fallback_reason(exc) if tried < last else None
+                if reason is not None:
+                    error = error or exc
+                    self.metrics.fallback(model, plan.models[tried + 1], reason)
+                    log.info("gateway.fallback", request_id=request_id, model=model,
+                             fallback=plan.models[tried + 1], reason=reason, error=exc.message)
+                    continue
+                if isinstance(exc, ModelNotFound):  # a fallback no worker serves: the first error stands
+                    exc = error or self.watcher.absent(exc, probe.model)
+                self._failed_request(request_id, key_id, probe.model, probe.stream, attempt, exc, started)
+                raise exc from None
+            except asyncio.CancelledError:  # the client hung up (gateway/front.py) or the server stops
+                outcomes.client_gone(self.metrics, started, request_id=request_id, key_id=key_id,
+                                     model=probe.model, stream=probe.stream)
+                raise
+        facts = attempt.facts
+        choice, resp, data = result
+        worker = choice.worker
+        route = f"{self.policy.name}:{choice.reason}"
+        self.metrics.record_decision(request_id, probe.model, worker.id, route, attempt.count,
+                                     200 if resp is not None else data[0])
+        if attempt.count > 1:
+            self.metrics.failover(probe.model)
+        headers = [
+            ("x-fleetgate-worker", worker.id),
+            ("x-fleetgate-route", route),
+            ("x-request-id", request_id),
+            ("x-fleetgate-model", probe.model),
+            *((("x-fleetgate-alias", plan.alias),) if plan.alias else ()),
+        ]
+        if self.classes.enabled:
+            headers.append((PRIORITY_HEADER, priority.name))
+        fields = {
+            "request_id": request_id, "key_id": key_id, "model": probe.model, "adapter": facts.adapter,
+            "worker": worker.id, "route": choice.reason, "attempts": attempt.count, "stream": probe.stream,
+            "alias": plan.alias, "fallback_from": plan.models[0] if error is not None else None,
+        }
+        stores = kind == "responses" and probe.store is not False
+        if resp is not None:
+            tracker: StreamTracker | ResponsesTracker = (
+                ResponsesTracker() if kind == "responses"
+                else StreamTracker(kind, lambda sent: unresumable(body, kind, sent), hide_usage)
+            )
+            return Reply(200, headers, stream=relay(attempt, choice, resp, tracker, self.metrics, started, fields, stores))
+        status, payload = data
+        if stores and status == 200 and (response_id := response_id_of(payload)):
+            await remember(self.watcher, response_id, worker.id, self.settings.responses_ttl_s)
+        elapsed = time.perf_counter() - started
+        prompt_tokens, completion_tokens = usage_of(payload) if status == 200 else (0, 0)
+        self.metrics.request_done(probe.model, worker.id, status, False, elapsed, None,
+                                  prompt_tokens, completion_tokens)
+        log.info("gateway.request", **fields, status=status, ms=round(elapsed * 1000, 2),
+                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 error=outcomes.error_code(payload) if status >= 400 else None)
+        return Reply(status, headers, body=payload)
+
+    async def _attempt(
+        self, probe: Probe, body: bytes, path: str, kind: str, session: str | None, request_id: str,
+    ) -> tuple[Attempt, bytes, bool]:
+        """The attempts at sending `body` (a request for `probe.model`), with its routing facts;
+        the body as sent, and whether the client's stream hides the usage chunk."""
+        snapshot = self.watcher.snapshot
         is_adapter = snapshot.models.get(probe.model, "") != ""
         generates = kind in GENERATES
         key, key_kind = (None, None)
@@ -183,57 +265,8 @@ class Proxy:
         if hide_usage:  # count every stream's tokens: ask the engine for usage anyway
             body = with_usage(body)
         attempt = Attempt(self.dispatch, path, kind, body, probe.stream, facts, floor)
-        attempt.headers = {**FORWARD_HEADERS, "x-request-id": request_id, **trace.forward}
-        attempt.trace = trace
-        attempt.priority, attempt.full_at = priority, priority.full_at(attempt.full_at)
-        if self.classes.enabled:
-            attempt.tenant = key_id
-        try:
-            result = await attempts.run(attempt, self.admission, self.metrics)
-        except GatewayError as exc:
-            error = self.watcher.absent(exc, probe.model) if isinstance(exc, ModelNotFound) else exc
-            self._failed_request(request_id, key_id, probe.model, probe.stream, attempt, error, started)
-            raise error from None
-        except asyncio.CancelledError:  # the client hung up (gateway/front.py) or the server stops
-            outcomes.client_gone(self.metrics, started, request_id=request_id, key_id=key_id, model=probe.model,
-                                 stream=probe.stream)
-            raise
-        choice, resp, data = result
-        worker = choice.worker
-        route = f"{self.policy.name}:{choice.reason}"
-        self.metrics.record_decision(request_id, probe.model, worker.id, route, attempt.count,
-                                     200 if resp is not None else data[0])
-        if attempt.count > 1:
-            self.metrics.failover(probe.model)
-        headers = [
-            ("x-fleetgate-worker", worker.id),
-            ("x-fleetgate-route", route),
-            ("x-request-id", request_id),
-        ]
-        if self.classes.enabled:
-            headers.append((PRIORITY_HEADER, priority.name))
-        fields = {
-            "request_id": request_id, "key_id": key_id, "model": probe.model, "adapter": facts.adapter,
-            "worker": worker.id, "route": choice.reason, "attempts": attempt.count, "stream": probe.stream,
-        }
-        stores = kind == "responses" and probe.store is not False
-        if resp is not None:
-            tracker: StreamTracker | ResponsesTracker = (
-                ResponsesTracker() if kind == "responses"
-                else StreamTracker(kind, lambda sent: unresumable(body, kind, sent), hide_usage)
-            )
-            return Reply(200, headers, stream=relay(attempt, choice, resp, tracker, self.metrics, started, fields, stores))
-        status, payload = data
-        if stores and status == 200 and (response_id := response_id_of(payload)):
-            await remember(self.watcher, response_id, worker.id, self.settings.responses_ttl_s)
-        elapsed = time.perf_counter() - started
-        prompt_tokens, completion_tokens = usage_of(payload) if status == 200 else (0, 0)
-        self.metrics.request_done(probe.model, worker.id, status, False, elapsed, None,
-                                  prompt_tokens, completion_tokens)
-        log.info("gateway.request", **fields, status=status, ms=round(elapsed * 1000, 2),
-                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 error=outcomes.error_code(payload) if status >= 400 else None)
-        return Reply(status, headers, body=payload)
+        attempt.headers = {**FORWARD_HEADERS, "x-request-id": request_id}
+        return attempt, body, hide_usage
 
     def _failed_request(
         self, request_id: str, key_id: str, model: str, stream: bool, attempt: Attempt, exc: GatewayError,

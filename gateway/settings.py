@@ -10,6 +10,7 @@ import msgspec
 import yaml
 
 from fleetgate.registry import DEFAULT_HEARTBEAT_TTL_S, DEFAULT_PREFIX
+from gateway.aliases import AliasTarget
 from gateway.routing.base import FullAt
 
 
@@ -56,6 +57,10 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     routing: dict[str, float | int] = msgspec.field(default_factory=dict)
     # LoRA adapters the gateway may place on runtime-loading workers: name -> path, base.
     adapters: dict[str, AdapterSpec] = msgspec.field(default_factory=dict)
+    # Public model names -> the models/adapters they send to, by weight; and model -> the
+    # models a request goes to when its own has no capacity or context (gateway/aliases.py).
+    aliases: dict[str, tuple[AliasTarget, ...]] = msgspec.field(default_factory=dict)
+    fallbacks: dict[str, tuple[str, ...]] = msgspec.field(default_factory=dict)
     # Base model name -> tokenizer.json, for exact prompt token counts; wins over the path a
     # worker registered (gateway/tokenizers.py); else the prompt is estimated.
     tokenizers: dict[str, str] = msgspec.field(default_factory=dict)
@@ -160,17 +165,33 @@ def load_settings(
     environ: dict[str, str] | None = None,
 ) -> GatewaySettings:
     """Build settings from a YAML file, the environment and explicit overrides (flags)."""
+    data, _ = gather(config_path, overrides, environ)
+    return msgspec.convert(data, GatewaySettings, strict=False)
+
+
+def gather(
+    config_path: str | os.PathLike[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The raw settings, and where each came from (the file, a variable, `flag`), unchecked."""
     env = os.environ if environ is None else environ
     data: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     if config_path is not None and Path(config_path).exists():
         loaded = yaml.safe_load(Path(config_path).read_text()) or {}
-        section = loaded.get("gateway", loaded)
-        if isinstance(section, dict):
-            data.update(section)
+        section = loaded.get("gateway", loaded) if isinstance(loaded, dict) else loaded
+        if not isinstance(section, dict):
+            raise msgspec.ValidationError(f"Expected `object`, got `{type(section).__name__}` - at `$`")
+        data.update(section)
+        sources.update(dict.fromkeys(section, str(config_path)))
     for var, field in _ENV.items():
         if env.get(var):
-            data[field] = env[var]
+            data[field], sources[field] = env[var], var
     if env.get("FLEETGATE_API_KEYS"):
         data["api_keys"] = [k.strip() for k in env["FLEETGATE_API_KEYS"].split(",") if k.strip()]
-    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    return msgspec.convert(data, GatewaySettings, strict=False)
+        sources["api_keys"] = "FLEETGATE_API_KEYS"
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    data.update(given)
+    sources.update(dict.fromkeys(given, "the command line"))
+    return data, sources
