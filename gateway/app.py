@@ -26,7 +26,8 @@ from gateway import front
 from gateway.adapters import AdapterPlacer
 from gateway.admission import Admission
 from gateway.api.admin import HANDLERS as ADMIN_HANDLERS
-from gateway.auth import check_api_key, digest, open_data_plane
+from gateway.api.tenants import HANDLERS as TENANT_HANDLERS
+from gateway.auth import open_data_plane
 from gateway.circuit import Breakers
 from gateway.errors import (
     REGISTRY_ERRORS,
@@ -52,6 +53,7 @@ from gateway.routing.homes import Homes
 from gateway.scaling import ScalingCollector, admin_scaling, current
 from gateway.settings import GatewaySettings
 from gateway.state import Gateway, gw_of
+from gateway.tenancy import ReloadSeed, open_tenancy
 from gateway.tokenizers import Tokenizers
 from gateway.ui import HANDLERS as UI_HANDLERS
 from gateway.upstream import Upstream
@@ -61,8 +63,8 @@ log = structlog.get_logger("gateway.app")
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
-def _check_client(gw: Gateway, request: Request) -> str:
-    return check_api_key(gw.api_key_digests, request.headers.get("authorization", ""))
+def _check_client(gw: Gateway, request: Request) -> None:
+    gw.tenants.directory.authenticate(request.headers.get("authorization", ""))
 
 
 # -- OpenAI API ---------------------------------------------------------------
@@ -185,7 +187,9 @@ def _internal_error(request: Request, exc: Exception) -> Response:
     return _gateway_error(request, GatewayError("Internal error in the gateway."))
 
 
-def create_app(settings: GatewaySettings) -> Litestar:
+def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None) -> Litestar:
+    """The gateway; `reload_seed` reads the config file again (on SIGHUP: gateway/tenancy.py)."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         redis = connect(settings.redis_url)
@@ -226,10 +230,13 @@ def create_app(settings: GatewaySettings) -> Litestar:
                                   (lambda: watcher.snapshot) if settings.registered_tokenizers else None),
         )
         metrics.registry.register(ScalingCollector(lambda: current(watcher, inflight, admission)))
-        exposed = open_data_plane(settings.host, settings.api_keys)
+        tenancy = await open_tenancy(settings, redis, registry.keys, metrics.registry, watcher.known.label,
+                                     reload_seed)
+        proxy.quota = tenancy.quota
+        exposed = open_data_plane(settings.host, (*settings.api_keys, *tenancy.store.directory.keys))
         app.state["gw"] = Gateway(
-            settings, registry, watcher, proxy, frozenset(digest(k) for k in settings.api_keys),
-            metrics, RateLimiter(registry, settings.rate_limit_rpm, settings.rate_limit_burst),
+            settings, registry, watcher, proxy, metrics,
+            RateLimiter(registry, settings.rate_limit_rpm, settings.rate_limit_burst), tenancy,
             (exposed,) if exposed else (),
         )
         with contextlib.suppress(Exception):  # Redis away at start: the placer's loop retries
@@ -246,6 +253,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
             yield
         finally:
             await placement.stop()
+            await tenancy.close()
             await proxy.waits.stop()
             await placer.close()
             await lora_state.stop()
@@ -261,7 +269,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
         route_handlers=[
             *(_proxy_route(path, kind) for path, kind in KINDS.items()),
             retrieve_response, cancel_response, list_models, get_model, health,
-            admin_scaling, metrics_endpoint, *ADMIN_HANDLERS, *UI_HANDLERS,
+            admin_scaling, metrics_endpoint, *ADMIN_HANDLERS, *TENANT_HANDLERS, *UI_HANDLERS,
         ],
         lifespan=[lifespan],
         exception_handlers={
@@ -277,7 +285,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
     )
 
 
-def create_asgi(settings: GatewaySettings) -> FastPath | Litestar:
+def create_asgi(settings: GatewaySettings, reload_seed: ReloadSeed | None = None) -> FastPath | Litestar:
     """The app to serve: the fast data path in front of `create_app(settings)`."""
-    app = create_app(settings)
+    app = create_app(settings, reload_seed)
     return FastPath(app) if settings.fast_path else app

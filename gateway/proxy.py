@@ -36,6 +36,7 @@ from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
 from gateway.metrics import GatewayMetrics, usage_of
 from gateway.placement import Placement
+from gateway.quota import Quota
 from gateway.relay import relay
 from gateway.requests import (
     GENERATES,
@@ -48,6 +49,7 @@ from gateway.responses import ResponsesTracker, forward_stored, owner_of, rememb
 from gateway.resume import StreamTracker, unresumable, with_usage
 from gateway.routing import Live, Policy, RequestFacts
 from gateway.settings import GatewaySettings
+from gateway.tenants import Tenant
 from gateway.tokenizers import Tokenizers
 from gateway.upstream import Upstream
 from gateway.waiting import FirstByteWaits
@@ -78,6 +80,8 @@ class Proxy:
     placement: Placement
     admission: Admission
     tokenizers: Tokenizers = field(default_factory=Tokenizers)
+    # Per-key limits and usage (gateway/quota.py); None: keys carry no limits.
+    quota: Quota | None = None
     seq: int = 0
     live: Live = field(init=False)
     waits: FirstByteWaits = field(init=False)
@@ -96,7 +100,8 @@ class Proxy:
         return f"{self._id_prefix}{self.seq:016x}"
 
     async def serve(
-        self, body: bytes, header: Callable[[str], str | None], path: str, kind: str, key_id: str = ""
+        self, body: bytes, header: Callable[[str], str | None], path: str, kind: str, key_id: str = "",
+        tenant: Tenant | None = None,
     ) -> Reply:
         """Route and forward one OpenAI request. `header(name)` reads a request header.
 
@@ -107,7 +112,7 @@ class Proxy:
         self.seq += 1
         request_id = header("x-request-id") or self._next_id()
         try:
-            return await self._serve(body, header, path, kind, key_id, request_id, started)
+            return await self._serve(body, header, path, kind, key_id, request_id, started, tenant)
         except GatewayError as exc:
             if exc.request_id is None:  # refused before routing (a bad body): not logged yet
                 exc.request_id = request_id
@@ -116,7 +121,7 @@ class Proxy:
 
     async def _serve(
         self, body: bytes, header: Callable[[str], str | None], path: str, kind: str, key_id: str,
-        request_id: str, started: float,
+        request_id: str, started: float, tenant: Tenant | None = None,
     ) -> Reply:
         probe = parse_request(body, kind)
         snapshot = self.watcher.snapshot
@@ -158,6 +163,8 @@ class Proxy:
             pooling=True if kind == "embeddings" else False if generates else None,
             prefix_tokens=shared_prefix_tokens(probe, key_kind, estimate),
         )
+        # The key's (and its team's) limits: the prompt's tokens are charged before routing.
+        ticket = await self.quota.admit(tenant, probe.model, estimate) if tenant and self.quota else None
         hide_usage = probe.stream and kind in ("chat", "completion") and not probe.wants_usage
         if hide_usage:  # count every stream's tokens: ask the engine for usage anyway
             body = with_usage(body)
@@ -167,9 +174,13 @@ class Proxy:
             result = await attempts.run(attempt, self.admission, self.metrics)
         except GatewayError as exc:
             error = self.watcher.absent(exc, probe.model) if isinstance(exc, ModelNotFound) else exc
+            if ticket is not None:
+                await ticket.settle(0, 0, error.status)
             self._failed_request(request_id, key_id, probe.model, probe.stream, attempt, error, started)
             raise error from None
         except asyncio.CancelledError:  # the client hung up (gateway/front.py) or the server stops
+            if ticket is not None:
+                ticket.settle_soon(0, 0, 499)
             outcomes.client_gone(self.metrics, started, request_id=request_id, key_id=key_id, model=probe.model,
                                  stream=probe.stream)
             raise
@@ -184,6 +195,7 @@ class Proxy:
             ("x-fleetgate-worker", worker.id),
             ("x-fleetgate-route", route),
             ("x-request-id", request_id),
+            *(ticket.headers if ticket is not None else ()),
         ]
         fields = {
             "request_id": request_id, "key_id": key_id, "model": probe.model, "adapter": facts.adapter,
@@ -195,12 +207,15 @@ class Proxy:
                 ResponsesTracker() if kind == "responses"
                 else StreamTracker(kind, lambda sent: unresumable(body, kind, sent), hide_usage)
             )
-            return Reply(200, headers, stream=relay(attempt, choice, resp, tracker, self.metrics, started, fields, stores))
+            return Reply(200, headers, stream=relay(attempt, choice, resp, tracker, self.metrics, started, fields, stores,
+                                                    ticket))
         status, payload = data
         if stores and status == 200 and (response_id := response_id_of(payload)):
             await remember(self.watcher, response_id, worker.id, self.settings.responses_ttl_s)
         elapsed = time.perf_counter() - started
         prompt_tokens, completion_tokens = usage_of(payload) if status == 200 else (0, 0)
+        if ticket is not None:
+            await ticket.settle(prompt_tokens, completion_tokens, status)
         self.metrics.request_done(probe.model, worker.id, status, False, elapsed, None,
                                   prompt_tokens, completion_tokens)
         log.info("gateway.request", **fields, status=status, ms=round(elapsed * 1000, 2),
