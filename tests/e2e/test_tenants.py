@@ -212,6 +212,10 @@ def test_usage_equals_the_engines_token_counts(fleet_factory: Callable[[], Fleet
     pattern = rf'^fleetgate_key_tokens_total{{direction="output",key="meter",model="{MODEL}"}} (\S+)$'
     assert sum(float(m.group(1)) for text in scraped for m in re.finditer(pattern, text, re.M)) == engine_out
     assert all(secret not in text for text in scraped)
+    # The dashboard has the table its script fills from /admin/usage.
+    with httpx.Client(base_url=url_a, follow_redirects=True) as browser:
+        page = browser.get("/admin/ui", params={"token": ADMIN_TOKEN}).text
+        assert "<table id=usage>" in page and browser.get("/admin/usage").json()["data"]
 
 
 def test_a_key_added_on_one_replica_works_on_the_other_within_a_second(fleet_factory: Callable[[], Fleet]) -> None:
