@@ -170,6 +170,11 @@ class Tenant:
         return self.key.id
 
     @property
+    def priority(self) -> str:
+        """The key's priority class, for admission's scheduling."""
+        return self.key.priority
+
+    @property
     def limited(self) -> bool:
         return self.key.limited or (self.team is not None and self.team.limited)
 
