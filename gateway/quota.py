@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 from fleetgate.keys import Keys
 from gateway.errors import ModelNotAllowed, QuotaExhausted, RateLimited, TokensLimited
 from gateway.tenants import Limits, Tenant
-from gateway.usage import USAGE_TTL_S, UsageMetrics, day_of
+from gateway.usage import USAGE_TTL_S, UsageBuffer, UsageMetrics, day_of
 
 log = structlog.get_logger("gateway.quota")
 
@@ -189,6 +189,7 @@ class Ticket:
     intervals: tuple[float, float]
     budgets: tuple[bool, bool]
     usage_prefix: str
+    day: str
     headers: list[tuple[str, str]] = field(default_factory=list)
     settled: bool = False
 
@@ -196,15 +197,19 @@ class Ticket:
         """Correct the charge to the engine's counts and write the usage record (once)."""
         if self.settled:
             return
-        if not self.tenant.limited:  # only usage to write: nothing the next request waits for
-            self.settle_soon(prompt_tokens, completion_tokens, status)
-            return
         self.settled = True
+        if not self.tenant.limited:  # only usage to write, and nothing waits for it: the buffer
+            self.quota.buffered(self, prompt_tokens, completion_tokens, status)
+            return
         await self.quota.settle(self, prompt_tokens, completion_tokens, status)
 
     def settle_soon(self, prompt_tokens: int, completion_tokens: int, status: int) -> None:
         """`settle` in the background: for where the request's task is being cancelled."""
         if self.settled:
+            return
+        if not self.tenant.limited:
+            self.settled = True
+            self.quota.buffered(self, prompt_tokens, completion_tokens, status)
             return
         self.settled = True
         task = asyncio.create_task(self.quota.settle(self, prompt_tokens, completion_tokens, status))
@@ -216,8 +221,9 @@ class Quota:
     """Admits a tenant's request against its key's and team's limits, and settles it."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, metrics: UsageMetrics,
-                 model_label: Callable[[str], str] = lambda m: m) -> None:
+                 model_label: Callable[[str], str] = lambda m: m, buffer: UsageBuffer | None = None) -> None:
         self.keys = keys
+        self.buffer = buffer or UsageBuffer(redis, keys)
         self.metrics = metrics
         self.model_label = model_label
         self._admit = redis.register_script(_ADMIT)
@@ -242,7 +248,7 @@ class Quota:
                  k.quota("t", team_id, "t"), kb[0], tb[0], k.usage(day_of(now))]
         prefix = f"{key.id}\t{label}\t"
         ticket = Ticket(self, tenant, label, prompt_tokens, names, (cells[1][0], cells[3][0]),
-                        (kb[1] > 0, tb[1] > 0), prefix)
+                        (kb[1] > 0, tb[1] > 0), prefix, day_of(now))
         if not tenant.limited:
             return ticket
         args: list[str | int | float] = [prompt_tokens]
@@ -318,6 +324,16 @@ class Quota:
                 log.warning("gateway.quota_unavailable", error=repr(exc))
             self._unavailable = True
 
+    def buffered(self, ticket: Ticket, prompt_tokens: int, completion_tokens: int, status: int) -> None:
+        """The usage of a key without limits: counted now, written with the next flush."""
+        error = status >= 400
+        self.metrics.done(ticket.tenant.id, ticket.model, prompt_tokens, completion_tokens, error)
+        self.buffer.add(ticket.day, ticket.usage_prefix, 1, prompt_tokens, completion_tokens, int(error))
+
+    def start(self) -> None:
+        self.buffer.start()
+
     async def close(self) -> None:
         for task in list(self.tasks):
             await asyncio.gather(task, return_exceptions=True)
+        await self.buffer.stop()

@@ -79,6 +79,7 @@ async def open_tenancy(
     except Exception as exc:  # Redis away at start: SIGHUP or a restart seeds later
         log.warning("gateway.tenants_seed_failed", error=repr(exc))
     await store.start()
+    tenancy.quota.start()
     with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread (tests)
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, tenancy._sighup)
     return tenancy

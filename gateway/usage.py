@@ -1,7 +1,7 @@
 """Usage per API key and model: daily roll-ups in Redis, and this replica's Prometheus counters.
 
-Every request a key makes ends in one write (gateway/quota.py's settle script) to the day's
-hash, `{P}:v1:usage:<YYYY-MM-DD>` (UTC), fields `<key id>\\t<model>\\t<counter>`, kept 35
+Every request a key makes ends in a write (gateway/quota.py's settle script for a key with
+limits; `UsageBuffer`, once a second, for one without) to the day's hash, `{P}:v1:usage:<YYYY-MM-DD>` (UTC), fields `<key id>\\t<model>\\t<counter>`, kept 35
 days: requests, input and output tokens (the engine's counts), errors (answers >= 400) and
 rate_limited (refused by a limit of the key or its team). Read back by `GET /admin/usage`,
 `fleetgate usage` and the dashboard. Keys appear by id, never by secret; models as the
@@ -11,14 +11,20 @@ the records or the metrics by inventing names.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime as dt
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import redis.asyncio as aioredis
+import structlog
 from prometheus_client import CollectorRegistry, Counter
+from redis.exceptions import RedisError
 
 from fleetgate.keys import Keys
+
+log = structlog.get_logger("gateway.usage")
 
 USAGE_TTL_S = 35 * 86400
 COUNTERS = ("requests", "input", "output", "errors", "rate_limited")
@@ -108,3 +114,58 @@ class UsageMetrics:
 
     def rate_limited(self, key_id: str, model: str, limit: str) -> None:
         self._limited.labels(self._key(key_id), model, limit).inc()
+
+
+class UsageBuffer:
+    """Usage of keys without limits (nothing waits on it): summed in memory and written once a
+    `flush_s` in one pipeline, instead of a Redis call per request. Counts a write could not
+    make stay for the next one; at most `flush_s` of them are lost if the gateway dies."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, flush_s: float = 1.0) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.flush_s = flush_s
+        self._counts: dict[tuple[str, str], int] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._failing = False
+
+    def add(self, day: str, prefix: str, requests: int, prompt: int, completion: int, errors: int) -> None:
+        counts = self._counts
+        for name, n in (("requests", requests), ("input", prompt), ("output", completion), ("errors", errors)):
+            if n:
+                cell = (day, prefix + name)
+                counts[cell] = counts.get(cell, 0) + n
+
+    async def flush(self) -> None:
+        if not self._counts:
+            return
+        counts, self._counts = self._counts, {}
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for (day, field), n in counts.items():
+                    pipe.hincrby(self.keys.usage(day), field, n)
+                for day in {day for day, _ in counts}:
+                    pipe.expire(self.keys.usage(day), USAGE_TTL_S)
+                await pipe.execute()
+            self._failing = False
+        except (RedisError, OSError) as exc:
+            if not self._failing:
+                log.warning("gateway.usage_unavailable", error=repr(exc), pending=len(counts))
+            self._failing = True
+            for cell, n in counts.items():
+                self._counts[cell] = self._counts.get(cell, 0) + n
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="usage-flush")
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.flush_s)
+            await self.flush()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.flush()

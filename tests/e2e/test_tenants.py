@@ -356,3 +356,25 @@ def test_yaml_seed_merge_rule_and_sighup(fleet_factory: Callable[[], Fleet], tmp
     broken = fleet._spawn("bad-gateway", [*proc.argv[:3], "--config", str(bad)])
     assert broken.popen.wait(30) != 0
     assert "rpn" in broken.output()
+
+
+def test_keys_of_the_flat_list_have_usage_too(fleet_factory: Callable[[], Fleet]) -> None:
+    """FLEETGATE_API_KEYS still works: its keys have no limits (no x-ratelimit headers) and their
+    usage (summed in memory, written once a second) appears by their digest-prefix id."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway(env={"FLEETGATE_API_KEYS": "sk-flat-one,sk-flat-two"})
+    fleet.worker("w1", *FAST)
+    fleet.wait_ready(url, "w1")
+    key_id = secret_digest("sk-flat-one")[:8]
+    tokens = 0
+    for _ in range(3):
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi there", "max_tokens": 3},
+                       headers={"authorization": "Bearer sk-flat-one"})
+        assert r.status_code == 200 and "x-ratelimit-limit-requests" not in r.headers
+        tokens += r.json()["usage"]["completion_tokens"]
+    assert httpx.get(f"{url}/v1/models", headers={"authorization": "Bearer nope"}).status_code == 401
+    record = wait_until(lambda: _usage(url, key=key_id)["totals"]["requests"] == 3 and _usage(url, key=key_id),
+                        timeout=5)
+    assert record["totals"]["output_tokens"] == tokens  # type: ignore[index]
+    static = httpx.get(f"{url}/admin/keys", headers={"authorization": f"Bearer {ADMIN_TOKEN}"}).json()["static"]
+    assert key_id in static and len(static) == 2
