@@ -198,7 +198,7 @@ class Ticket:
         if self.settled:
             return
         self.settled = True
-        if not self.tenant.limited:  # only usage to write, and nothing waits for it: the buffer
+        if not self.tenant.counts_tokens:  # only usage to write, and nothing waits for it: the buffer
             self.quota.buffered(self, prompt_tokens, completion_tokens, status)
             return
         await self.quota.settle(self, prompt_tokens, completion_tokens, status)
@@ -207,7 +207,7 @@ class Ticket:
         """`settle` in the background: for where the request's task is being cancelled."""
         if self.settled:
             return
-        if not self.tenant.limited:
+        if not self.tenant.counts_tokens:
             self.settled = True
             self.quota.buffered(self, prompt_tokens, completion_tokens, status)
             return
@@ -312,7 +312,7 @@ class Quota:
         error = 1 if status >= 400 else 0
         self.metrics.done(ticket.tenant.id, ticket.model, prompt_tokens, completion_tokens, bool(error))
         names = ticket.keys
-        charged = ticket.charged if ticket.tenant.limited else 0
+        charged = ticket.charged if ticket.tenant.counts_tokens else 0
         try:
             await self._settle(
                 keys=[names[1], names[3], names[4], names[5], names[6]],

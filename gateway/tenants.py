@@ -178,6 +178,12 @@ class Tenant:
     def limited(self) -> bool:
         return self.key.limited or (self.team is not None and self.team.limited)
 
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether a limit counts this key's tokens (its own or its team's tpm or budget): then
+        a request's end must correct its charge before the next request is checked."""
+        return any(lim is not None and (lim.tpm > 0 or lim.budget_tokens > 0) for lim in (self.key, self.team))
+
     def allows(self, model: str) -> bool:
         return self.key.models is None or model in self.key.models
 
