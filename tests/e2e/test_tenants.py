@@ -197,7 +197,7 @@ def test_usage_equals_the_engines_token_counts(fleet_factory: Callable[[], Fleet
     client never sees), sent through two replicas."""
     fleet = fleet_factory()
     url_a, url_b = _two_gateways(fleet)
-    secret = _put(url_a, "keys", "meter", {"rpm": 10_000})["secret"]
+    secret = _put(url_a, "keys", "meter", {"rpm": 10_000, "tpm": 10_000_000})["secret"]
     time.sleep(0.3)
     engine = fleet.workers(url_a)["w1"]["url"]
     before = _engine_tokens(str(engine))
