@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import re
 import signal
 import subprocess
@@ -403,3 +404,31 @@ def test_keys_of_the_flat_list_have_usage_too(fleet_factory: Callable[[], Fleet]
     assert record["totals"]["output_tokens"] == tokens  # type: ignore[index]
     static = httpx.get(f"{url}/admin/keys", headers={"authorization": f"Bearer {ADMIN_TOKEN}"}).json()["static"]
     assert key_id in static and len(static) == 2
+
+
+def test_a_stream_the_client_leaves_is_charged_what_was_sent(fleet_factory: Callable[[], Fleet]) -> None:
+    """A client that hangs up mid-stream, before any usage chunk: the request is settled with
+    the prompt's count and the chunks it was sent (not left charged at the estimate alone)."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway()
+    fleet.worker("w1", "--model", MODEL, "--option", "time_scale=0.5")  # slow enough to leave mid-way
+    fleet.wait_ready(url, "w1")
+    secret = _put(url, "keys", "leaver", {"tpm": 1_000_000})["secret"]
+    time.sleep(0.3)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "tell me a long story"}],
+            "max_tokens": 400, "ignore_eos": True, "stream": True}
+    received = 0
+    with httpx.Client(timeout=30) as client, client.stream(
+            "POST", f"{url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {secret}"}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data:") and "[DONE]" not in line and any(
+                    (c.get("delta") or {}).get("content") for c in json.loads(line[5:])["choices"]):
+                received += 1
+                if received >= 5:
+                    break
+    record = wait_until(lambda: _usage(url, key="leaver")["totals"]["requests"] == 1 and _usage(url, key="leaver"),
+                        timeout=10)
+    totals = record["totals"]  # type: ignore[index]
+    print(f"\nleft after {received} chunks: charged {totals['input_tokens']} in / {totals['output_tokens']} out")
+    assert totals["input_tokens"] > 0 and received <= totals["output_tokens"] < 400
