@@ -82,6 +82,10 @@ class TenantStore:
         self.loaded_at = time.time()
         if set(old.keys) != set(self.directory.keys) or set(old.teams) != set(self.directory.teams):
             log.info("gateway.tenants_loaded", keys=len(self.directory.keys), teams=len(self.directory.teams))
+            # A key naming a team that does not exist gets no team limits: say so.
+            if missing := sorted({k.team for k in keys if k.team and k.team not in self.directory.teams}):
+                log.warning("gateway.tenant_team_missing", teams=missing,
+                            hint="define them (PUT /admin/teams/{id} or `teams:` in the config file)")
         return self.directory
 
     # -- writes (the admin API, the seed) ------------------------------------------------
