@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     configure_logging(settings.log_level, settings.log_json)
     uvicorn.run(
-        create_asgi(settings),
+        # SIGHUP reads the config file again to seed keys and teams (gateway/tenancy.py).
+        create_asgi(settings, lambda: load_checked(args.config, overrides)),
         host=settings.host,
         port=settings.port,
         log_config=None,

@@ -10,7 +10,7 @@ import contextlib
 import os
 import socket
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 import structlog
@@ -27,7 +27,8 @@ from gateway.adapters import AdapterPlacer
 from gateway.admission import Admission
 from gateway.aliases import listed
 from gateway.api.admin import HANDLERS as ADMIN_HANDLERS
-from gateway.auth import check_api_key, digest, open_data_plane
+from gateway.api.tenants import HANDLERS as TENANT_HANDLERS
+from gateway.auth import open_data_plane
 from gateway.circuit import Breakers
 from gateway.errors import (
     REGISTRY_ERRORS,
@@ -54,6 +55,7 @@ from gateway.routing.homes import Homes
 from gateway.scaling import ScalingCollector, admin_scaling, current
 from gateway.settings import GatewaySettings
 from gateway.state import Gateway, gw_of
+from gateway.tenancy import ReloadSeed, Tenancy, open_tenancy
 from gateway.tokenizers import Tokenizers
 from gateway.tracing import build_tracing
 from gateway.ui import HANDLERS as UI_HANDLERS
@@ -64,8 +66,8 @@ log = structlog.get_logger("gateway.app")
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
-def _check_client(gw: Gateway, request: Request) -> str:
-    return check_api_key(gw.api_key_digests, request.headers.get("authorization", ""))
+def _check_client(gw: Gateway, request: Request) -> None:
+    gw.tenants.directory.authenticate(request.headers.get("authorization", ""))
 
 
 # -- OpenAI API ---------------------------------------------------------------
@@ -193,7 +195,9 @@ def _internal_error(request: Request, exc: Exception) -> Response:
     return _gateway_error(request, GatewayError("Internal error in the gateway."))
 
 
-def create_app(settings: GatewaySettings) -> Litestar:
+def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None) -> Litestar:
+    """The gateway; `reload_seed` reads the config file again (on SIGHUP: gateway/tenancy.py)."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         redis = connect(settings.redis_url)
@@ -238,10 +242,14 @@ def create_app(settings: GatewaySettings) -> Litestar:
         )
         metrics.registry.register(ScalingCollector(lambda: current(watcher, inflight, admission)))
         metrics.registry.register(PriorityCollector(admission, list(priorities.classes)))
-        exposed = open_data_plane(settings.host, settings.api_keys)
+        tenancy = await open_tenancy(settings, redis, registry.keys, metrics.registry, watcher.known.label,
+                                     reload_seed)
+        proxy.quota = tenancy.quota
+        priorities.key_class = _key_class(tenancy, priorities.key_class)
+        exposed = open_data_plane(settings.host, (*settings.api_keys, *tenancy.store.directory.keys))
         app.state["gw"] = Gateway(
-            settings, registry, watcher, proxy, frozenset(digest(k) for k in settings.api_keys),
-            metrics, RateLimiter(registry, settings.rate_limit_rpm, settings.rate_limit_burst),
+            settings, registry, watcher, proxy, metrics,
+            RateLimiter(registry, settings.rate_limit_rpm, settings.rate_limit_burst), tenancy,
             (exposed,) if exposed else (),
         )
         with contextlib.suppress(Exception):  # Redis away at start: the placer's loop retries
@@ -258,6 +266,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
             yield
         finally:
             await placement.stop()
+            await tenancy.close()
             await proxy.waits.stop()
             await placer.close()
             await lora_state.stop()
@@ -275,7 +284,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
         route_handlers=[
             *(_proxy_route(path, kind) for path, kind in KINDS.items()),
             retrieve_response, cancel_response, list_models, get_model, health,
-            admin_scaling, metrics_endpoint, *ADMIN_HANDLERS, *UI_HANDLERS,
+            admin_scaling, metrics_endpoint, *ADMIN_HANDLERS, *TENANT_HANDLERS, *UI_HANDLERS,
         ],
         lifespan=[lifespan],
         exception_handlers={
@@ -291,7 +300,16 @@ def create_app(settings: GatewaySettings) -> Litestar:
     )
 
 
-def create_asgi(settings: GatewaySettings) -> FastPath | Litestar:
+def create_asgi(settings: GatewaySettings, reload_seed: ReloadSeed | None = None) -> FastPath | Litestar:
     """The app to serve: the fast data path in front of `create_app(settings)`."""
-    app = create_app(settings)
+    app = create_app(settings, reload_seed)
     return FastPath(app) if settings.fast_path else app
+
+
+def _key_class(tenancy: Tenancy, configured: Callable[[str], str]) -> Callable[[str], str]:
+    """A key's priority class: its live record's (gateway/tenants.py) unless that says
+    "default", else what `key_priority` configures for it."""
+    def key_class(key_id: str) -> str:
+        record = tenancy.store.directory.keys.get(key_id)
+        return record.priority if record is not None and record.priority != "default" else configured(key_id)
+    return key_class

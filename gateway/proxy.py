@@ -40,6 +40,7 @@ from gateway.metrics import GatewayMetrics, usage_of
 from gateway.placement import Placement
 from gateway.priorities import HEADER as PRIORITY_HEADER
 from gateway.priorities import Priorities
+from gateway.quota import Quota
 from gateway.relay import relay
 from gateway.requests import (
     GENERATES,
@@ -53,6 +54,7 @@ from gateway.responses import ResponsesTracker, forward_stored, owner_of, rememb
 from gateway.resume import StreamTracker, unresumable, with_usage
 from gateway.routing import Live, Policy, RequestFacts
 from gateway.settings import GatewaySettings
+from gateway.tenants import Tenant
 from gateway.tokenizers import Tokenizers
 from gateway.tracing import RequestTrace, Tracing
 from gateway.upstream import Upstream
@@ -87,6 +89,8 @@ class Proxy:
     tracing: Tracing = field(default_factory=Tracing)
     # Priority classes (gateway/priorities.py); None: from the settings.
     priorities: Priorities | None = None
+    # Per-key limits and usage (gateway/quota.py); None: keys carry no limits.
+    quota: Quota | None = None
     seq: int = 0
     live: Live = field(init=False)
     waits: FirstByteWaits = field(init=False)
@@ -107,7 +111,8 @@ class Proxy:
         return f"{self._id_prefix}{self.seq:016x}"
 
     async def serve(
-        self, body: bytes, header: Callable[[str], str | None], path: str, kind: str, key_id: str = ""
+        self, body: bytes, header: Callable[[str], str | None], path: str, kind: str, key_id: str = "",
+        tenant: Tenant | None = None,
     ) -> Reply:
         """Route and forward one OpenAI request. `header(name)` reads a request header.
 
@@ -119,7 +124,7 @@ class Proxy:
         request_id = header("x-request-id") or self._next_id()
         trace = self.tracing.start(header, path, request_id)
         try:
-            reply = await self._serve(body, header, path, kind, key_id, request_id, started, trace)
+            reply = await self._serve(body, header, path, kind, key_id, request_id, started, trace, tenant)
         except GatewayError as exc:
             trace.end(exc.status, error=exc.code)
             if exc.request_id is None:  # refused before routing (a bad body): not logged yet
@@ -138,7 +143,7 @@ class Proxy:
 
     async def _serve(
         self, body: bytes, header: Callable[[str], str | None], path: str, kind: str, key_id: str,
-        request_id: str, started: float, trace: RequestTrace,
+        request_id: str, started: float, trace: RequestTrace, tenant: Tenant | None = None,
     ) -> Reply:
         probe = parse_request(body, kind)
         trace.described(probe.model, probe.stream)
@@ -148,6 +153,7 @@ class Proxy:
         plan = resolve(self.settings.aliases, self.settings.fallbacks, probe.model, session or request_id)
         last = len(plan.models) - 1
         error: GatewayError | None = None
+        ticket = None
         for tried, model in enumerate(plan.models):
             if model != probe.model:  # the engine gets, and answers with, the real model's name
                 probe, body = msgspec.structs.replace(probe, model=model), with_model(body, model)
@@ -158,6 +164,9 @@ class Proxy:
             attempt.priority, attempt.full_at = priority, priority.full_at(attempt.full_at)
             if self.classes.enabled:
                 attempt.tenant = key_id
+            if tried == 0 and tenant is not None and self.quota is not None:
+                # The key's (and its team's) limits: the prompt's tokens are charged before routing.
+                ticket = await self.quota.admit(tenant, model, attempt.facts.prompt_tokens)
             try:
                 result = await attempts.run(attempt, self.admission, self.metrics)
                 break
@@ -171,9 +180,13 @@ class Proxy:
                     continue
                 if isinstance(exc, ModelNotFound):  # a fallback no worker serves: the first error stands
                     exc = error or self.watcher.absent(exc, probe.model)
+                if ticket is not None:
+                    await ticket.settle(0, 0, exc.status)
                 self._failed_request(request_id, key_id, probe.model, probe.stream, attempt, exc, started)
                 raise exc from None
             except asyncio.CancelledError:  # the client hung up (gateway/front.py) or the server stops
+                if ticket is not None:
+                    ticket.settle_soon(0, 0, 499)
                 outcomes.client_gone(self.metrics, started, request_id=request_id, key_id=key_id,
                                      model=probe.model, stream=probe.stream)
                 raise
@@ -191,6 +204,7 @@ class Proxy:
             ("x-request-id", request_id),
             ("x-fleetgate-model", probe.model),
             *((("x-fleetgate-alias", plan.alias),) if plan.alias else ()),
+            *(ticket.headers if ticket is not None else ()),
         ]
         if self.classes.enabled:
             headers.append((PRIORITY_HEADER, priority.name))
@@ -205,12 +219,15 @@ class Proxy:
                 ResponsesTracker() if kind == "responses"
                 else StreamTracker(kind, lambda sent: unresumable(body, kind, sent), hide_usage)
             )
-            return Reply(200, headers, stream=relay(attempt, choice, resp, tracker, self.metrics, started, fields, stores))
+            return Reply(200, headers, stream=relay(attempt, choice, resp, tracker, self.metrics, started, fields, stores,
+                                                    ticket))
         status, payload = data
         if stores and status == 200 and (response_id := response_id_of(payload)):
             await remember(self.watcher, response_id, worker.id, self.settings.responses_ttl_s)
         elapsed = time.perf_counter() - started
         prompt_tokens, completion_tokens = usage_of(payload) if status == 200 else (0, 0)
+        if ticket is not None:
+            await ticket.settle(prompt_tokens, completion_tokens, status)
         self.metrics.request_done(probe.model, worker.id, status, False, elapsed, None,
                                   prompt_tokens, completion_tokens)
         log.info("gateway.request", **fields, status=status, ms=round(elapsed * 1000, 2),

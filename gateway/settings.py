@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import yaml
 
 from fleetgate.registry import DEFAULT_HEARTBEAT_TTL_S, DEFAULT_PREFIX
 from gateway.aliases import AliasTarget
+from gateway.errors import GatewayError
 from gateway.routing.base import FullAt
+from gateway.tenants import KeySpec, TeamSpec, key_record, team_record
 
 
 class AdapterSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -47,6 +49,14 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     registration_secret: str = ""
     # Client keys for /v1; empty means the data plane is open (say so in the docs).
     api_keys: tuple[str, ...] = ()
+    # Keys and teams with their own limits (docs/tenants.md): the seed of the records in
+    # Redis, which the admin API changes live. `tenants_seed`: "absent" writes only records
+    # Redis lacks (and an operator did not delete); "overwrite" writes every one given here.
+    keys: dict[str, KeySpec] = msgspec.field(default_factory=dict)
+    teams: dict[str, TeamSpec] = msgspec.field(default_factory=dict)
+    tenants_seed: Literal["absent", "overwrite"] = "absent"
+    # Full re-read of keys and teams; pub/sub events trigger one at once in between.
+    tenants_reload_s: float = 5.0
     # Requests per minute each client may send to the inference routes, shared by every
     # gateway through Redis (0: no limit). A client is its API key, or its address when
     # no keys are configured. `rate_limit_burst` requests may come at once (0: 10 s worth).
@@ -121,6 +131,13 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     log_level: str = "info"
     log_json: bool | None = None
 
+    def __post_init__(self) -> None:
+        # A mistyped key or team fails at start, not when the seed is written.
+        for team_id, team in self.teams.items():
+            _valid(team_record, team_id, team, f"teams.{team_id}")
+        for key_id, key in self.keys.items():
+            _valid(key_record, key_id, key, f"keys.{key_id}")
+
     @property
     def full_at(self) -> FullAt:
         return FullAt(queue_ratio=self.shed_queue_ratio, kv=self.shed_kv, hold_kv=self.hold_kv)
@@ -134,7 +151,16 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         out["key_priority"] = {(f"***{k[-4:]}" if len(k) > 8 else k): v for k, v in self.key_priority.items()}
         out["redis_url"] = _mask_url(self.redis_url)
         out["tracing_endpoint"] = _mask_url(self.tracing_endpoint)
+        out["keys"] = {k: {**msgspec.to_builtins(v), "secret": "***", "secret_sha256": "***"}
+                       for k, v in self.keys.items()}
         return out
+
+
+def _valid(check: Any, name: str, spec: Any, where: str) -> None:
+    try:
+        check(name, spec)
+    except GatewayError as exc:
+        raise ValueError(f"{where}: {exc.message}") from None
 
 
 def _mask_url(url: str) -> str:

@@ -27,7 +27,7 @@ from gateway.settings import GatewaySettings, gather
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
-class SettingsError(Exception):
+class SettingsError(ValueError):
     """A setting that cannot be used; the message is one line, meant for the operator."""
 
 
