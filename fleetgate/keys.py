@@ -44,6 +44,21 @@ Layout (``P`` is the key prefix, ``v1`` the schema version)::
     {P}:v1:lora_lock:<a>  STRING the gateway loading adapter <a> (one load of it at a time in the
                           fleet), PX the load's time limit
 
+    {P}:v1:tenants:keys   HASH  API key id -> KeyRecord JSON (gateway/tenants.py: limits, team, the
+                          SHA-256 of its secret, never the secret), written by the admin API
+                          and the YAML seed
+    {P}:v1:tenants:teams  HASH  team id -> TeamRecord JSON (limits its keys share)
+    {P}:v1:tenants:deleted HASH "key:<id>" / "team:<id>" -> unix time an operator deleted it, so
+                          the YAML seed does not bring it back (a PUT clears it)
+    {P}:v1:tenants:events PUBSUB "key:<id>" / "team:<id>" / "seed" after every change of the above
+    {P}:v1:quota:<scope>:<id>:<r|t>  STRING GCRA cell of a key's or a team's (scope k|t) requests
+                          (r) or tokens (t) per minute: the theoretical arrival time in µs of
+                          Redis's clock; PX until then (gateway/quota.py)
+    {P}:v1:budget:<scope>:<id>:<period>  STRING tokens a key or team used in a UTC day
+                          (YYYY-MM-DD, EX two days) or in total ("total", no TTL)
+    {P}:v1:usage:<day>    HASH  "<key id>\t<model>\t<requests|input|output|errors|rate_limited>"
+                          -> count, one hash per UTC day (YYYY-MM-DD), EX 35 days
+
 The prefix is wrapped in a hash tag so every key lands in one Redis Cluster slot:
 multi-key pipelines and the registry's Lua scripts work unchanged on a cluster.
 The reads and writes themselves are `fleetgate/registry.py`'s.
@@ -82,6 +97,13 @@ class Keys:
         self._lora = f"{base}:lora:"
         self._lora_used = f"{base}:lora_used:"
         self._lora_lock = f"{base}:lora_lock:"
+        self.tenant_keys = f"{base}:tenants:keys"
+        self.tenant_teams = f"{base}:tenants:teams"
+        self.tenant_deleted = f"{base}:tenants:deleted"
+        self.tenant_events = f"{base}:tenants:events"
+        self._quota = f"{base}:quota:"
+        self._budget = f"{base}:budget:"
+        self._usage = f"{base}:usage:"
 
     def worker(self, worker_id: str) -> str:
         return self._worker + worker_id
@@ -112,3 +134,13 @@ class Keys:
 
     def lora_lock(self, adapter: str) -> str:
         return self._lora_lock + adapter
+
+    def quota(self, scope: str, owner: str, what: str) -> str:
+        """GCRA cell of key (scope "k") or team ("t") `owner`: requests ("r") or tokens ("t")."""
+        return f"{self._quota}{scope}:{owner}:{what}"
+
+    def budget(self, scope: str, owner: str, period: str) -> str:
+        return f"{self._budget}{scope}:{owner}:{period}"
+
+    def usage(self, day: str) -> str:
+        return self._usage + day

@@ -5,6 +5,8 @@
     fleetgate spawn --gpu 0 ...      scripts/spawn_worker.sh --wait, arguments passed through
     fleetgate bench ...              scripts/bench_fleet.py, arguments passed through
     fleetgate autoscale --model M    add and retire workers on load (fleetgate_tools/autoscale_loop.py)
+    fleetgate keys add|list|rm       API keys and their limits; `teams set|list|rm` (docs/tenants.md)
+    fleetgate usage [--key K] [--days N]   usage per key and model (fleetgate_tools/tenants_cli.py)
 
 `--gateway` (FLEETGATE_URL) and `--token` (FLEETGATE_ADMIN_TOKEN) say which gateway
 and how to authenticate. Failures are one line on stderr that says what failed and
@@ -26,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fleetgate_tools.autoscale_cli import autoscale
+from fleetgate_tools.tenants_cli import keys_app, teams_app, usage
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -64,10 +67,10 @@ class Admin:
         self.token = token
         self.timeout = timeout
 
-    def call(self, method: str, path: str) -> Any:
+    def call(self, method: str, path: str, body: Any = None) -> Any:
         if not self.token:
             raise CliError("no admin token: set FLEETGATE_ADMIN_TOKEN or pass --token.")
-        resp = self._send(method, path, {"authorization": f"Bearer {self.token}"})
+        resp = self._send(method, path, {"authorization": f"Bearer {self.token}"}, body)
         if resp.status_code == 401:
             raise CliError(
                 f"the gateway at {self.url} refused the admin token: check --token / "
@@ -85,10 +88,10 @@ class Admin:
                 "is --gateway the fleetgate gateway?"
             ) from None
 
-    def _send(self, method: str, path: str, headers: dict[str, str]) -> httpx.Response:
+    def _send(self, method: str, path: str, headers: dict[str, str], body: Any = None) -> httpx.Response:
         url = self.url + path
         try:
-            return httpx.request(method, url, headers=headers, timeout=self.timeout)
+            return httpx.request(method, url, headers=headers, json=body, timeout=self.timeout)
         except httpx.TimeoutException:
             raise CliError(
                 f"the gateway at {url} did not answer within {self.timeout:g} s: is it overloaded "
@@ -262,6 +265,9 @@ def bench(ctx: typer.Context) -> None:
 
 
 app.command()(autoscale)
+app.add_typer(keys_app, name="keys")
+app.add_typer(teams_app, name="teams")
+app.command()(usage)
 
 
 def main() -> None:

@@ -7,7 +7,6 @@ import os
 import sys
 from pathlib import Path
 
-import msgspec
 import structlog
 import uvicorn
 import yaml
@@ -16,7 +15,7 @@ from fleetgate.logs import configure_logging
 from gateway.app import create_asgi
 from gateway.multiproc import Supervisor, reuse_port_socket
 from gateway.server import GatewayHttpProtocol
-from gateway.settings import load_settings
+from gateway.settings_check import SettingsError, load_checked
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "gateway.yaml"
 
@@ -46,11 +45,17 @@ def main(argv: list[str] | None = None) -> None:
         key, sep, value = pair.partition("=")
         if not sep:
             parser.error(f"--set needs KEY=VALUE, got {pair!r}")
-        overrides[key.strip().replace("-", "_")] = yaml.safe_load(value)
+        try:
+            overrides[key.strip().replace("-", "_")] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            parser.error(f"--set {key.strip()}: the value is not valid YAML: {value!r}")
+    if args.config != str(DEFAULT_CONFIG) and not Path(args.config).exists():
+        parser.error(f"--config {args.config}: no such file")
     try:
-        settings = load_settings(args.config, overrides)
-    except msgspec.ValidationError as exc:
-        parser.error(f"bad setting: {exc}")
+        settings = load_checked(args.config, overrides)
+    except SettingsError as exc:
+        parser.print_usage(sys.stderr)
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     configure_logging(settings.log_level, settings.log_json)
     if args.workers < 1:
         parser.error("--workers needs 1 or more")
@@ -60,7 +65,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(Supervisor(sys.argv[1:] if argv is None else argv, args.workers, settings.host,
                             settings.port).run())
     config = uvicorn.Config(
-        create_asgi(settings),
+        # SIGHUP reads the config file again to seed keys and teams (gateway/tenancy.py).
+        create_asgi(settings, lambda: load_checked(args.config, overrides)),
         host=settings.host,
         port=settings.port,
         log_config=None,

@@ -26,8 +26,10 @@ from fleetgate.registry import Registry, connect
 from gateway import front, gctune
 from gateway.adapters import AdapterPlacer
 from gateway.admission import Admission
+from gateway.aliases import listed
 from gateway.api.admin import HANDLERS as ADMIN_HANDLERS
-from gateway.auth import check_api_key, digest, open_data_plane
+from gateway.api.tenants import HANDLERS as TENANT_HANDLERS
+from gateway.auth import open_data_plane
 from gateway.circuit import Breakers
 from gateway.errors import (
     REGISTRY_ERRORS,
@@ -45,6 +47,7 @@ from gateway.lora_state import LoraState
 from gateway.metrics import GatewayMetrics, metrics_endpoint
 from gateway.openapi import ModelsOperation, StoredResponseOperation, proxied_operation
 from gateway.placement import Placement
+from gateway.priorities import Priorities, PriorityCollector
 from gateway.proxy import Proxy
 from gateway.ratelimit import RateLimiter
 from gateway.requests import KINDS
@@ -53,7 +56,9 @@ from gateway.routing.homes import Homes
 from gateway.scaling import ScalingCollector, admin_scaling, current
 from gateway.settings import GatewaySettings
 from gateway.state import Gateway, gw_of
+from gateway.tenancy import ReloadSeed, Tenancy, open_tenancy
 from gateway.tokenizers import Tokenizers
+from gateway.tracing import build_tracing
 from gateway.ui import HANDLERS as UI_HANDLERS
 from gateway.upstream import Upstream
 
@@ -62,8 +67,8 @@ log = structlog.get_logger("gateway.app")
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
-def _check_client(gw: Gateway, request: Request) -> str:
-    return check_api_key(gw.api_key_digests, request.headers.get("authorization", ""))
+def _check_client(gw: Gateway, request: Request) -> None:
+    gw.tenants.directory.authenticate(request.headers.get("authorization", ""))
 
 
 # -- OpenAI API ---------------------------------------------------------------
@@ -121,7 +126,8 @@ async def cancel_response(request: Request, state: State, response_id: str) -> R
 async def list_models(request: Request, state: State) -> Response:
     gw = gw_of(state)
     _check_client(gw, request)
-    return Response(content=gw.watcher.snapshot.models_json, media_type="application/json")
+    return Response(content=listed(gw.settings.aliases, gw.watcher.snapshot.models_json),
+                    media_type="application/json")
 
 
 @get("/v1/models/{model_id:path}")
@@ -130,6 +136,10 @@ async def get_model(request: Request, state: State, model_id: str) -> Response:
     _check_client(gw, request)
     name = model_id.lstrip("/")
     models = gw.watcher.snapshot.models
+    if (targets := gw.settings.aliases.get(name)) is not None:
+        body = {"id": name, "object": "model", "owned_by": "fleetgate", "parent": None,
+                "fleetgate_alias_of": [t.model for t in targets]}
+        return Response(content=msgspec.json.encode(body), media_type="application/json")
     if name not in models:
         raise gw.watcher.absent(ModelNotFound(f"The model `{name}` does not exist.", param="model"), name)
     body = {"id": name, "object": "model", "owned_by": "fleetgate", "parent": models[name] or None}
@@ -198,7 +208,9 @@ async def _close(part: str, close: Callable[[], Awaitable[object]], timeout_s: f
         log.warning("gateway.close_failed", part=part, error=repr(exc))
 
 
-def create_app(settings: GatewaySettings) -> Litestar:
+def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None) -> Litestar:
+    """The gateway; `reload_seed` reads the config file again (on SIGHUP: gateway/tenancy.py)."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         redis = connect(settings.redis_url)
@@ -224,6 +236,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
         lora_state = LoraState(registry, gateway_id)
         placer = AdapterPlacer(dict(settings.adapters), watcher, registry, inflight, lora_state)
         policy = make_policy(settings.policy, settings.routing)
+        tracing = build_tracing(settings, gateway_id)
         opts = getattr(policy, "opts", None)
         homes = Homes(half_life_s=getattr(opts, "half_life_s", 30.0),
                       second_hold_s=getattr(opts, "second_hold_s", 10.0),
@@ -232,17 +245,24 @@ def create_app(settings: GatewaySettings) -> Litestar:
                               heavy_share=getattr(opts, "heavy_share", 0.3))
         # The queue is as long as the fleet is wide (every worker's batch once), at least queue_max.
         admission = Admission(lambda: max(settings.queue_max, sum(
-            w.info.capacity for w in watcher.snapshot.workers if w.routable)))
+            w.info.capacity for w in watcher.snapshot.workers if w.routable)), weights=priorities.weights)
         proxy = Proxy(
             settings, watcher, upstream, policy, inflight, breakers, metrics, placer, placement, admission,
+            priorities=priorities,
             tokenizers=Tokenizers(settings.tokenizers,
                                   (lambda: watcher.snapshot) if settings.registered_tokenizers else None),
+            tracing=tracing,
         )
         metrics.registry.register(ScalingCollector(lambda: current(watcher, inflight, admission)))
-        exposed = open_data_plane(settings.host, settings.api_keys)
+        metrics.registry.register(PriorityCollector(admission, list(priorities.classes)))
+        tenancy = await open_tenancy(settings, redis, registry.keys, metrics.registry, watcher.known.label,
+                                     reload_seed)
+        proxy.quota = tenancy.quota
+        priorities.key_class = _key_class(tenancy, priorities.key_class)
+        exposed = open_data_plane(settings.host, (*settings.api_keys, *tenancy.store.directory.keys))
         app.state["gw"] = Gateway(
-            settings, registry, watcher, proxy, frozenset(digest(k) for k in settings.api_keys),
-            metrics, RateLimiter(registry, settings.rate_limit_rpm, settings.rate_limit_burst),
+            settings, registry, watcher, proxy, metrics,
+            RateLimiter(registry, settings.rate_limit_rpm, settings.rate_limit_burst), tenancy,
             (exposed,) if exposed else (),
         )
         with contextlib.suppress(Exception):  # Redis away at start: the placer's loop retries
@@ -260,19 +280,22 @@ def create_app(settings: GatewaySettings) -> Litestar:
             yield
         finally:
             for part, close in (
-                ("placement", placement.stop), ("waits", proxy.waits.stop), ("adapters", placer.close),
-                ("lora_state", lora_state.stop), ("breakers", breakers.close), ("inflight", inflight.stop),
-                ("watcher", watcher.stop), ("upstream", upstream.close), ("redis", redis.aclose),
+                ("placement", placement.stop), ("tenancy", tenancy.close), ("waits", proxy.waits.stop),
+                ("adapters", placer.close), ("lora_state", lora_state.stop), ("breakers", breakers.close),
+                ("inflight", inflight.stop), ("watcher", watcher.stop), ("upstream", upstream.close),
+                ("redis", redis.aclose),
+                ("tracing", tracing.shutdown),  # exports the last spans
             ):
                 await _close(part, close)
             log.info("gateway.stopped")
 
     make_policy(settings.policy, settings.routing)  # fail at start-up, not on the first request
+    priorities = Priorities.from_settings(settings)
     return Litestar(
         route_handlers=[
             *(_proxy_route(path, kind) for path, kind in KINDS.items()),
             retrieve_response, cancel_response, list_models, get_model, health,
-            admin_scaling, metrics_endpoint, *ADMIN_HANDLERS, *UI_HANDLERS,
+            admin_scaling, metrics_endpoint, *ADMIN_HANDLERS, *TENANT_HANDLERS, *UI_HANDLERS,
         ],
         lifespan=[lifespan],
         exception_handlers={
@@ -288,7 +311,16 @@ def create_app(settings: GatewaySettings) -> Litestar:
     )
 
 
-def create_asgi(settings: GatewaySettings) -> FastPath | Litestar:
+def create_asgi(settings: GatewaySettings, reload_seed: ReloadSeed | None = None) -> FastPath | Litestar:
     """The app to serve: the fast data path in front of `create_app(settings)`."""
-    app = create_app(settings)
+    app = create_app(settings, reload_seed)
     return FastPath(app) if settings.fast_path else app
+
+
+def _key_class(tenancy: Tenancy, configured: Callable[[str], str]) -> Callable[[str], str]:
+    """A key's priority class: its live record's (gateway/tenants.py) unless that says
+    "default", else what `key_priority` configures for it."""
+    def key_class(key_id: str) -> str:
+        record = tenancy.store.directory.keys.get(key_id)
+        return record.priority if record is not None and record.priority != "default" else configured(key_id)
+    return key_class

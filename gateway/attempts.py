@@ -42,9 +42,11 @@ from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
 from gateway.metrics import GatewayMetrics
 from gateway.placement import Placement
+from gateway.priorities import Priority
 from gateway.routing import Choice, Live, Policy, RequestFacts, decide
 from gateway.routing.table import Slot
 from gateway.settings import GatewaySettings
+from gateway.tracing import NO_TRACE, RequestTrace
 from gateway.upstream import RETRYABLE_STATUS, Upstream, openai_error_body
 from gateway.waiting import FirstByteWaits
 
@@ -53,6 +55,7 @@ log = structlog.get_logger("gateway.proxy")
 FORWARD_HEADERS = {"content-type": "application/json"}
 # What a request without max_tokens is expected to generate, for the KV account.
 _DEFAULT_COMPLETION_TOKENS = 256
+_DEFAULT_PRIORITY = Priority("default")
 
 
 class Retryable(Exception):
@@ -122,6 +125,15 @@ class Attempt:
             facts.max_tokens or _DEFAULT_COMPLETION_TOKENS)
         self.key = facts.affinity_key
         self.headers = FORWARD_HEADERS
+        self.trace: RequestTrace = NO_TRACE
+        # Its priority class (gateway/priorities.py), the key it is queued fairly among
+        # ("": all one line), and when a worker counts full for it (its class's share).
+        self.priority = _DEFAULT_PRIORITY
+        self.tenant = ""
+        self.full_at = dispatch.settings.full_at
+        # The request has a fallback model (gateway/aliases.py): when this one is full or its
+        # context too small, raise at once (no queueing, no engine 400) so the fallback gets it.
+        self.falls_back = False
 
     def hold(self, worker_id: str) -> None:
         self.dispatch.inflight.add(worker_id, self.own_tokens, self.key, self.prefix)
@@ -148,7 +160,7 @@ class Attempt:
         """The limit every eligible worker is at ("slots", "kv"), or None when one has room."""
         dispatch = self.dispatch
         decision = decide(dispatch.watcher.snapshot.routes, self.facts, dispatch.live, dispatch.policy,
-                          self.tried, limit=1, full_at=dispatch.settings.full_at)
+                          self.tried, limit=1, full_at=self.full_at)
         return decision.why or "slots" if decision.verdict == "saturated" else None
 
     async def next(self, body: Callable[[WorkerView], bytes] | None = None) -> Result:
@@ -167,9 +179,10 @@ class Attempt:
         self.count += 1
         self.hold(worker.id)
         url = worker.info.url + self.path
+        headers = self.trace.attempt(self.headers, self, choice, url)
         try:
             with dispatch.waits.waiting(worker.id):
-                resp = await dispatch.upstream.post(url, body(worker) if body else self.body, self.headers, self.stream,
+                resp = await dispatch.upstream.post(url, body(worker) if body else self.body, headers, self.stream,
                                                  self.first_byte_timeout() if self.stream else self.answer_timeout(worker))
         except UpstreamError as exc:
             self.release(worker.id)
@@ -177,6 +190,7 @@ class Attempt:
         except BaseException:  # cancelled: the client hung up, the engine's request is closed
             self.release(worker.id)
             raise
+        self.trace.attempt_status(resp.status)
         if self.stream and resp.status == 200:
             return choice, resp, (200, b"")
         try:
@@ -198,12 +212,15 @@ class Attempt:
             data = openai_error_body(resp.status, data)
             if (tokens := refused_prompt_tokens(resp.status, data)) is not None:
                 self._refused(worker, tokens, data)
+        self.trace.attempt_end()
         return choice, None, (resp.status, data)
 
     def _refused(self, worker: WorkerView, tokens: int, data: bytes) -> None:
         """The engine's context is too small for the prompt: try a roomier worker, if any."""
         facts = refit(self.facts, self.dispatch.watcher.snapshot.routes, self.tried, tokens)
         if facts is None:
+            if self.falls_back:
+                raise ContextLengthExceeded(error_message(data), param="messages")
             return
         self.facts, self.floor = facts, tokens
         log.info("gateway.context_refused", worker=worker.id, prompt_tokens=tokens,
@@ -227,7 +244,7 @@ class Attempt:
         dispatch = self.dispatch
         routes = dispatch.watcher.snapshot.routes
         # Shed load on a request's first attempt only: a retry or a resume has waited enough.
-        full_at = dispatch.settings.full_at if self.count == 0 else None
+        full_at = self.full_at if self.count == 0 else None
         decision = decide(routes, self.facts, dispatch.live, dispatch.policy, self.tried, limit=1,
                           full_at=full_at)
         if decision.verdict == "saturated":
@@ -269,6 +286,7 @@ class Attempt:
 
     def _failed(self, worker: WorkerView, error: GatewayError, sick: bool = True) -> NoReturn:
         self.last_error = error
+        self.trace.attempt_end(error.message)
         if sick:
             self.dispatch.breakers.failure(worker.id, error.message)
         log.warning("gateway.attempt_failed", worker=worker.id, attempt=self.count, error=error.message)
@@ -289,6 +307,8 @@ async def run(attempt: Attempt, admission: Admission, metrics: GatewayMetrics) -
             attempt.replaced = True  # evicted between its placement and now: place it again
             await placer.ensure(model)
         except Saturated:
+            if attempt.falls_back:
+                raise Overloaded(f"Every worker of `{model}` is full.", retry_after=1) from None
             await _wait_for_room(attempt, admission)
         except Held as held:
             await _hold(attempt, admission, held.slot)
@@ -298,11 +318,14 @@ async def run(attempt: Attempt, admission: Admission, metrics: GatewayMetrics) -
 
 async def _wait_for_room(attempt: Attempt, admission: Admission) -> None:
     """Hold a request while every eligible worker is full; bounded in count and time."""
-    settings = attempt.dispatch.settings
+    settings, priority = attempt.dispatch.settings, attempt.priority
+    timeout = settings.queue_timeout_s if priority.queue_timeout_s is None else priority.queue_timeout_s
     if attempt.queue_deadline is None:
-        attempt.queue_deadline = time.monotonic() + settings.queue_timeout_s
-    await admission.wait(attempt.facts.model, attempt.saturated, attempt.queue_deadline,
-                              retry_after=max(1.0, settings.queue_timeout_s / 2))
+        attempt.queue_deadline = time.monotonic() + timeout
+    facts = attempt.facts
+    await admission.wait(facts.model, attempt.saturated, attempt.queue_deadline, retry_after=max(1.0, timeout / 2),
+                         priority=priority.name, key=attempt.tenant,
+                         tokens=facts.prompt_tokens + (facts.max_tokens or _DEFAULT_COMPLETION_TOKENS))
 
 async def _hold(attempt: Attempt, admission: Admission, slot: Slot) -> None:
     """Wait, at most `hold_max_s`, until `slot` has KV room for the request by the account
@@ -336,5 +359,6 @@ async def _retry(attempt: Attempt, failure: Retryable, metrics: GatewayMetrics) 
 
 def _log_retry(attempt: Attempt, metrics: GatewayMetrics) -> None:
     metrics.retry(attempt.facts.model)
+    attempt.trace.retry(attempt.count + 1, attempt.last_error.message if attempt.last_error else "")
     log.info("gateway.retry", model=attempt.facts.model, attempt=attempt.count + 1,
              error=attempt.last_error.message if attempt.last_error else "")

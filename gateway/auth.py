@@ -9,7 +9,6 @@ the token accepts it, and changing the token logs every browser out.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import hmac
 import ipaddress
@@ -35,14 +34,6 @@ def check_api_key(digests: frozenset[bytes], authorization: str) -> str:
     Returns a key id for logs (a digest prefix, never the key)."""
     if not digests:
         return ""
-    return _key_id(digests, authorization)
-
-
-# A client sends the same header on every request: hashing it once is enough. Only keys that
-# passed are remembered (a refusal raises, which lru_cache does not keep), so a flood of
-# wrong keys cannot fill it.
-@functools.lru_cache(maxsize=4096)
-def _key_id(digests: frozenset[bytes], authorization: str) -> str:
     scheme, _, token = authorization.partition(" ")
     key_digest = digest(token.strip() if scheme.lower() == "bearer" else "")
     if key_digest not in digests:

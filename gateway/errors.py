@@ -7,7 +7,11 @@
     ├── NotFound                     404 invalid_request_error / not_found
     │   └── ModelNotFound            404 invalid_request_error / model_not_found
     ├── Overloaded                   429 rate_limit_error / fleet_overloaded (+ Retry-After)
+    ├── Forbidden                    403 permission_error
+    │   └── ModelNotAllowed          403 permission_error / model_not_allowed (the key may not use it)
     ├── RateLimited                  429 requests / rate_limit_exceeded (+ Retry-After, x-ratelimit-*)
+    │   ├── TokensLimited            429 tokens / rate_limit_exceeded (a tokens-per-minute limit)
+    │   └── QuotaExhausted           429 insufficient_quota / insufficient_quota (a token budget)
     ├── NoWorkerAvailable            503 service_unavailable / no_worker_available (+ Retry-After),
     │                                    model_unavailable (served recently, no worker now),
     │                                    registry_unavailable (Redis cannot be read)
@@ -84,6 +88,16 @@ class Unauthorized(GatewayError):
     code = "invalid_api_key"
 
 
+class Forbidden(GatewayError):
+    status = 403
+    type = "permission_error"
+    code = "permission_denied"
+
+
+class ModelNotAllowed(Forbidden):
+    code = "model_not_allowed"
+
+
 class NotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
@@ -107,12 +121,25 @@ class RateLimited(GatewayError):
     type = "requests"
     code = "rate_limit_exceeded"
 
-    def __init__(self, message: str, *, retry_after: float, limit_headers: dict[str, str]) -> None:
+    def __init__(self, message: str, *, retry_after: float | None, limit_headers: dict[str, str]) -> None:
         super().__init__(message, retry_after=retry_after)
         self.limit_headers = limit_headers
 
     def headers(self) -> dict[str, str]:
         return {**super().headers(), **self.limit_headers}
+
+
+class TokensLimited(RateLimited):
+    """A key or team sent more tokens per minute than its limit."""
+
+    type = "tokens"
+
+
+class QuotaExhausted(RateLimited):
+    """A key or team used its token budget (per day or in total): OpenAI's shape for it."""
+
+    type = "insufficient_quota"
+    code = "insufficient_quota"
 
 
 class NoWorkerAvailable(GatewayError):

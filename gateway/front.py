@@ -1,6 +1,6 @@
 """What both request paths (the raw ASGI fast path and Litestar's routes) do around the proxy.
 
-Check the API key, count the client against its rate limit, read the body, then serve,
+Check the API key (gateway/tenants.py), count the client against its rate limit, read the body, then serve,
 while watching the client's connection: a client that hangs up before its answer is
 ready cancels the work, which closes the engine's request (an engine generates on for
 nobody otherwise; vLLM and the simulator abort a request whose connection closes). A
@@ -15,7 +15,6 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from gateway.auth import check_api_key
 from gateway.errors import GatewayError
 from gateway.proxy import Reply
 
@@ -76,7 +75,8 @@ async def serve(
     started = time.perf_counter()
     key_id = ""
     try:
-        key_id = check_api_key(gw.api_key_digests, header("authorization") or "")
+        tenant = gw.tenants.directory.authenticate(header("authorization") or "")
+        key_id = tenant.id if tenant is not None else ""
         limits = await gw.limiter.admit(key_id, client_host)
         body = await read_body()
     except GatewayError as exc:
@@ -84,7 +84,7 @@ async def serve(
         raise
     hangup = Hangup(receive)
     try:
-        reply: Reply = await gw.proxy.serve(body, header, path, kind, key_id)
+        reply: Reply = await gw.proxy.serve(body, header, path, kind, key_id, tenant)
     except asyncio.CancelledError:
         hangup.finish()
         if hangup.absorb():
@@ -93,7 +93,9 @@ async def serve(
     except BaseException:
         await hangup.stop()
         raise
-    reply.headers.extend(limits)
+    if limits:  # the key's own limits' headers (gateway/quota.py), when it has any, come first
+        have = {name for name, _ in reply.headers}
+        reply.headers.extend(h for h in limits if h[0] not in have)
     if reply.stream is None:
         await hangup.stop()
     return reply, hangup

@@ -130,6 +130,11 @@ class GatewayMetrics:
             "fleetgate_failovers", "Requests answered by another worker after their first choice "
             "failed.", ["model"], registry=r,
         )
+        self._fallbacks = Counter(
+            "fleetgate_fallbacks", "Requests sent on to a fallback model (the `fallbacks` setting), by "
+            "the model that could not take them, the fallback, and why (no_capacity, no_model, "
+            "context_length).", ["model", "fallback", "reason"], registry=r,
+        )
         self._resumed = Counter(
             "fleetgate_resumed_streams", "Streams that broke off and were resumed on another worker.",
             ["model"], registry=r,
@@ -185,6 +190,9 @@ class GatewayMetrics:
 
     def failover(self, model: str) -> None:
         self._child(self._failovers, self.model_label(model)).inc()
+
+    def fallback(self, model: str, fallback: str, reason: str) -> None:
+        self._child(self._fallbacks, self.model_label(model), self.model_label(fallback), reason).inc()
 
     def resumed_stream(self, model: str) -> None:
         self._child(self._resumed, self.model_label(model)).inc()

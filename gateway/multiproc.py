@@ -9,7 +9,8 @@ in-flight counts (gateway/inflight.py, one lease per process), adapter state and
 all go through Redis; nothing is shared in memory.
 
 SIGTERM or SIGINT to the supervisor is passed to every child, which drains as a single
-gateway does; the supervisor exits when all have. A child that dies on its own is started
+gateway does; the supervisor exits when all have. SIGHUP is passed on too (each child reads
+its config file again). A child that dies on its own is started
 again (at most once a second); one that fails at start-up (a bad setting, the port taken by
 another program) stops the whole group, since its siblings would fail alike.
 """
@@ -85,12 +86,19 @@ class Supervisor:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
 
+    def _reload(self, _signum: int, _frame: object) -> None:
+        """SIGHUP: every child reads the config file again (gateway/tenancy.py)."""
+        for proc, _ in self.children.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGHUP)
+
     def run(self) -> int:
         # The port must be free of anything but our own children: a plain bind tells.
         probe = reuse_port_socket(self.host, self.port)
         probe.close()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._signal)
+        signal.signal(signal.SIGHUP, self._reload)
         log.info("gateway.workers", workers=self.workers, host=self.host, port=self.port, pid=os.getpid())
         for slot in range(self.workers):
             self._start(slot)

@@ -24,11 +24,13 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import structlog
 
 from gateway import attempts, outcomes
 from gateway.adapters import AdapterPlacer
 from gateway.admission import Admission
+from gateway.aliases import fallback_reason, resolve, with_model
 from gateway.attempts import FORWARD_HEADERS, Attempt, Dispatch
 from gateway.circuit import Breakers
 from gateway.errors import GatewayError, InvalidRequest, ModelNotFound
@@ -36,9 +38,13 @@ from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
 from gateway.metrics import GatewayMetrics, usage_of
 from gateway.placement import Placement
+from gateway.priorities import HEADER as PRIORITY_HEADER
+from gateway.priorities import Priorities
+from gateway.quota import Quota
 from gateway.relay import relay
 from gateway.requests import (
     GENERATES,
+    Probe,
     affinity,
     estimate_tokens,
     parse_request,
@@ -48,7 +54,9 @@ from gateway.responses import ResponsesTracker, forward_stored, owner_of, rememb
 from gateway.resume import StreamTracker, unresumable, with_usage
 from gateway.routing import Live, Policy, RequestFacts
 from gateway.settings import GatewaySettings
+from gateway.tenants import Tenant
 from gateway.tokenizers import Tokenizers
+from gateway.tracing import RequestTrace, Tracing
 from gateway.upstream import Upstream
 from gateway.waiting import FirstByteWaits
 
@@ -78,12 +86,19 @@ class Proxy:
     placement: Placement
     admission: Admission
     tokenizers: Tokenizers = field(default_factory=Tokenizers)
+    tracing: Tracing = field(default_factory=Tracing)
+    # Priority classes (gateway/priorities.py); None: from the settings.
+    priorities: Priorities | None = None
+    # Per-key limits and usage (gateway/quota.py); None: keys carry no limits.
+    quota: Quota | None = None
     seq: int = 0
     live: Live = field(init=False)
     waits: FirstByteWaits = field(init=False)
     dispatch: Dispatch = field(init=False)
+    classes: Priorities = field(init=False)
 
     def __post_init__(self) -> None:
+        self.classes = self.priorities or Priorities.from_settings(self.settings)
         self.waits = FirstByteWaits(lambda: self.watcher.snapshot)
         self.live = self.placement.live(Live(self.inflight, self.inflight.tokens))
         self.inflight.on_done = self.admission.wake
@@ -96,7 +111,8 @@ class Proxy:
         return f"{self._id_prefix}{self.seq:016x}"
 
     async def serve(
-        self, body: bytes, header: Callable[[str], str | None], path: str, kind: str, key_id: str = ""
+        self, body: bytes, header: Callable[[str], str | None], path: str, kind: str, key_id: str = "",
+        tenant: Tenant | None = None,
     ) -> Reply:
         """Route and forward one OpenAI request. `header(name)` reads a request header.
 
@@ -106,21 +122,125 @@ class Proxy:
         started = time.perf_counter()
         self.seq += 1
         request_id = header("x-request-id") or self._next_id()
+        trace = self.tracing.start(header, path, request_id)
         try:
-            return await self._serve(body, header, path, kind, key_id, request_id, started)
+            reply = await self._serve(body, header, path, kind, key_id, request_id, started, trace, tenant)
         except GatewayError as exc:
+            trace.end(exc.status, error=exc.code)
             if exc.request_id is None:  # refused before routing (a bad body): not logged yet
                 exc.request_id = request_id
                 outcomes.failed(self.metrics, exc, started, request_id=request_id, key_id=key_id)
             raise
+        except asyncio.CancelledError:  # the client hung up, or the server stops
+            trace.end(outcomes.CLIENT_GONE, "client_gone")
+            raise
+        except Exception:
+            trace.end(500, error="internal_error")
+            raise
+        if reply.stream is None:  # a stream's trace ends with it (gateway/relay.py)
+            trace.end(reply.status)
+        return reply
 
     async def _serve(
         self, body: bytes, header: Callable[[str], str | None], path: str, kind: str, key_id: str,
-        request_id: str, started: float,
+        request_id: str, started: float, trace: RequestTrace, tenant: Tenant | None = None,
     ) -> Reply:
         probe = parse_request(body, kind)
-        snapshot = self.watcher.snapshot
+        trace.described(probe.model, probe.stream)
+        priority = self.classes.priority_of(key_id, header(PRIORITY_HEADER))
         session = header("x-session-id") or probe.user
+        # The alias's model for this session (else request), then its fallbacks (gateway/aliases.py).
+        plan = resolve(self.settings.aliases, self.settings.fallbacks, probe.model, session or request_id)
+        last = len(plan.models) - 1
+        error: GatewayError | None = None
+        ticket = None
+        for tried, model in enumerate(plan.models):
+            if model != probe.model:  # the engine gets, and answers with, the real model's name
+                probe, body = msgspec.structs.replace(probe, model=model), with_model(body, model)
+            attempt, body, hide_usage = await self._attempt(probe, body, path, kind, session, request_id)
+            attempt.falls_back = tried < last
+            attempt.headers = {**attempt.headers, **trace.forward}
+            attempt.trace = trace
+            attempt.priority, attempt.full_at = priority, priority.full_at(attempt.full_at)
+            if self.classes.enabled:
+                attempt.tenant = key_id
+            if tried == 0 and tenant is not None and self.quota is not None:
+                # The key's (and its team's) limits: the prompt's tokens are charged before routing.
+                ticket = await self.quota.admit(tenant, model, attempt.facts.prompt_tokens)
+            try:
+                result = await attempts.run(attempt, self.admission, self.metrics)
+                break
+            except GatewayError as exc:
+                reason = fallback_reason(exc) if tried < last else None
+                if reason is not None:
+                    error = error or exc
+                    self.metrics.fallback(model, plan.models[tried + 1], reason)
+                    log.info("gateway.fallback", request_id=request_id, model=model,
+                             fallback=plan.models[tried + 1], reason=reason, error=exc.message)
+                    continue
+                if isinstance(exc, ModelNotFound):  # a fallback no worker serves: the first error stands
+                    exc = error or self.watcher.absent(exc, probe.model)
+                if ticket is not None:
+                    await ticket.settle(0, 0, exc.status)
+                self._failed_request(request_id, key_id, probe.model, probe.stream, attempt, exc, started)
+                raise exc from None
+            except asyncio.CancelledError:  # the client hung up (gateway/front.py) or the server stops
+                if ticket is not None:
+                    ticket.settle_soon(0, 0, 499)
+                outcomes.client_gone(self.metrics, started, request_id=request_id, key_id=key_id,
+                                     model=probe.model, stream=probe.stream)
+                raise
+        facts = attempt.facts
+        choice, resp, data = result
+        worker = choice.worker
+        route = f"{self.policy.name}:{choice.reason}"
+        self.metrics.record_decision(request_id, probe.model, worker.id, route, attempt.count,
+                                     200 if resp is not None else data[0])
+        if attempt.count > 1:
+            self.metrics.failover(probe.model)
+        headers = [
+            ("x-fleetgate-worker", worker.id),
+            ("x-fleetgate-route", route),
+            ("x-request-id", request_id),
+            ("x-fleetgate-model", probe.model),
+            *((("x-fleetgate-alias", plan.alias),) if plan.alias else ()),
+            *(ticket.headers if ticket is not None else ()),
+        ]
+        if self.classes.enabled:
+            headers.append((PRIORITY_HEADER, priority.name))
+        fields = {
+            "request_id": request_id, "key_id": key_id, "model": probe.model, "adapter": facts.adapter,
+            "worker": worker.id, "route": choice.reason, "attempts": attempt.count, "stream": probe.stream,
+            "alias": plan.alias, "fallback_from": plan.models[0] if error is not None else None,
+        }
+        stores = kind == "responses" and probe.store is not False
+        if resp is not None:
+            tracker: StreamTracker | ResponsesTracker = (
+                ResponsesTracker() if kind == "responses"
+                else StreamTracker(kind, lambda sent: unresumable(body, kind, sent), hide_usage)
+            )
+            return Reply(200, headers, stream=relay(attempt, choice, resp, tracker, self.metrics, started, fields, stores,
+                                                    ticket))
+        status, payload = data
+        if stores and status == 200 and (response_id := response_id_of(payload)):
+            await remember(self.watcher, response_id, worker.id, self.settings.responses_ttl_s)
+        elapsed = time.perf_counter() - started
+        prompt_tokens, completion_tokens = usage_of(payload) if status == 200 else (0, 0)
+        if ticket is not None:
+            await ticket.settle(prompt_tokens, completion_tokens, status)
+        self.metrics.request_done(probe.model, worker.id, status, False, elapsed, None,
+                                  prompt_tokens, completion_tokens)
+        log.info("gateway.request", **fields, status=status, ms=round(elapsed * 1000, 2),
+                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 error=outcomes.error_code(payload) if status >= 400 else None)
+        return Reply(status, headers, body=payload)
+
+    async def _attempt(
+        self, probe: Probe, body: bytes, path: str, kind: str, session: str | None, request_id: str,
+    ) -> tuple[Attempt, bytes, bool]:
+        """The attempts at sending `body` (a request for `probe.model`), with its routing facts;
+        the body as sent, and whether the client's stream hides the usage chunk."""
+        snapshot = self.watcher.snapshot
         is_adapter = snapshot.models.get(probe.model, "") != ""
         generates = kind in GENERATES
         key, key_kind = (None, None)
@@ -169,50 +289,7 @@ class Proxy:
             body = with_usage(body)
         attempt = Attempt(self.dispatch, path, kind, body, probe.stream, facts, floor)
         attempt.headers = {**FORWARD_HEADERS, "x-request-id": request_id}
-        try:
-            result = await attempts.run(attempt, self.admission, self.metrics)
-        except GatewayError as exc:
-            error = self.watcher.absent(exc, probe.model) if isinstance(exc, ModelNotFound) else exc
-            self._failed_request(request_id, key_id, probe.model, probe.stream, attempt, error, started)
-            raise error from None
-        except asyncio.CancelledError:  # the client hung up (gateway/front.py) or the server stops
-            outcomes.client_gone(self.metrics, started, request_id=request_id, key_id=key_id, model=probe.model,
-                                 stream=probe.stream)
-            raise
-        choice, resp, data = result
-        worker = choice.worker
-        route = f"{self.policy.name}:{choice.reason}"
-        self.metrics.record_decision(request_id, probe.model, worker.id, route, attempt.count,
-                                     200 if resp is not None else data[0])
-        if attempt.count > 1:
-            self.metrics.failover(probe.model)
-        headers = [
-            ("x-fleetgate-worker", worker.id),
-            ("x-fleetgate-route", route),
-            ("x-request-id", request_id),
-        ]
-        fields = {
-            "request_id": request_id, "key_id": key_id, "model": probe.model, "adapter": facts.adapter,
-            "worker": worker.id, "route": choice.reason, "attempts": attempt.count, "stream": probe.stream,
-        }
-        stores = kind == "responses" and probe.store is not False
-        if resp is not None:
-            tracker: StreamTracker | ResponsesTracker = (
-                ResponsesTracker() if kind == "responses"
-                else StreamTracker(kind, lambda sent: unresumable(body, kind, sent), hide_usage)
-            )
-            return Reply(200, headers, stream=relay(attempt, choice, resp, tracker, self.metrics, started, fields, stores))
-        status, payload = data
-        if stores and status == 200 and (response_id := response_id_of(payload)):
-            await remember(self.watcher, response_id, worker.id, self.settings.responses_ttl_s)
-        elapsed = time.perf_counter() - started
-        prompt_tokens, completion_tokens = usage_of(payload) if status == 200 else (0, 0)
-        self.metrics.request_done(probe.model, worker.id, status, False, elapsed, None,
-                                  prompt_tokens, completion_tokens)
-        log.info("gateway.request", **fields, status=status, ms=round(elapsed * 1000, 2),
-                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 error=outcomes.error_code(payload) if status >= 400 else None)
-        return Reply(status, headers, body=payload)
+        return attempt, body, hide_usage
 
     def _failed_request(
         self, request_id: str, key_id: str, model: str, stream: bool, attempt: Attempt, exc: GatewayError,

@@ -19,6 +19,7 @@ from gateway.attempts import Attempt
 from gateway.capabilities import continues_trailing_assistant, shaped
 from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics, usage_of
+from gateway.quota import Ticket
 from gateway.responses import ResponsesTracker, remember
 from gateway.resume import StreamTracker, continuation
 from gateway.routing import Choice
@@ -33,7 +34,7 @@ class StreamBroke(Exception):
 
 async def relay(
     attempt: Attempt, choice: Choice, resp: aiohttp.ClientResponse, tracker: StreamTracker | ResponsesTracker,
-    metrics: GatewayMetrics, started: float, fields: dict[str, object], stores: bool,
+    metrics: GatewayMetrics, started: float, fields: dict[str, object], stores: bool, ticket: Ticket | None = None,
 ) -> AsyncIterator[bytes]:
     """Relay the engine's stream to the client; continue it on another worker if it breaks."""
     dispatch = attempt.dispatch
@@ -94,6 +95,7 @@ async def relay(
             except (aiohttp.ClientError, TimeoutError, StreamBroke, WorkerWentAway) as exc:
                 reason = "stalled" if isinstance(exc, TimeoutError) else type(exc).__name__
                 dispatch.breakers.failure(worker.id, f"stream {reason}")
+                attempt.trace.stream_broke(worker.id, reason)
                 resp.close()
                 attempt.release(worker.id)
                 counted = False
@@ -121,6 +123,7 @@ async def relay(
                 worker = choice.worker
                 counted = True
                 metrics.resumed_stream(str(fields["model"]))
+                attempt.trace.resumed(worker.id, resumes)
                 tracker.start_segment()
                 log.info("gateway.stream_resumed", worker=worker.id, resumes=resumes,
                          sent_chunks=tracker.content_chunks, request_id=fields["request_id"])
@@ -136,8 +139,17 @@ async def relay(
             else:
                 resp.close()
             attempt.release(worker.id)
+        attempt.trace.end(200, outcome)
         elapsed = time.perf_counter() - started
         tokens = tokens if tokens[1] else tracker.hidden_usage
+        if ticket is not None:
+            if not tokens[1] and isinstance(tracker, StreamTracker) and tracker.sent:
+                tracker.analyse()  # no usage came (the client left first): count what was sent
+                tokens = (ticket.charged, tracker.content_chunks)
+            if outcome == "client_gone":  # this task is being cancelled: settle beside it
+                ticket.settle_soon(*tokens, 200)
+            else:
+                await ticket.settle(*tokens, 200)
         metrics.request_done(
             str(fields["model"]), worker.id, 200, True, elapsed,
             first_chunk_ms / 1000 if first_chunk_ms is not None else None, *tokens,

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import yaml
 
 from fleetgate.registry import DEFAULT_HEARTBEAT_TTL_S, DEFAULT_PREFIX
+from gateway.aliases import AliasTarget
+from gateway.errors import GatewayError
 from gateway.routing.base import FullAt
+from gateway.tenants import KeySpec, TeamSpec, key_record, team_record
 
 
 class AdapterSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -18,6 +21,15 @@ class AdapterSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
 
     path: str
     base: str
+
+
+class PriorityClass(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """A priority class (gateway/priorities.py): its weight in the admission queue, the share of
+    a worker it may fill, and its own queue timeout (None: `queue_timeout_s`)."""
+
+    weight: float = 1.0
+    share: float = 1.0
+    queue_timeout_s: float | None = None
 
 
 class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -37,6 +49,14 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     registration_secret: str = ""
     # Client keys for /v1; empty means the data plane is open (say so in the docs).
     api_keys: tuple[str, ...] = ()
+    # Keys and teams with their own limits (docs/tenants.md): the seed of the records in
+    # Redis, which the admin API changes live. `tenants_seed`: "absent" writes only records
+    # Redis lacks (and an operator did not delete); "overwrite" writes every one given here.
+    keys: dict[str, KeySpec] = msgspec.field(default_factory=dict)
+    teams: dict[str, TeamSpec] = msgspec.field(default_factory=dict)
+    tenants_seed: Literal["absent", "overwrite"] = "absent"
+    # Full re-read of keys and teams; pub/sub events trigger one at once in between.
+    tenants_reload_s: float = 5.0
     # Requests per minute each client may send to the inference routes, shared by every
     # gateway through Redis (0: no limit). A client is its API key, or its address when
     # no keys are configured. `rate_limit_burst` requests may come at once (0: 10 s worth).
@@ -47,6 +67,10 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     routing: dict[str, float | int] = msgspec.field(default_factory=dict)
     # LoRA adapters the gateway may place on runtime-loading workers: name -> path, base.
     adapters: dict[str, AdapterSpec] = msgspec.field(default_factory=dict)
+    # Public model names -> the models/adapters they send to, by weight; and model -> the
+    # models a request goes to when its own has no capacity or context (gateway/aliases.py).
+    aliases: dict[str, tuple[AliasTarget, ...]] = msgspec.field(default_factory=dict)
+    fallbacks: dict[str, tuple[str, ...]] = msgspec.field(default_factory=dict)
     # Base model name -> tokenizer.json, for exact prompt token counts; wins over the path a
     # worker registered (gateway/tokenizers.py); else the prompt is estimated.
     tokenizers: dict[str, str] = msgspec.field(default_factory=dict)
@@ -85,6 +109,13 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     hold_max_s: float = 0.5
     queue_max: int = 512
     queue_timeout_s: float = 10.0
+    # Priority classes and which keys are in which (docs/operations.md, "Priorities and
+    # fairness"): key_priority maps a key id (or the key's last 4+ characters) to a class;
+    # other keys are in default_priority. One `default` class: the queue is FIFO per model.
+    priority_classes: dict[str, PriorityClass] = msgspec.field(
+        default_factory=lambda: {"default": PriorityClass()})
+    key_priority: dict[str, str] = msgspec.field(default_factory=dict)
+    default_priority: str = "default"
     # Serve the OpenAI POST routes with a raw ASGI handler in front of Litestar (same logic,
     # a third less CPU per request).
     fast_path: bool = True
@@ -93,8 +124,19 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     responses_ttl_s: float = 86400.0
     # Largest request body accepted (413 above it).
     max_body_bytes: int = 32 * 1024 * 1024
+    # OpenTelemetry: the OTLP/HTTP traces URL (http://collector:4318/v1/traces) spans are
+    # sent to; empty: no tracing (a client's traceparent still reaches the engine).
+    tracing_endpoint: str = ""
+    tracing_service: str = "fleetgate-gateway"
     log_level: str = "info"
     log_json: bool | None = None
+
+    def __post_init__(self) -> None:
+        # A mistyped key or team fails at start, not when the seed is written.
+        for team_id, team in self.teams.items():
+            _valid(team_record, team_id, team, f"teams.{team_id}")
+        for key_id, key in self.keys.items():
+            _valid(key_record, key_id, key, f"keys.{key_id}")
 
     @property
     def full_at(self) -> FullAt:
@@ -106,8 +148,19 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         out["admin_token"] = "***" if self.admin_token else ""
         out["registration_secret"] = "***" if self.registration_secret else ""
         out["api_keys"] = [f"***{k[-4:]}" if len(k) > 8 else "***" for k in self.api_keys]
+        out["key_priority"] = {(f"***{k[-4:]}" if len(k) > 8 else k): v for k, v in self.key_priority.items()}
         out["redis_url"] = _mask_url(self.redis_url)
+        out["tracing_endpoint"] = _mask_url(self.tracing_endpoint)
+        out["keys"] = {k: {**msgspec.to_builtins(v), "secret": "***", "secret_sha256": "***"}
+                       for k, v in self.keys.items()}
         return out
+
+
+def _valid(check: Any, name: str, spec: Any, where: str) -> None:
+    try:
+        check(name, spec)
+    except GatewayError as exc:
+        raise ValueError(f"{where}: {exc.message}") from None
 
 
 def _mask_url(url: str) -> str:
@@ -118,6 +171,10 @@ def _mask_url(url: str) -> str:
 
 
 _ENV = {
+    # The OpenTelemetry standard names first: fleetgate's own win over them.
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "tracing_endpoint",
+    "OTEL_SERVICE_NAME": "tracing_service",
+    "FLEETGATE_OTLP_ENDPOINT": "tracing_endpoint",
     "FLEETGATE_REDIS_URL": "redis_url",
     "FLEETGATE_REDIS_PREFIX": "redis_prefix",
     "FLEETGATE_ADMIN_TOKEN": "admin_token",
@@ -134,17 +191,33 @@ def load_settings(
     environ: dict[str, str] | None = None,
 ) -> GatewaySettings:
     """Build settings from a YAML file, the environment and explicit overrides (flags)."""
+    data, _ = gather(config_path, overrides, environ)
+    return msgspec.convert(data, GatewaySettings, strict=False)
+
+
+def gather(
+    config_path: str | os.PathLike[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The raw settings, and where each came from (the file, a variable, `flag`), unchecked."""
     env = os.environ if environ is None else environ
     data: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     if config_path is not None and Path(config_path).exists():
         loaded = yaml.safe_load(Path(config_path).read_text()) or {}
-        section = loaded.get("gateway", loaded)
-        if isinstance(section, dict):
-            data.update(section)
+        section = loaded.get("gateway", loaded) if isinstance(loaded, dict) else loaded
+        if not isinstance(section, dict):
+            raise msgspec.ValidationError(f"Expected `object`, got `{type(section).__name__}` - at `$`")
+        data.update(section)
+        sources.update(dict.fromkeys(section, str(config_path)))
     for var, field in _ENV.items():
         if env.get(var):
-            data[field] = env[var]
+            data[field], sources[field] = env[var], var
     if env.get("FLEETGATE_API_KEYS"):
         data["api_keys"] = [k.strip() for k in env["FLEETGATE_API_KEYS"].split(",") if k.strip()]
-    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    return msgspec.convert(data, GatewaySettings, strict=False)
+        sources["api_keys"] = "FLEETGATE_API_KEYS"
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    data.update(given)
+    sources.update(dict.fromkeys(given, "the command line"))
+    return data, sources

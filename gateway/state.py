@@ -12,6 +12,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy import Proxy
 from gateway.ratelimit import RateLimiter
 from gateway.settings import GatewaySettings
+from gateway.tenancy import Tenancy
+from gateway.tenant_store import TenantStore
 
 
 @dataclass
@@ -22,11 +24,17 @@ class Gateway:
     registry: Registry
     watcher: FleetWatcher
     proxy: Proxy
-    api_key_digests: frozenset[bytes]
     metrics: GatewayMetrics
     limiter: RateLimiter
+    # Keys, teams and their limits (gateway/tenancy.py); `tenants.directory` authenticates.
+    tenancy: Tenancy
     # Said at start and on /health: what an operator must fix (an open data plane, say).
     warnings: tuple[str, ...] = ()
+
+
+    @property
+    def tenants(self) -> TenantStore:
+        return self.tenancy.store
 
 
 def gw_of(state: State) -> Gateway:

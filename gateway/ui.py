@@ -12,7 +12,7 @@ start on another site, and admin writes authorised by the cookie also need the
 preflight that the gateway never grants. Pages forbid framing and inline script.
 
 The page is rendered here; `ui_assets/dashboard.js` (no framework, no CDN) refreshes
-it from `/admin/workers`, `/admin/stats` and `/admin/decisions` every 1.5 s.
+it from `/admin/workers`, `/admin/stats`, `/admin/decisions` and `/admin/usage` every 1.5 s.
 """
 
 from __future__ import annotations
@@ -149,6 +149,10 @@ def _dashboard(gw: Gateway) -> Response:
         '<div class=scroll><table id=decisions><thead><tr><th>Time</th><th>Request</th><th>Model</th>'
         "<th>Worker</th><th>Reason</th><th>Attempts</th><th>Status</th></tr></thead>"
         '<tbody><tr class=empty><td colspan=7>No requests yet.</td></tr></tbody></table></div>'
+        "<h2>Usage today <small>(per key and model, every replica)</small></h2>"
+        '<div class=scroll><table id=usage><thead><tr><th>Key</th><th>Model</th><th>Requests</th>'
+        "<th>Input tokens</th><th>Output tokens</th><th>Errors</th><th>Rate-limited</th></tr></thead>"
+        '<tbody><tr class=empty><td colspan=7>No usage yet.</td></tr></tbody></table></div>'
         '<div id=toast role=status aria-live=polite></div>'
         '<dialog id=confirm><form method=dialog><p id=confirm-text></p><menu>'
         '<button value=cancel id=confirm-cancel>Cancel</button>'

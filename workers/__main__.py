@@ -10,13 +10,14 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import shlex
 import signal
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 import yaml
@@ -28,7 +29,7 @@ from workers.agent import run_agent
 from workers.context import FALLBACK as FALLBACK_MAX_MODEL_LEN
 from workers.context import default_max_model_len
 from workers.engine_process import die_with_parent
-from workers.engines import Engine, EngineSpec, get_engine
+from workers.engines import Engine, EngineSpec, get_engine, known_engines
 from workers.gpu import DEFAULT_PROFILES, CardProfile, load_profiles, profile_for, query_gpus
 from workers.options import AgentOptions, default_worker_id
 from workers.preflight import check_host, check_redis
@@ -87,12 +88,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def usage_error(message: str) -> NoReturn:
+    """A mistyped option: one line on stderr and exit status 2, as argparse's own errors."""
+    print(f"python -m workers: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _one_of(what: str, value: str, known: list[str]) -> str:
+    """`unknown X 'v'; did you mean 'w'? known: ...` for a value not in `known`."""
+    close = difflib.get_close_matches(value, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ";"
+    return f"unknown {what} {value!r}{hint} known: {', '.join(known)}"
+
+
+def _check_options(engine_name: str, overrides: dict[str, Any]) -> None:
+    """Refuse an `--option` the engine does not read: a typo would otherwise be dropped."""
+    if not overrides:
+        return
+    if engine_name == "external":
+        usage_error("--option tunes an engine the agent starts; --engine external takes none")
+    known = sorted(get_engine(engine_name).options)
+    for key in overrides:
+        if key not in known:
+            usage_error(_one_of(f"--option for the {engine_name} engine:", key, known))
+
+
 def _options(pairs: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise SystemExit(f"--option needs KEY=VALUE, got {pair!r}")
+            usage_error(f"--option needs KEY=VALUE, got {pair!r}")
         out[key.strip().replace("-", "_")] = yaml.safe_load(value)
     return out
 
@@ -115,6 +141,11 @@ def group_id(args: argparse.Namespace, engine_name: str, port: int) -> str:
 def plan(args: argparse.Namespace) -> tuple[AgentOptions, list[str]]:
     """Decide engine, card profile and spec; return the options and the reasons."""
     why: list[str] = []
+    engines = known_engines()
+    if args.engine not in ("auto", "external", *engines):
+        usage_error(_one_of("--engine", args.engine, ["auto", "external", *engines]))
+    if args.engine == "external" and args.flavor not in engines:
+        usage_error(_one_of("--flavor", args.flavor, engines))
     gpu_ids = tuple(g for g in args.gpu.split(",") if g)
     probe = args.engine not in ("sim", "external")
     gpus = {g.index: g for g in query_gpus(args.nvidia_smi_output or None)} if probe else {}
@@ -141,6 +172,7 @@ def plan(args: argparse.Namespace) -> tuple[AgentOptions, list[str]]:
         gpu = gpu or GpuInfo(name=f"simulated {sim_profile}", profile=sim_profile, index=args.gpu)
         why.append(f"simulated card profile {sim_profile}")
     overrides = _options(args.option)
+    _check_options(engine_name, overrides)
     instances, instance = max(1, args.instances), args.instance or 0
     if instances > 1:
         why.append(_share_memory(engine_name, options, overrides, instances, args.gpu))

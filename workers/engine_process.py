@@ -38,6 +38,7 @@ class EngineProcess:
             *self.argv, env=self.env, stdout=out, stderr=asyncio.subprocess.STDOUT if out else None,
             stdin=asyncio.subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
         )
+        self.log.info("agent.engine_started", pid=self.proc.pid)
 
     @property
     def running(self) -> bool:

@@ -105,6 +105,9 @@ class FullAt:
     # it would push past this share by the account (0: never): an engine that admits more
     # than its cache holds preempts running requests to make room. 0 turns it off.
     hold_kv: float = 1.0
+    # The share of that limit a request's priority class may fill (gateway/priorities.py):
+    # below 1 its class counts a worker full earlier, leaving room for the classes above.
+    share: float = 1.0
 
     def holds(self, slot: Slot, live: Live, tokens: int) -> bool:
         """True when `tokens` more would take `slot` past `hold_kv` of its KV cache by the
@@ -116,11 +119,12 @@ class FullAt:
     def why(self, slot: Slot, live: Live) -> str | None:
         """The limit `slot` is at ("slots", "kv"), or None when it has room."""
         requests = live.requests.get(slot.id, 0)
-        if requests >= slot.capacity * (1.0 + self.queue_ratio):
+        share = self.share
+        if requests >= slot.capacity * (1.0 + self.queue_ratio) * share:
             return "slots"
         if slot.kv_tokens:
-            return "kv" if live.tokens.get(slot.id, 0) >= slot.kv_tokens * (1.0 + self.queue_ratio) else None
-        if requests >= slot.capacity and slot.waiting > 0 and slot.kv >= self.kv:
+            return "kv" if live.tokens.get(slot.id, 0) >= slot.kv_tokens * (1.0 + self.queue_ratio) * share else None
+        if requests >= slot.capacity * share and slot.waiting > 0 and slot.kv >= self.kv:
             return "kv"
         return None
 

@@ -119,13 +119,28 @@
     $("#decisions").tBodies[0].replaceChildren(...rows);
   }
 
+  function renderUsage(u) {
+    const rows = u.data.map((x) => el("tr", {},
+      el("td", {class: "mono"}, x.key),
+      el("td", {}, x.model),
+      el("td", {class: "num"}, x.requests),
+      el("td", {class: "num"}, x.input_tokens),
+      el("td", {class: "num"}, x.output_tokens),
+      el("td", {class: "num"}, x.errors),
+      el("td", {class: "num"}, x.rate_limited),
+    ));
+    if (!rows.length) rows.push(el("tr", {class: "empty"}, el("td", {colSpan: 7}, "No usage yet.")));
+    $("#usage").tBodies[0].replaceChildren(...rows);
+  }
+
   async function tick() {
     try {
-      const [workers, stats, decisions] = await Promise.all(
-        ["/admin/workers", "/admin/stats", "/admin/decisions"].map(getJSON));
+      const [workers, stats, decisions, usage] = await Promise.all(
+        ["/admin/workers", "/admin/stats", "/admin/decisions", "/admin/usage"].map(getJSON));
       renderStats(stats);
       if (!pending) renderWorkers(workers.data); // keep the rows still while a dialog is open
       renderDecisions(decisions);
+      renderUsage(usage);
       lastOk = Date.now();
     } catch (err) {
       $("#live").title = String(err);

@@ -329,7 +329,8 @@ def test_worker_args_parse_and_dry_run_on_their_cards(helm: str) -> None:
 
 
 def test_gateway_args_are_real_flags_and_settings(helm: str) -> None:
-    """The gateway's args are flags of `python -m gateway`, and its --set pairs load as real settings."""
+    """The gateway's args are flags of `python -m gateway`, and its --set pairs (with its env: the
+    tracing endpoint of the full values) load as real settings."""
     out = subprocess.run([sys.executable, "-m", "gateway", "--help"], capture_output=True, text=True, cwd=ROOT,
                          timeout=60, check=True).stdout
     known = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", out))
@@ -343,8 +344,11 @@ def test_gateway_args_are_real_flags_and_settings(helm: str) -> None:
             settings = load_settings(DEFAULT_CONFIG, set_pairs(c["args"]), environ={})
             assert settings.policy == after(c["args"], "--policy")
     full = next(container(d) for d in of_kind(rendered(helm, "full"), "Deployment") if container(d)["name"] == "gateway")
-    settings = load_settings(DEFAULT_CONFIG, set_pairs(full["args"]), environ={})
+    env = {e["name"]: e["value"] for e in full["env"] if "value" in e}
+    settings = load_settings(DEFAULT_CONFIG, set_pairs(full["args"]), environ=env)
     assert settings.rate_limit_rpm == 600 and settings.routing["balance"] == 0.3
+    assert settings.tracing_endpoint == "http://otel-collector.observability:4318/v1/traces"
+    assert settings.tracing_service == "fleetgate-edge"
 
 
 def test_autoscalers_scale_the_pool_on_the_gateways_gauges(helm: str) -> None:

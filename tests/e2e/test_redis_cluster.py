@@ -145,3 +145,32 @@ def test_fleet_runs_on_a_cluster(cluster_url: str, tmp_path: Path) -> None:
         assert httpx.get(f"{url}/health").json()["status"] == "ok"
     finally:
         fleet.close()
+
+
+def test_tenant_limits_on_a_cluster(cluster_url: str, tmp_path: Path) -> None:
+    """Keys, limits and usage on a cluster: every tenant key shares the prefix's hash tag, so
+    the multi-key Lua check and settle run in one slot; a key made on one gateway reaches the
+    other through the cluster's pub/sub."""
+    fleet = Fleet(cluster_url, "cluster-tenants", tmp_path)
+    try:
+        _, url_a = fleet.gateway()
+        _, url_b = fleet.gateway()
+        fleet.worker("t", "--model", "m", "--option", "time_scale=0.02")
+        fleet.wait_ready(url_a, "t")
+        with fleet.admin(url_a) as admin:
+            assert admin.put("/admin/teams/ops", json={"tpm": 100000}).status_code == 201
+            reply = admin.put("/admin/keys/c1", json={"team": "ops", "rpm": 2, "burst_s": 30})
+        secret = reply.json()["secret"]
+        auth = {"authorization": f"Bearer {secret}"}
+        wait_until(lambda: httpx.get(f"{url_b}/v1/models", headers=auth).status_code == 200, timeout=5)
+        body = {"model": "m", "prompt": "x", "max_tokens": 2}
+        first = httpx.post(f"{url_a}/v1/completions", json=body, headers=auth)
+        second = httpx.post(f"{url_b}/v1/completions", json=body, headers=auth)
+        assert (first.status_code, second.status_code) == (200, 429)
+        assert second.json()["error"]["type"] == "requests"
+        with fleet.admin(url_b) as admin:
+            totals = admin.get("/admin/usage", params={"key": "c1"}).json()["totals"]
+        assert totals["requests"] == 1 and totals["rate_limited"] == 1
+        assert totals["output_tokens"] == first.json()["usage"]["completion_tokens"]
+    finally:
+        fleet.close()

@@ -18,7 +18,7 @@ import pytest
 from fleetgate.net import free_port
 from fleetgate.registry import Registry, connect
 from fleetgate.schema import WorkerInfo
-from tests.conftest import ADMIN_TOKEN, ROOT, Fleet, children, wait_until
+from tests.conftest import ADMIN_TOKEN, ROOT, Fleet, wait_until
 
 MODEL = "sec-model"
 API_KEY = "sk-live-0123456789abcdef"
@@ -167,16 +167,19 @@ def test_agent_without_the_registration_secret_is_logged_told_and_exits(fleet_fa
     started = time.monotonic()
     nosecret = fleet.worker("nosecret", *fast)
     wrongsecret = fleet.worker("wrongsecret", *fast, env={"FLEETGATE_REGISTRATION_SECRET": "another-secret"})
-    # The engine starts before the first registration, so before any gateway can reject it.
-    engines = {a: wait_until(lambda a=a: children(a.pid), timeout=10) for a in (nosecret, wrongsecret)}
-    for agent, engine_pids in engines.items():
-        assert agent.popen.wait(max(0.1, 10 - (time.monotonic() - started))) == 1
+    # The engine starts before the first registration, so before any gateway can reject it;
+    # each agent logs its engine's pid (agent.engine_started), read back once the agent is gone.
+    for agent in (nosecret, wrongsecret):
+        assert agent.popen.wait(max(0.1, 30 - (time.monotonic() - started))) == 1
         out = agent.output()
         assert '"agent.rejected"' in out, out[-3000:]
         assert "set FLEETGATE_REGISTRATION_SECRET for this agent to the same registration secret as the gateways" in out
-        for pid in engine_pids:  # type: ignore[attr-defined]  # stopped before the agent exited
-            with pytest.raises(ProcessLookupError):
-                os.kill(pid, 0)
+        events = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+        names = [e.get("event") for e in events]
+        assert names.index("agent.engine_started") < names.index("agent.rejected") < names.index("agent.engine_stopped")
+        engine_pid = next(e["pid"] for e in events if e.get("event") == "agent.engine_started")
+        with pytest.raises(ProcessLookupError):  # stopped before the agent exited
+            os.kill(engine_pid, 0)
 
     def rejected() -> dict[str, str]:
         lines = [json.loads(x) for x in proc.output().splitlines() if '"gateway.worker_rejected"' in x]

@@ -788,9 +788,12 @@ async def test_frontend_admission(f_req: float, arrivals: int, busy: bool, ready
     if f_req:
         with pytest.raises(RuntimeError):  # requests in the front-end count as busy
             s.reset()
-    await asyncio.sleep(ready[-1] + 0.05)
+    await asyncio.sleep(ready[-1] + 0.6)
     got = [seen[f"r{i}"] for i in range(arrivals)]
-    assert got == pytest.approx(ready, abs=0.008)
+    # Never before its admission time (one front-end slot at a time); late only by the event
+    # loop's own delay (generous: a loaded CI machine's loop can run tens of ms behind).
+    for i, (g, r) in enumerate(zip(got, ready, strict=True)):
+        assert r - 0.002 <= g <= r + 0.5, (i, got, ready)
     assert [q.id for q in s.waiting] == [f"r{i}" for i in range(arrivals)]
 
 

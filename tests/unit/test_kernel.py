@@ -35,3 +35,14 @@ def test_a_sentinel_url_without_a_master_and_a_cluster_db_are_refused() -> None:
         connect("redis+sentinel://s1:26379")
     with pytest.raises(ValueError, match="only database 0"):
         connect("redis+cluster://n1:7000/3")
+
+
+def test_no_two_test_files_share_a_name() -> None:
+    """tests/ has no __init__.py files: pytest imports test modules by file name, so two
+    test_x.py in different folders fail the whole run's collection (`make test`)."""
+    from collections import Counter
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent.parent
+    names = Counter(p.name for p in tests.rglob("test_*.py"))
+    assert [n for n, c in names.items() if c > 1] == []

@@ -59,6 +59,8 @@ class Engine(Protocol):
     reports_load: ClassVar[bool]
     health_path: ClassVar[str]
     metrics_path: ClassVar[str | None]
+    # The names `EngineSpec.options` may have for this engine.
+    options: ClassVar[frozenset[str]]
 
     def command(self, spec: EngineSpec) -> list[str]:
         """The argv that starts the engine (the agent runs it in its own process group)."""

@@ -76,6 +76,8 @@ class LmdeployEngine:
     reports_load: ClassVar[bool] = True
     health_path: ClassVar[str] = "/health"
     metrics_path: ClassVar[str | None] = "/metrics"
+    # The `--option` names it reads (anything else is a typo: the agent refuses it).
+    options: ClassVar[frozenset[str]] = frozenset(_FLAGS) | {"python", "env", "enable_lora", "backend"}
 
     def command(self, spec: EngineSpec) -> list[str]:
         python = engine_python(spec, "FLEETGATE_LMDEPLOY_PYTHON")

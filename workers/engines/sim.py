@@ -51,6 +51,8 @@ class SimEngine:
     reports_load: ClassVar[bool] = True
     health_path: ClassVar[str] = "/health"
     metrics_path: ClassVar[str | None] = "/metrics"
+    # The `--option` names it reads (anything else is a typo: the agent refuses it).
+    options: ClassVar[frozenset[str]] = frozenset(_FLAGS) | {"profile", "faults", "max_loras", "enable_lora", "env"}
 
     def command(self, spec: EngineSpec) -> list[str]:
         argv = [

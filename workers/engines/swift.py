@@ -83,6 +83,8 @@ class SwiftEngine:
     reports_load: ClassVar[bool] = False
     health_path: ClassVar[str] = "/health"
     metrics_path: ClassVar[str | None] = None
+    # The `--option` names it reads (anything else is a typo: the agent refuses it).
+    options: ClassVar[frozenset[str]] = frozenset(_FLAGS) | {"python", "env", "enable_lora", "infer_backend", "model_type", "template"}
 
     def command(self, spec: EngineSpec) -> list[str]:
         python = engine_python(spec, "FLEETGATE_SWIFT_PYTHON")

@@ -109,6 +109,8 @@ class Simulator:
         source = TextSource(seed)
         eos = source.eos_after(MEAN_OUTPUT_TOKENS)
         natural_stop = not prep.ignore_eos and eos < prompt.max_tokens
+        if prep.tool_call is not None:  # structured output: it stops where the JSON ends
+            eos, natural_stop = len(prep.tool_call.pieces), len(prep.tool_call.pieces) <= prompt.max_tokens
         return Seq(
             id=f"seq-{self.accepted}" + (f"-{index}" if index else ""),
             prompt_ids=prompt.ids,

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from workers.simulator.flavors import Flavor, SimError
 from workers.simulator.tokens import Tokens, render_chat
+from workers.simulator.tools import ToolCall, forced_call
 
 Kind = Literal["chat", "completion", "response"]
 MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
@@ -35,6 +36,7 @@ class Prepared:
     seed: int
     n: int = 1  # choices per prompt
     more_prompts: tuple[Prompt, ...] = ()  # a completion's second and later prompts
+    tool_call: ToolCall | None = None  # a chat's forced tool call (workers/simulator/tools.py)
 
     @property
     def prompts(self) -> tuple[Prompt, ...]:
@@ -286,6 +288,7 @@ def prepare(body: Any, kind: Kind, ctx: Context) -> Prepared:
         seed=opt_int(body, "seed") or 0,
         n=n,
         more_prompts=tuple(more),
+        tool_call=forced_call(body, opt_int(body, "seed") or len(first.ids)) if kind == "chat" else None,
     )
 
 

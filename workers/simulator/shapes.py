@@ -13,6 +13,7 @@ from typing import Any
 from workers.simulator.flavors import Flavor
 from workers.simulator.requests import Prepared
 from workers.simulator.seqs import Seq
+from workers.simulator.tools import delta, message_calls
 
 # Top-level fields vLLM appends after `usage` in a whole body.
 _CHAT_TAIL = ("prompt_logprobs", "prompt_token_ids", "prompt_text",
@@ -89,6 +90,14 @@ class Shape:
             body["system_fingerprint"] = self.flavor.fingerprint
         return body
 
+    def tool_chunk(self, index: int, piece: str, first: bool, finish: str | None) -> dict[str, Any]:
+        """A chat stream chunk with a piece of the forced tool call's arguments."""
+        call = self.prep.tool_call
+        assert call is not None
+        body = self.chunk(index, "", call.finish(finish))
+        body["choices"][0]["delta"] = delta(call, piece, first)
+        return body
+
     def usage_chunk(self, seqs: Sequence[Seq]) -> dict[str, Any]:
         body = self.envelope(self.chunk_object, [])
         body["usage"] = usage(seqs, self.prep.n)
@@ -116,6 +125,9 @@ class Shape:
                 message.update(dict.fromkeys(_MESSAGE_NULLS))
             else:
                 message["tool_calls"] = []
+            if (call := self.prep.tool_call) is not None:  # `text` is the arguments
+                message.update(content="", tool_calls=message_calls(call, text))
+                finish = call.finish(finish)
             choice = {"index": index, "message": message, "logprobs": None,
                       "finish_reason": finish, "stop_reason": None}  # fmt: skip
             if self.vllm:

@@ -31,7 +31,8 @@ async def respond_json(flavor: Flavor, prep: Prepared, seqs: Sequence[Seq]) -> w
     async for event in _outputs(seqs):
         parts[event.index].append(event.text)
         finishes[event.index] = event.finish or finishes[event.index]
-    outputs = [("".join(p), f) for p, f in zip(parts, finishes, strict=True)]
+    call = prep.tool_call
+    outputs = [(call.text(len(p)) if call else "".join(p), f) for p, f in zip(parts, finishes, strict=True)]
     body = Shape(flavor, prep).whole(outputs, seqs)
     return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
@@ -97,6 +98,7 @@ async def respond_stream(
         await out.write(payload)
 
     first = True
+    call, sent = prep.tool_call, [0] * len(seqs)
     async for event in _outputs(seqs):
         if first and shape.chat:
             # vLLM sends every choice's role chunk with the first output, not before the
@@ -104,6 +106,11 @@ async def respond_stream(
             for index in range(len(seqs)):
                 await send(shape.role_chunk(index))
         first = False
+        if call is not None:
+            piece = call.pieces[sent[event.index]] if sent[event.index] < len(call.pieces) else ""
+            await send(shape.tool_chunk(event.index, piece, sent[event.index] == 0, event.finish))
+            sent[event.index] += 1
+            continue
         await send(shape.chunk(event.index, event.text, event.finish))
     if prep.include_usage:
         await send(shape.usage_chunk(seqs))

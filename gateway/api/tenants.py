@@ -1,0 +1,151 @@
+"""The admin API for keys, teams and usage (docs/tenants.md).
+
+    GET    /admin/keys            every key (never a secret, nor its digest)
+    PUT    /admin/keys/{id}       create or replace a key: a KeySpec body; the secret in clear
+                                  comes back once when generated (`?rotate=true`: a new one)
+    DELETE /admin/keys/{id}
+    GET    /admin/teams           PUT / DELETE /admin/teams/{id}: a TeamSpec body
+    GET    /admin/usage           ?key= &model= &day=YYYY-MM-DD (else today) &days=N (back from day)
+
+A write lands in Redis, is announced to every replica (gateway/tenant_store.py), and is
+read back by this replica before it answers, so the key works here at once.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import msgspec
+import structlog
+from litestar import Request, Response, delete, get, put
+from litestar.datastructures import State
+
+from gateway.auth import check_admin
+from gateway.errors import InvalidRequest, NotFound
+from gateway.state import Gateway, gw_of
+from gateway.tenants import KeySpec, TeamSpec, check_id, new_secret
+from gateway.usage import days_back, parse_day, read_usage, totals
+
+log = structlog.get_logger("gateway.app")
+
+
+def _json(body: object, status: int = 200) -> Response:
+    return Response(content=msgspec.json.encode(body), status_code=status, media_type="application/json")
+
+
+def _admin(request: Request, state: State) -> Gateway:
+    gw = gw_of(state)
+    check_admin(request, gw.settings.admin_token)
+    return gw
+
+
+async def _spec(request: Request, kind: type[KeySpec] | type[TeamSpec]) -> Any:
+    raw = await request.body()
+    try:
+        return msgspec.json.decode(raw or b"{}", type=kind)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"Invalid {kind.__name__}: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"The body is not valid JSON: {exc}") from exc
+
+
+@get("/admin/keys")
+async def list_keys(request: Request, state: State) -> Response:
+    gw = _admin(request, state)
+    keys, _ = await gw.tenants.read()
+    static = [k for k in gw.tenants.directory.ids if k not in {r.id for r in keys}]
+    return _json({"data": [k.public() for k in sorted(keys, key=lambda k: k.id)],
+                  "static": sorted(static)})
+
+
+@put("/admin/keys/{key_id:str}", status_code=200)
+async def put_key(request: Request, state: State, key_id: str) -> Response:
+    gw = _admin(request, state)
+    check_id("key", key_id)
+    spec: KeySpec = await _spec(request, KeySpec)
+    if request.query_params.get("rotate", "").lower() in ("1", "true"):
+        if spec.secret is not None or spec.secret_sha256 is not None:
+            raise InvalidRequest("`rotate` makes a new secret: give none.", param="secret")
+        spec = msgspec.structs.replace(spec, secret=new_secret())
+    if spec.team:
+        _, teams = await gw.tenants.read()
+        if spec.team not in {t.id for t in teams}:
+            raise InvalidRequest(f"No team `{spec.team}`: create it first (PUT /admin/teams/{spec.team}).",
+                                 param="team")
+    existed = await gw.tenants.get_key(key_id) is not None
+    record, secret = await gw.tenants.put_key(key_id, spec)
+    await gw.tenants.reload()
+    log.info("gateway.admin", action="put_key", key_id=key_id, created=not existed)
+    body: dict[str, object] = {"key": record.public(), "created": not existed}
+    if secret is not None:
+        body["secret"] = secret
+    return _json(body, 201 if not existed else 200)
+
+
+@delete("/admin/keys/{key_id:str}", status_code=200)
+async def delete_key(request: Request, state: State, key_id: str) -> Response:
+    gw = _admin(request, state)
+    if not await gw.tenants.delete("key", key_id):
+        raise NotFound(f"No key `{key_id}`.", param="id", code="key_not_found")
+    await gw.tenants.reload()
+    log.info("gateway.admin", action="delete_key", key_id=key_id)
+    return _json({"id": key_id, "deleted": True})
+
+
+@get("/admin/teams")
+async def list_teams(request: Request, state: State) -> Response:
+    gw = _admin(request, state)
+    keys, teams = await gw.tenants.read()
+    members: dict[str, list[str]] = {}
+    for k in keys:
+        members.setdefault(k.team, []).append(k.id)
+    return _json({"data": [{**msgspec.structs.asdict(t), "keys": sorted(members.get(t.id, []))}
+                           for t in sorted(teams, key=lambda t: t.id)]})
+
+
+@put("/admin/teams/{team_id:str}", status_code=200)
+async def put_team(request: Request, state: State, team_id: str) -> Response:
+    gw = _admin(request, state)
+    spec: TeamSpec = await _spec(request, TeamSpec)
+    _, teams = await gw.tenants.read()
+    record = await gw.tenants.put_team(team_id, spec)
+    await gw.tenants.reload()
+    created = team_id not in {t.id for t in teams}
+    log.info("gateway.admin", action="put_team", team=team_id, created=created)
+    return _json({"team": msgspec.structs.asdict(record), "created": created}, 201 if created else 200)
+
+
+@delete("/admin/teams/{team_id:str}", status_code=200)
+async def delete_team(request: Request, state: State, team_id: str) -> Response:
+    gw = _admin(request, state)
+    keys, _ = await gw.tenants.read()
+    if users := sorted(k.id for k in keys if k.team == team_id):
+        raise InvalidRequest(f"Team `{team_id}` still has keys ({', '.join(users)}): move or delete them first.",
+                             param="id")
+    if not await gw.tenants.delete("team", team_id):
+        raise NotFound(f"No team `{team_id}`.", param="id", code="team_not_found")
+    await gw.tenants.reload()
+    log.info("gateway.admin", action="delete_team", team=team_id)
+    return _json({"id": team_id, "deleted": True})
+
+
+@get("/admin/usage")
+async def usage(request: Request, state: State) -> Response:
+    """Usage per key and model and UTC day: requests, input and output tokens, errors."""
+    gw = _admin(request, state)
+    q = request.query_params
+    try:
+        day = parse_day(q["day"]) if q.get("day") else dt.datetime.now(dt.UTC).date().isoformat()
+        days = int(q.get("days", "1"))
+    except ValueError:
+        raise InvalidRequest("`day` is YYYY-MM-DD and `days` a number of days.", param="day") from None
+    if not 1 <= days <= 35:
+        raise InvalidRequest("`days` must be 1 to 35 (usage is kept 35 days).", param="days")
+    span = days_back(days, dt.date.fromisoformat(day))
+    records = await read_usage(gw.tenants.redis, gw.tenants.keys, span, q.get("key") or None,
+                               q.get("model") or None)
+    return _json({"data": records, "totals": totals(records), "days": span})
+
+
+HANDLERS: list[Any] = [list_keys, put_key, delete_key, list_teams, put_team, delete_team, usage]
