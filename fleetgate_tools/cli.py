@@ -24,29 +24,19 @@ from typing import Annotated, Any, NoReturn
 
 import httpx
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from fleetgate_tools.autoscale_cli import autoscale
+from fleetgate_tools.cli_options import DEFAULT_URL, Gateway, Token, err, out
 from fleetgate_tools.tenants_cli import keys_app, teams_app, usage
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_URL = "http://127.0.0.1:8000"
 
 app = typer.Typer(
     name="fleetgate", help="Operate a fleetgate fleet through a gateway's admin API.",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
 )
-out = Console()
-err = Console(stderr=True)
 
-Gateway = Annotated[str, typer.Option(
-    "--gateway", "-g", envvar="FLEETGATE_URL", help="Gateway base URL.", show_default=True,
-)]
-Token = Annotated[str, typer.Option(
-    "--token", envvar="FLEETGATE_ADMIN_TOKEN", help="Admin token (prefer the environment variable).",
-    show_default=False,
-)]
 WorkerId = Annotated[str, typer.Argument(help="Worker id, as `fleetgate status` shows it.")]
 
 

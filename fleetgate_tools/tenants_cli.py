@@ -14,21 +14,9 @@ from typing import Annotated, Any, NoReturn
 from urllib.parse import urlencode
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-DEFAULT_URL = "http://127.0.0.1:8000"
-out = Console()
-err = Console(stderr=True)
-# The options of fleetgate_tools/cli.py (imported from there only when a command runs: it
-# imports this module).
-Gateway = Annotated[str, typer.Option(
-    "--gateway", "-g", envvar="FLEETGATE_URL", help="Gateway base URL.", show_default=True,
-)]
-Token = Annotated[str, typer.Option(
-    "--token", envvar="FLEETGATE_ADMIN_TOKEN", help="Admin token (prefer the environment variable).",
-    show_default=False,
-)]
+from fleetgate_tools.cli_options import DEFAULT_URL, Gateway, Token, err, out
 
 keys_app = typer.Typer(help="API keys and their limits (docs/tenants.md).", no_args_is_help=True)
 teams_app = typer.Typer(help="Teams: limits their keys share.", no_args_is_help=True)

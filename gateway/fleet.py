@@ -25,6 +25,7 @@ from fleetgate.schema import WorkerView
 from gateway.errors import GatewayError
 from gateway.known import KnownModels
 from gateway.routing.table import Routes
+from gateway.subscription import follow
 
 log = structlog.get_logger("gateway.fleet")
 
@@ -210,24 +211,8 @@ class FleetWatcher:
                 backoff = min(backoff * 2, self.refresh_interval_s)
 
     async def _listen_loop(self) -> None:
-        backoff = 0.1
-        while True:
-            pubsub = None
-            try:
-                pubsub = await self.registry.subscribe()
-                backoff = 0.1
-                async for _message in pubsub.listen():
-                    self._wake.set()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                await asyncio.sleep(backoff)
-                # Like the re-reads: subscribed again within a refresh interval of Redis being back.
-                backoff = min(backoff * 2, self.refresh_interval_s)
-            finally:
-                if pubsub is not None:
-                    with contextlib.suppress(Exception):
-                        await pubsub.aclose()
+        # Like the re-reads: subscribed again within a refresh interval of Redis being back.
+        await follow(self.registry.subscribe, self._wake, lambda: self.refresh_interval_s)
 
 
 def _log_changes(old: FleetSnapshot, new: FleetSnapshot) -> None:

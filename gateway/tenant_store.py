@@ -19,12 +19,14 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
 import structlog
 
 from fleetgate.keys import Keys
+from gateway.subscription import follow
 from gateway.tenants import (
     Directory,
     KeyRecord,
@@ -199,23 +201,10 @@ class TenantStore:
                 await asyncio.sleep(0.5)
 
     async def _listen_loop(self) -> None:
-        backoff = 0.1
-        while True:
-            pubsub = None
-            try:
-                await self.redis.initialize()  # a cluster client needs its slot map first
-                pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-                await pubsub.subscribe(self.keys.tenant_events)
-                backoff = 0.1
-                self._wake.set()  # whatever changed while unsubscribed
-                async for _message in pubsub.listen():
-                    self._wake.set()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.reload_s)
-            finally:
-                if pubsub is not None:
-                    with contextlib.suppress(Exception):
-                        await pubsub.aclose()
+        await follow(self._subscribe, self._wake, lambda: self.reload_s, wake_on_subscribe=True)
+
+    async def _subscribe(self) -> Any:
+        await self.redis.initialize()  # a cluster client needs its slot map first
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        await pubsub.subscribe(self.keys.tenant_events)
+        return pubsub
