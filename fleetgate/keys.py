@@ -51,6 +51,13 @@ Layout (``P`` is the key prefix, ``v1`` the schema version)::
     {P}:v1:tenants:deleted HASH "key:<id>" / "team:<id>" -> unix time an operator deleted it, so
                           the YAML seed does not bring it back (a PUT clears it)
     {P}:v1:tenants:events PUBSUB "key:<id>" / "team:<id>" / "seed" after every change of the above
+    {P}:v1:routes:aliases HASH  alias name -> {"targets": [{"model", "weight"}, ...]} JSON: aliases an
+                          operator set through the admin API (gateway/live_routes.py); they
+                          overlay the YAML `aliases` name by name
+    {P}:v1:routes:fallbacks HASH model -> {"models": [...]} JSON: live fallback lists, the same way
+    {P}:v1:routes:deleted HASH  "alias:<name>" / "fallback:<model>" -> unix time an operator deleted
+                          it, so a YAML one of that name stays hidden (a PUT clears it);
+                          changes of these three are announced on tenants:events
     {P}:v1:quota:<scope>:<id>:<r|t>  STRING GCRA cell of a key's or a team's (scope k|t) requests
                           (r) or tokens (t) per minute: the theoretical arrival time in µs of
                           Redis's clock; PX until then (gateway/quota.py)
@@ -101,6 +108,9 @@ class Keys:
         self.tenant_teams = f"{base}:tenants:teams"
         self.tenant_deleted = f"{base}:tenants:deleted"
         self.tenant_events = f"{base}:tenants:events"
+        self.live_aliases = f"{base}:routes:aliases"
+        self.live_fallbacks = f"{base}:routes:fallbacks"
+        self.routes_deleted = f"{base}:routes:deleted"
         self._quota = f"{base}:quota:"
         self._budget = f"{base}:budget:"
         self._usage = f"{base}:usage:"

@@ -7,6 +7,8 @@
     fleetgate autoscale --model M    add and retire workers on load (fleetgate_tools/autoscale_loop.py)
     fleetgate keys add|list|rm       API keys and their limits; `teams set|list|rm` (docs/tenants.md)
     fleetgate usage [--key K] [--days N]   usage per key and model (fleetgate_tools/tenants_cli.py)
+    fleetgate aliases set NAME MODEL=WEIGHT ... | list | rm NAME     live aliases; `fallbacks set
+              MODEL FALLBACK ... | list | rm MODEL` (fleetgate_tools/aliases_cli.py)
 
 `--gateway` (FLEETGATE_URL) and `--token` (FLEETGATE_ADMIN_TOKEN) say which gateway
 and how to authenticate. Failures are one line on stderr that says what failed and
@@ -26,6 +28,7 @@ import httpx
 import typer
 from rich.table import Table
 
+from fleetgate_tools.aliases_cli import aliases_app, fallbacks_app
 from fleetgate_tools.autoscale_cli import autoscale
 from fleetgate_tools.cli_options import DEFAULT_URL, Gateway, Token, err, out
 from fleetgate_tools.tenants_cli import keys_app, teams_app, usage
@@ -257,6 +260,8 @@ def bench(ctx: typer.Context) -> None:
 app.command()(autoscale)
 app.add_typer(keys_app, name="keys")
 app.add_typer(teams_app, name="teams")
+app.add_typer(aliases_app, name="aliases")
+app.add_typer(fallbacks_app, name="fallbacks")
 app.command()(usage)
 
 

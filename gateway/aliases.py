@@ -71,8 +71,10 @@ def problems(aliases: Aliases, fallbacks: Fallbacks) -> list[str]:
                 out.append(f"alias `{name}` has a target with an empty `model`")
             elif t.model in aliases:
                 out.append(f"alias `{name}` names another alias `{t.model}`; name models or adapters only")
-            if not t.weight > 0:
-                out.append(f"alias `{name}`: the weight of `{t.model}` must be above 0, got {t.weight}")
+            if not t.weight >= 0:  # 0: listed, gets no traffic (a canary switched off)
+                out.append(f"alias `{name}`: the weight of `{t.model}` must be 0 or above, got {t.weight}")
+        if targets and all(t.weight >= 0 for t in targets) and not any(t.weight > 0 for t in targets):
+            out.append(f"alias `{name}`: at least one weight must be above 0")
     for model, chain in fallbacks.items():
         if not chain:
             out.append(f"fallbacks of `{model}` is empty")
@@ -92,7 +94,8 @@ def pick(targets: Sequence[AliasTarget], key: str, alias: str) -> str:
         point -= t.weight
         if point < 0:
             return t.model
-    return targets[-1].model  # float rounding at the very top of the range
+    # Float rounding at the very top of the range: the last target that gets traffic.
+    return next((t.model for t in reversed(targets) if t.weight > 0), targets[-1].model)
 
 
 def resolve(aliases: Aliases, fallbacks: Fallbacks, model: str, key: str) -> Route:

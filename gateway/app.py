@@ -28,6 +28,7 @@ from gateway.adapters import AdapterPlacer
 from gateway.admission import Admission
 from gateway.aliases import listed
 from gateway.api.admin import HANDLERS as ADMIN_HANDLERS
+from gateway.api.routes import HANDLERS as ROUTE_HANDLERS
 from gateway.api.tenants import HANDLERS as TENANT_HANDLERS
 from gateway.auth import open_data_plane
 from gateway.circuit import Breakers
@@ -126,7 +127,7 @@ async def cancel_response(request: Request, state: State, response_id: str) -> R
 async def list_models(request: Request, state: State) -> Response:
     gw = gw_of(state)
     _check_client(gw, request)
-    return Response(content=listed(gw.settings.aliases, gw.watcher.snapshot.models_json),
+    return Response(content=listed(gw.tenants.routes.current.aliases, gw.watcher.snapshot.models_json),
                     media_type="application/json")
 
 
@@ -136,7 +137,7 @@ async def get_model(request: Request, state: State, model_id: str) -> Response:
     _check_client(gw, request)
     name = model_id.lstrip("/")
     models = gw.watcher.snapshot.models
-    if (targets := gw.settings.aliases.get(name)) is not None:
+    if (targets := gw.tenants.routes.current.aliases.get(name)) is not None:
         body = {"id": name, "object": "model", "owned_by": "fleetgate", "parent": None,
                 "fleetgate_alias_of": [t.model for t in targets]}
         return Response(content=msgspec.json.encode(body), media_type="application/json")
@@ -258,6 +259,7 @@ def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None)
         tenancy = await open_tenancy(settings, redis, registry.keys, metrics.registry, watcher.known.label,
                                      reload_seed)
         proxy.quota = tenancy.quota
+        proxy.routes = lambda: tenancy.store.routes.current
         priorities.key_class = _key_class(tenancy, priorities.key_class)
         exposed = open_data_plane(settings.host, (*settings.api_keys, *tenancy.store.directory.keys))
         app.state["gw"] = Gateway(
@@ -295,7 +297,8 @@ def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None)
         route_handlers=[
             *(_proxy_route(path, kind) for path, kind in KINDS.items()),
             retrieve_response, cancel_response, list_models, get_model, health,
-            admin_scaling, metrics_endpoint, *ADMIN_HANDLERS, *TENANT_HANDLERS, *UI_HANDLERS,
+            admin_scaling, metrics_endpoint, *ADMIN_HANDLERS, *TENANT_HANDLERS, *ROUTE_HANDLERS,
+            *UI_HANDLERS,
         ],
         lifespan=[lifespan],
         exception_handlers={

@@ -36,6 +36,7 @@ from gateway.circuit import Breakers
 from gateway.errors import GatewayError, InvalidRequest, ModelNotFound
 from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
+from gateway.live_routes import Routes
 from gateway.metrics import GatewayMetrics, usage_of
 from gateway.placement import Placement
 from gateway.priorities import HEADER as PRIORITY_HEADER
@@ -91,6 +92,8 @@ class Proxy:
     priorities: Priorities | None = None
     # Per-key limits and usage (gateway/quota.py); None: keys carry no limits.
     quota: Quota | None = None
+    # The effective aliases and fallbacks; None: the settings' (create_app gives the live ones).
+    routes: Callable[[], Routes] = None  # type: ignore[assignment]
     seq: int = 0
     live: Live = field(init=False)
     waits: FirstByteWaits = field(init=False)
@@ -99,6 +102,9 @@ class Proxy:
 
     def __post_init__(self) -> None:
         self.classes = self.priorities or Priorities.from_settings(self.settings)
+        if self.routes is None:
+            static = Routes(self.settings.aliases, self.settings.fallbacks)
+            self.routes = lambda: static
         self.waits = FirstByteWaits(lambda: self.watcher.snapshot)
         self.live = self.placement.live(Live(self.inflight, self.inflight.tokens))
         self.inflight.on_done = self.admission.wake
@@ -150,7 +156,8 @@ class Proxy:
         priority = self.classes.priority_of(key_id, header(PRIORITY_HEADER))
         session = header("x-session-id") or probe.user
         # The alias's model for this session (else request), then its fallbacks (gateway/aliases.py).
-        plan = resolve(self.settings.aliases, self.settings.fallbacks, probe.model, session or request_id)
+        routes = self.routes()  # live: the YAML's overlaid by the admin API's (gateway/live_routes.py)
+        plan = resolve(routes.aliases, routes.fallbacks, probe.model, session or request_id)
         last = len(plan.models) - 1
         error: GatewayError | None = None
         ticket = None

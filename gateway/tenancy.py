@@ -19,6 +19,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from fleetgate.keys import Keys
+from gateway.live_routes import LiveRoutes
 from gateway.quota import Quota
 from gateway.settings import GatewaySettings
 from gateway.tenant_store import TenantStore
@@ -71,7 +72,8 @@ async def open_tenancy(
     settings: GatewaySettings, redis: aioredis.Redis, keys: Keys, registry: CollectorRegistry,
     model_label: Callable[[str], str], reload_seed: ReloadSeed | None = None,
 ) -> Tenancy:
-    store = TenantStore(redis, keys, settings.api_keys, settings.tenants_reload_s)
+    routes = LiveRoutes(redis, keys, settings.aliases, settings.fallbacks)
+    store = TenantStore(redis, keys, settings.api_keys, settings.tenants_reload_s, routes)
     usage = UsageMetrics(registry, lambda key_id: key_id in store.directory.ids)
     tenancy = Tenancy(store, Quota(redis, keys, usage, model_label), settings, reload_seed)
     try:

@@ -26,6 +26,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from fleetgate.keys import Keys
+from gateway.live_routes import LiveRoutes
 from gateway.subscription import follow
 from gateway.tenants import (
     Directory,
@@ -45,8 +46,12 @@ def _text(raw: object) -> str:
 
 
 class TenantStore:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, static: tuple[str, ...] = (), reload_s: float = 5.0) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, static: tuple[str, ...] = (), reload_s: float = 5.0,
+                 routes: LiveRoutes | None = None) -> None:
         self.redis = redis
+        # The live aliases and fallbacks (gateway/live_routes.py) ride on the same reads and events.
+        self.routes = routes or LiveRoutes(redis, keys)
+        self.routes.announce = self._announce
         self.keys = keys
         self.static = static
         self.reload_s = reload_s
@@ -59,11 +64,15 @@ class TenantStore:
 
     # -- reads ------------------------------------------------------------------------
 
-    async def read(self) -> tuple[list[KeyRecord], list[TeamRecord]]:
+    async def read(self, with_routes: bool = False) -> tuple[list[KeyRecord], list[TeamRecord]]:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hgetall(self.keys.tenant_keys)
             pipe.hgetall(self.keys.tenant_teams)
-            key_rows, team_rows = await pipe.execute()
+            if with_routes:
+                self.routes.queue_read(pipe)
+            key_rows, team_rows, *route_rows = await pipe.execute()
+        if with_routes:
+            self.routes.build(*route_rows)
         keys = [r for k, v in key_rows.items() if isinstance(r := self._decode(KeyRecord, k, v), KeyRecord)]
         teams = [r for k, v in team_rows.items() if isinstance(r := self._decode(TeamRecord, k, v), TeamRecord)]
         return keys, teams
@@ -77,7 +86,7 @@ class TenantStore:
             return None
 
     async def reload(self) -> Directory:
-        keys, teams = await self.read()
+        keys, teams = await self.read(with_routes=True)
         self._version += 1
         old = self.directory
         self.directory = Directory(keys, teams, self.static, self._version)  # type: ignore[arg-type]

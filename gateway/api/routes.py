@@ -1,0 +1,126 @@
+"""The admin API for aliases and fallbacks (docs/operations.md, "Aliases and fallbacks").
+
+    GET    /admin/aliases           the effective aliases (the YAML's overlaid by the live ones)
+    PUT    /admin/aliases/{name}    {"targets": [{"model": "a", "weight": 90}, ...]}
+    DELETE /admin/aliases/{name}    also hides a YAML alias of that name (until a PUT)
+    GET    /admin/fallbacks         PUT / DELETE /admin/fallbacks/{model}: {"models": ["b", ...]}
+
+A write is checked against the effective routes it would make (the rules of the YAML's,
+gateway/aliases.py `problems`), lands in Redis, is announced to every replica
+(gateway/live_routes.py) and read back by this replica before it answers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import structlog
+from litestar import Request, Response, delete, get, put
+from litestar.datastructures import State
+
+from gateway.api.tenants import _admin, _json
+from gateway.errors import InvalidRequest, NotFound
+from gateway.live_routes import AliasSpec, FallbackSpec, Kind, LiveRoutes, Routes
+
+log = structlog.get_logger("gateway.app")
+
+
+def _name(raw: str, kind: Kind) -> str:
+    name = raw.lstrip("/")  # a model name may hold slashes (org/model): the path converter keeps them
+    if not name or len(name) > 256 or any(c.isspace() for c in name):
+        raise InvalidRequest(f"An {kind} name is 1-256 characters without spaces; got `{name}`.", param="name")
+    return name
+
+
+async def _body(request: Request, kind: type[AliasSpec] | type[FallbackSpec]) -> Any:
+    raw = await request.body()
+    try:
+        return msgspec.json.decode(raw or b"{}", type=kind)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"Invalid {kind.__name__}: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"The body is not valid JSON: {exc}") from exc
+
+
+def _check(before: Routes, after: Routes, param: str) -> None:
+    """Refuse a write that adds a problem (a problem already there is not this write's)."""
+    old = set(before.problems())
+    if new := [p for p in after.problems() if p not in old]:
+        raise InvalidRequest("; ".join(new) + ".", param=param)
+
+
+def _listing(routes: Routes, kind: Kind) -> list[dict[str, Any]]:
+    if kind == "alias":
+        return [{"name": n, "targets": [msgspec.structs.asdict(t) for t in ts], "source": routes.source(kind, n)}
+                for n, ts in sorted(routes.aliases.items())]
+    return [{"model": m, "models": list(ms), "source": routes.source(kind, m)}
+            for m, ms in sorted(routes.fallbacks.items())]
+
+
+async def _put(request: Request, state: State, kind: Kind, raw_name: str) -> Response:
+    gw = _admin(request, state)
+    name = _name(raw_name, kind)
+    store: LiveRoutes = gw.tenants.routes
+    before = await store.read()
+    if kind == "alias":
+        spec: AliasSpec | FallbackSpec = await _body(request, AliasSpec)
+        value: tuple[Any, ...] = spec.targets  # type: ignore[union-attr]
+    else:
+        spec = await _body(request, FallbackSpec)
+        value = spec.models  # type: ignore[union-attr]
+    _check(before, before.changed(kind, name, value), "targets" if kind == "alias" else "models")
+    created = name not in (before.aliases if kind == "alias" else before.fallbacks)
+    await store.put(kind, name, spec)
+    after = await store.read()
+    log.info("gateway.admin", action=f"put_{kind}", name=name, created=created)
+    entry = next(e for e in _listing(after, kind) if e["name" if kind == "alias" else "model"] == name)
+    return _json({kind: entry, "created": created}, 201 if created else 200)
+
+
+async def _delete(request: Request, state: State, kind: Kind, raw_name: str) -> Response:
+    gw = _admin(request, state)
+    name = _name(raw_name, kind)
+    store: LiveRoutes = gw.tenants.routes
+    before = await store.read()
+    if name not in (before.aliases if kind == "alias" else before.fallbacks):
+        raise NotFound(f"No {kind} `{name}`.", param="name", code=f"{kind}_not_found")
+    await store.delete(kind, name)
+    await store.read()
+    log.info("gateway.admin", action=f"delete_{kind}", name=name)
+    return _json({"name": name, "deleted": True})
+
+
+@get("/admin/aliases")
+async def list_aliases(request: Request, state: State) -> Response:
+    gw = _admin(request, state)
+    return _json({"data": _listing(await gw.tenants.routes.read(), "alias")})
+
+
+@put("/admin/aliases/{name:path}", status_code=200)
+async def put_alias(request: Request, state: State, name: str) -> Response:
+    return await _put(request, state, "alias", name)
+
+
+@delete("/admin/aliases/{name:path}", status_code=200)
+async def delete_alias(request: Request, state: State, name: str) -> Response:
+    return await _delete(request, state, "alias", name)
+
+
+@get("/admin/fallbacks")
+async def list_fallbacks(request: Request, state: State) -> Response:
+    gw = _admin(request, state)
+    return _json({"data": _listing(await gw.tenants.routes.read(), "fallback")})
+
+
+@put("/admin/fallbacks/{model:path}", status_code=200)
+async def put_fallback(request: Request, state: State, model: str) -> Response:
+    return await _put(request, state, "fallback", model)
+
+
+@delete("/admin/fallbacks/{model:path}", status_code=200)
+async def delete_fallback(request: Request, state: State, model: str) -> Response:
+    return await _delete(request, state, "fallback", model)
+
+
+HANDLERS: list[Any] = [list_aliases, put_alias, delete_alias, list_fallbacks, put_fallback, delete_fallback]
