@@ -15,7 +15,8 @@ transitively: `a: [b]` and `b: [c]` send a request for `a` to `b` only. A reques
 alias follows its chosen model's list, then the alias's own; a fallback that is itself an
 alias resolves to one of its models with the same key.
 
-Nothing here does I/O: `resolve` is a function of the settings and the key, `fallback_reason`
+Nothing here does I/O: `resolve` is a function of the routes (the YAML's overlaid by the live
+ones, gateway/live_routes.py) and the key, `fallback_reason`
 of an error; gateway/proxy.py applies them (the body's `model` is rewritten to the chosen one,
 so the engine answers with, and the response names, the real model).
 """

@@ -4,7 +4,8 @@ The records are two hashes (`{P}:v1:tenants:keys`, `...:teams`, fleetgate/keys.p
 write publishes on `{P}:v1:tenants:events` after it lands; each gateway listens and re-reads
 both hashes at once (a change reaches every replica in milliseconds), and re-reads them
 every `reload_s` anyway, in case a message was lost while it was reconnecting. Until the
-first read succeeds only the static keys (`api_keys`) are known.
+first read succeeds only the static keys (`api_keys`) are known. The live aliases and
+fallbacks (gateway/live_routes.py) are read in the same pipeline, on the same events.
 
 The YAML file seeds the records at start and on SIGHUP. The merge rule: Redis is the
 truth once a record is there. The seed writes a key or team that Redis lacks, and never
