@@ -39,6 +39,7 @@ class Stream:
     pieces: int
     done: bool
     errors: list[Any]
+    prompt: str = ""  # the user message it answered
 
     @property
     def whole(self) -> bool:
@@ -93,7 +94,7 @@ class StreamingLoad(SteadyLoad):
                         pieces += bool(content)
                         text.append(content or "")
                         finishes += bool(choice.get("finish_reason"))
-        stream = Stream(worker, "".join(text), len(ids), finishes, pieces, done, errors)
+        stream = Stream(worker, "".join(text), len(ids), finishes, pieces, done, errors, body["messages"][0]["content"])
         with self._lock:
             self.streams.append(stream)
         return stream
@@ -189,11 +190,15 @@ def test_streams_cut_on_one_engine_kind_resume_on_the_other(fleet_factory) -> No
             else:
                 assert "continue_final_message" not in body and "add_generation_prompt" not in body
             sent = body["messages"][-1]["content"]
-            [stream] = [s for s in load.streams if s.text.startswith(sent) and s.text != sent]
+            asked = next(m["content"] for m in body["messages"] if m["role"] == "user")
+            [stream] = [s for s in load.streams if s.prompt == asked]
+            assert stream.text.startswith(sent) and stream.text != sent, (sent, stream.text)
             rest = stream.text[len(sent):]
             # The simulator's text is a function of its prompt: an engine that restarted the
-            # answer would have generated the sent text again.
-            assert not rest.lstrip().startswith(sent.strip()[:20]), (sent, rest)
+            # answer would have generated the sent text again. A sent text of a few characters
+            # ("Vo") can begin the new text by chance (CI saw it): only a distinctive one counts.
+            if len(sent.strip()) >= 8:
+                assert not rest.lstrip().startswith(sent.strip()[:20]), (sent, rest)
             assert stream.whole and stream.worker != wid, stream
             assert 0 < body["max_tokens"] < TOKENS
     assert resumed >= len(moved["v"]) + len(moved["l"])
