@@ -19,7 +19,7 @@ import structlog
 from litestar import Request, Response, delete, get, put
 from litestar.datastructures import State
 
-from gateway.api.tenants import _admin, _json
+from gateway.api.tenants import _admin, _json, decode_body
 from gateway.errors import InvalidRequest, NotFound
 from gateway.live_routes import AliasSpec, FallbackSpec, Kind, LiveRoutes, Routes
 
@@ -31,16 +31,6 @@ def _name(raw: str, kind: Kind) -> str:
     if not name or len(name) > 256 or any(c.isspace() for c in name):
         raise InvalidRequest(f"An {kind} name is 1-256 characters without spaces; got `{name}`.", param="name")
     return name
-
-
-async def _body(request: Request, kind: type[AliasSpec] | type[FallbackSpec]) -> Any:
-    raw = await request.body()
-    try:
-        return msgspec.json.decode(raw or b"{}", type=kind)
-    except msgspec.ValidationError as exc:
-        raise InvalidRequest(f"Invalid {kind.__name__}: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"The body is not valid JSON: {exc}") from exc
 
 
 def _check(before: Routes, after: Routes, param: str) -> None:
@@ -64,10 +54,10 @@ async def _put(request: Request, state: State, kind: Kind, raw_name: str) -> Res
     store: LiveRoutes = gw.tenants.routes
     before = await store.read()
     if kind == "alias":
-        spec: AliasSpec | FallbackSpec = await _body(request, AliasSpec)
+        spec: AliasSpec | FallbackSpec = await decode_body(request, AliasSpec)
         value: tuple[Any, ...] = spec.targets  # type: ignore[union-attr]
     else:
-        spec = await _body(request, FallbackSpec)
+        spec = await decode_body(request, FallbackSpec)
         value = spec.models  # type: ignore[union-attr]
     _check(before, before.changed(kind, name, value), "targets" if kind == "alias" else "models")
     created = name not in (before.aliases if kind == "alias" else before.fallbacks)

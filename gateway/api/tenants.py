@@ -40,7 +40,9 @@ def _admin(request: Request, state: State) -> Gateway:
     return gw
 
 
-async def _spec(request: Request, kind: type[KeySpec] | type[TeamSpec]) -> Any:
+async def decode_body(request: Request, kind: type[Any]) -> Any:
+    """The request's JSON body as `kind` (a msgspec Struct); a clear 400 when it is not one.
+    Shared with gateway/api/routes.py."""
     raw = await request.body()
     try:
         return msgspec.json.decode(raw or b"{}", type=kind)
@@ -63,7 +65,7 @@ async def list_keys(request: Request, state: State) -> Response:
 async def put_key(request: Request, state: State, key_id: str) -> Response:
     gw = _admin(request, state)
     check_id("key", key_id)
-    spec: KeySpec = await _spec(request, KeySpec)
+    spec: KeySpec = await decode_body(request, KeySpec)
     if request.query_params.get("rotate", "").lower() in ("1", "true"):
         if spec.secret is not None or spec.secret_sha256 is not None:
             raise InvalidRequest("`rotate` makes a new secret: give none.", param="secret")
@@ -107,7 +109,7 @@ async def list_teams(request: Request, state: State) -> Response:
 @put("/admin/teams/{team_id:str}", status_code=200)
 async def put_team(request: Request, state: State, team_id: str) -> Response:
     gw = _admin(request, state)
-    spec: TeamSpec = await _spec(request, TeamSpec)
+    spec: TeamSpec = await decode_body(request, TeamSpec)
     _, teams = await gw.tenants.read()
     record = await gw.tenants.put_team(team_id, spec)
     await gw.tenants.reload()
