@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NoReturn
 
-import aiohttp
 import structlog
 from tenacity import (
     AsyncRetrying,
@@ -47,7 +46,7 @@ from gateway.routing import Choice, Live, Policy, RequestFacts, decide
 from gateway.routing.table import Slot
 from gateway.settings import GatewaySettings
 from gateway.tracing import NO_TRACE, RequestTrace
-from gateway.upstream import RETRYABLE_STATUS, Upstream, openai_error_body
+from gateway.upstream import RETRYABLE_STATUS, Response, Upstream, openai_error_body
 from gateway.waiting import FirstByteWaits
 
 log = structlog.get_logger("gateway.proxy")
@@ -93,7 +92,7 @@ class Dispatch:
 
 
 # (choice, open streaming response or None, (status, body) when not streaming)
-Result = tuple[Choice, aiohttp.ClientResponse | None, tuple[int, bytes]]
+Result = tuple[Choice, Response | None, tuple[int, bytes]]
 
 
 class Attempt:
@@ -228,7 +227,7 @@ class Attempt:
         self.last_error = ContextLengthExceeded(error_message(data), param="messages")
         raise Retryable(self.last_error)
 
-    async def resume(self, body: Callable[[WorkerView], bytes]) -> tuple[Choice, aiohttp.ClientResponse]:
+    async def resume(self, body: Callable[[WorkerView], bytes]) -> tuple[Choice, Response]:
         """Start the continuation of a broken stream on another worker (retried like a request)."""
         for _ in range(self.dispatch.settings.retry_attempts):
             try:

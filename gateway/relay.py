@@ -12,7 +12,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-import aiohttp
 import structlog
 
 from gateway.attempts import Attempt
@@ -23,6 +22,7 @@ from gateway.quota import Ticket
 from gateway.responses import ResponsesTracker, remember
 from gateway.resume import StreamTracker, continuation
 from gateway.routing import Choice
+from gateway.upstream import Response
 from gateway.waiting import WorkerWentAway
 
 log = structlog.get_logger("gateway.proxy")
@@ -33,7 +33,7 @@ class StreamBroke(Exception):
 
 
 async def relay(
-    attempt: Attempt, choice: Choice, resp: aiohttp.ClientResponse, tracker: StreamTracker | ResponsesTracker,
+    attempt: Attempt, choice: Choice, resp: Response, tracker: StreamTracker | ResponsesTracker,
     metrics: GatewayMetrics, started: float, fields: dict[str, object], stores: bool, ticket: Ticket | None = None,
 ) -> AsyncIterator[bytes]:
     """Relay the engine's stream to the client; continue it on another worker if it breaks."""
@@ -51,7 +51,7 @@ async def relay(
             try:
                 buffer = b""
                 # The first event may wait behind the engine's queue; later ones may not stall.
-                read = resp.content.readany  # b"" at the end; no iterator layers per chunk
+                read = resp.readany  # b"" at the end
                 async with asyncio.timeout(attempt.first_byte_timeout()) as deadline:
                     # Waiting for the first event counts as waiting for a first byte
                     # (gateway/waiting.py): the engine has sent the client nothing yet.
@@ -92,7 +92,7 @@ async def relay(
                     yield b"data: [DONE]\n\n"
                     return
                 raise StreamBroke("the engine closed the stream before it finished")
-            except (aiohttp.ClientError, TimeoutError, StreamBroke, WorkerWentAway) as exc:
+            except (ConnectionError, TimeoutError, StreamBroke, WorkerWentAway) as exc:
                 reason = "stalled" if isinstance(exc, TimeoutError) else type(exc).__name__
                 dispatch.breakers.failure(worker.id, f"stream {reason}")
                 attempt.trace.stream_broke(worker.id, reason)

@@ -1,102 +1,122 @@
-"""The data plane's HTTP client: aiohttp, one pooled session for every engine.
+"""The data plane's HTTP client to the engines, and the translation of its failures.
 
-httpx costs milliseconds of CPU per proxied request under concurrency (its pool is
-scanned on every request); aiohttp's connector costs a fraction of that. This is
-the only module that talks to engines on the request path, and the only place
-aiohttp's exceptions are translated into the gateway's error tree.
+The connections themselves are gateway/engine_conn.py's (keep-alive HTTP/1.1 over
+httptools' parser, pooled per engine). This is the only module that talks to engines on
+the request path, and the only place their connection errors and timeouts become the
+gateway's error tree (`UpstreamError`, `UpstreamTimeout`).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 
-import aiohttp
 import msgspec
-from yarl import URL
 
+from gateway.engine_conn import Pool, Response, Target
 from gateway.errors import UpstreamError, UpstreamTimeout
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
+
+__all__ = ["RETRYABLE_STATUS", "Response", "Upstream", "openai_error_body", "sse_error"]
 
 
 class Upstream:
     def __init__(self, connect_timeout_s: float) -> None:
         self._connect = connect_timeout_s
-        # Streams time their reads themselves (first event, then stalls): see proxy._relay;
-        # their headers are timed in post().
-        self._stream = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=None)
-        self._plain: dict[float, aiohttp.ClientTimeout] = {}
-        self._urls: dict[str, URL] = {}
-        self.session: aiohttp.ClientSession | None = None
+        self._targets: dict[str, Target] = {}
+        self._pool: Pool | None = None
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(
-            limit=0, limit_per_host=0, keepalive_timeout=60, enable_cleanup_closed=True,
-            ttl_dns_cache=300,
-        )
-        self.session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
-            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
-        )
+        self._pool = Pool(self._connect)
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
+        if self._pool is not None:
+            self._pool.close()
 
-    def _plain_timeout(self, first_byte_s: float) -> aiohttp.ClientTimeout:
-        # A handful of distinct values (rounded), so these are built once and reused.
-        key = float(round(first_byte_s))
-        timeout = self._plain.get(key)
-        if timeout is None:
-            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect, sock_read=max(key, 1.0))
-            if len(self._plain) < 256:
-                self._plain[key] = timeout
-        return timeout
+    def _target(self, url: str) -> Target:
+        target = self._targets.get(url)
+        if target is None:  # parsing a URL costs more than the rest of the call's setup
+            target = Target(url)
+            if len(self._targets) < 4096:
+                self._targets[url] = target
+        return target
+
+    @staticmethod
+    def _head(method: bytes, target: Target, headers: Mapping[str, str], length: int) -> bytes:
+        # Values come from the gateway or from the client's already-parsed headers; a CR or LF
+        # would split the head, so a value holding one is left out.
+        lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items() if "\n" not in v and "\r" not in v)
+        return b"".join((method, target.prefix, lines.encode("latin-1"), b"content-length: ",
+                         str(length).encode(), b"\r\n\r\n"))
 
     async def post(
         self, url: str, body: bytes, headers: Mapping[str, str], stream: bool, first_byte_s: float,
-    ) -> aiohttp.ClientResponse:
-        """Send a request and return once the engine's response headers arrived."""
-        assert self.session is not None
-        parsed = self._urls.get(url)
-        if parsed is None:  # parsing a URL costs more than the rest of the call's setup
-            parsed = URL(url)
-            if len(self._urls) < 4096:
-                self._urls[url] = parsed
-        try:
-            if stream:
-                # A stream's response headers within the first-byte limit too: an engine hung
-                # before answering holds no byte of the client's, so the request goes elsewhere.
-                async with asyncio.timeout(first_byte_s):
-                    return await self.session.post(parsed, data=body, headers=headers, timeout=self._stream)
-            return await self.session.post(parsed, data=body, headers=headers,
-                                           timeout=self._plain_timeout(first_byte_s))
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise _unreachable(url, exc) from exc
+    ) -> Response:
+        """Send a request and return once the engine's response status and headers arrived:
+        a stream within `first_byte_s` of sending (an engine hung before answering holds no
+        byte of the client's, so the request can go elsewhere); a whole answer may take
+        `first_byte_s` (at least 1 s) for its head and for each wait for more of its body."""
+        target = self._target(url)
+        head = self._head(b"POST", target, headers, len(body))
+        limit = first_byte_s if stream else max(float(round(first_byte_s)), 1.0)
+        return await self._send(url, target, head, body, limit, None if stream else limit)
+
+    async def _send(self, url: str, target: Target, head: bytes, body: bytes, limit: float,
+                    read_timeout: float | None) -> Response:
+        assert self._pool is not None
+        pool = self._pool
+        fresh = False
+        while True:
+            conn = None if fresh else pool.take(target)
+            reused = conn is not None
+            try:
+                if conn is None:
+                    conn = await pool.connect(target)
+                resp = conn.start(head, body)
+                resp.timeout = read_timeout
+                await resp.head(limit)
+                return resp
+            except TimeoutError as exc:  # before OSError, its base class: a timeout is never sent again
+                if conn is not None:
+                    conn.abort()
+                raise _unreachable(url, exc) from exc
+            except (ConnectionError, OSError) as exc:
+                if conn is not None:
+                    conn.abort()
+                if reused and conn is not None and not conn.got_bytes:
+                    # A keep-alive connection the engine closed as the request went out: the
+                    # engine saw none of it, so it goes again, once, on a new connection.
+                    fresh = True
+                    continue
+                raise _unreachable(url, exc) from exc
+            except BaseException:  # cancelled: the client hung up; closing aborts the engine's request
+                if conn is not None:
+                    conn.abort()
+                raise
 
     async def call(self, method: str, url: str, timeout_s: float) -> tuple[int, str, bytes]:
         """A small request with no body (a retrieve, a cancel): status, content type, whole answer."""
-        assert self.session is not None
+        target = self._target(url)
+        head = self._head(method.upper().encode(), target, {}, 0)
+        resp = await self._send(url, target, head, b"", timeout_s, timeout_s)
         try:
-            async with self.session.request(method, url, timeout=self._plain_timeout(timeout_s)) as resp:
-                return resp.status, resp.content_type, await self.read(resp)
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise _unreachable(url, exc) from exc
+            return resp.status, resp.content_type, await self.read(resp)
+        finally:
+            resp.release()
 
     @staticmethod
-    async def read(resp: aiohttp.ClientResponse) -> bytes:
+    async def read(resp: Response) -> bytes:
         try:
-            return await resp.read()
-        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            return await resp.read(resp.timeout)
+        except TimeoutError as exc:  # before OSError, its base class
             raise UpstreamTimeout("engine stopped answering mid-response") from exc
-        except aiohttp.ClientError as exc:
+        except (ConnectionError, OSError) as exc:
             raise UpstreamError(f"engine connection broke: {type(exc).__name__}") from exc
 
 
 def _unreachable(url: str, exc: BaseException) -> UpstreamError:
-    """aiohttp's failure to reach an engine, as the gateway's error."""
-    if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+    """A failure to reach an engine, as the gateway's error."""
+    if isinstance(exc, TimeoutError):
         return UpstreamTimeout(f"engine at {url} did not answer in time")
     return UpstreamError(f"engine at {url} is unreachable: {type(exc).__name__}")
 
