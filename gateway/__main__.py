@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import yaml
 
 from fleetgate.logs import configure_logging
 from gateway.app import create_asgi
+from gateway.fastpath import FastPath
 from gateway.multiproc import Supervisor, reuse_port_socket
 from gateway.server import GatewayHttpProtocol
 from gateway.settings_check import SettingsError, load_checked
@@ -64,16 +66,17 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--workers needs a fixed --port")
         sys.exit(Supervisor(sys.argv[1:] if argv is None else argv, args.workers, settings.host,
                             settings.port).run())
+    # SIGHUP reads the config file again to seed keys and teams (gateway/tenancy.py).
+    asgi = create_asgi(settings, lambda: load_checked(args.config, overrides))
     config = uvicorn.Config(
-        # SIGHUP reads the config file again to seed keys and teams (gateway/tenancy.py).
-        create_asgi(settings, lambda: load_checked(args.config, overrides)),
+        asgi,
         host=settings.host,
         port=settings.port,
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=30,
         server_header=False,
-        http=GatewayHttpProtocol,
+        http=functools.partial(GatewayHttpProtocol, fast=asgi if isinstance(asgi, FastPath) else None),  # type: ignore[arg-type]
     )
     server = uvicorn.Server(config)
     if args.reuse_port:  # one of --workers N: every line it logs says which process wrote it

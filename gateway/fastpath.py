@@ -5,13 +5,20 @@ signature model, middleware and response objects cost about a third of the CPU o
 proxied request. This app answers POST /v1/chat/completions and /v1/completions
 itself, with exactly the logic of the Litestar routes (`Proxy.serve`); everything
 else (lifespan, admin, models, metrics, docs) goes to Litestar unchanged.
+
+Under the gateway's own server protocol (gateway/server.py) those two routes skip ASGI
+as well: `serve_cycle` reads the request from uvicorn's request cycle and writes the
+answer's bytes to the connection itself (one write for a whole answer, one per relayed
+piece of a stream), with no message dicts, header validation or proxy-headers middleware
+in between (X-Forwarded-For is honoured as that middleware would, when a request has it).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from litestar import Litestar
@@ -20,6 +27,10 @@ from gateway import front
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.proxy import Reply
 from gateway.requests import KINDS
+
+if TYPE_CHECKING:
+    from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 log = structlog.get_logger("gateway.fastpath")
 
@@ -41,6 +52,60 @@ class TooLarge(InvalidRequest):
 class FastPath:
     def __init__(self, app: Litestar) -> None:
         self.app = app
+        # uvicorn's X-Forwarded-For handling (gateway/server.py sets it), for requests that have it.
+        self.proxy_headers: ProxyHeadersMiddleware | None = None
+
+    def hot(self, scope: Scope) -> str | None:
+        """The kind of request that `serve_cycle` answers (None: the ASGI app's)."""
+        if scope["method"] != "POST":
+            return None
+        kind = KINDS.get(scope["path"])
+        return kind if kind is not None and self.app.state.get("gw") is not None else None
+
+    async def serve_cycle(self, cycle: RequestResponseCycle, kind: str) -> None:
+        """Answer one proxied request straight onto its connection (see the module's docstring)."""
+        scope: Scope = cycle.scope  # type: ignore[assignment]
+        if self.proxy_headers is not None:
+            for name, _ in scope["headers"]:
+                if name == b"x-forwarded-for" or name == b"x-forwarded-proto":
+                    await self.proxy_headers(scope, _nothing, _nothing)  # type: ignore[arg-type]
+                    break
+        out = _Out(cycle)
+        try:
+            reply, hangup = await self._serve(self.app.state["gw"], scope, cycle.receive, kind)  # type: ignore[arg-type]
+        except front.ClientGone:
+            return
+        except GatewayError as exc:
+            out.whole(exc.status, [(k.encode(), v.encode()) for k, v in exc.headers().items()], exc.body())
+            return
+        except Exception:
+            log.exception("gateway.internal_error", path=scope.get("path"))
+            internal = GatewayError("Internal error in the gateway.")
+            out.whole(internal.status, [], internal.body())
+            return
+        headers = [(k.encode(), v.encode()) for k, v in reply.headers]
+        if reply.stream is None:
+            out.whole(reply.status, headers, reply.body)
+            return
+        stream = reply.stream
+        try:
+            out.start_stream(reply.status, headers)
+            async for chunk in stream:
+                await out.chunk(chunk)
+            hangup.finish()
+            out.end_stream()
+        except asyncio.CancelledError:
+            hangup.finish()
+            if hangup.absorb():
+                return
+            raise
+        except Exception:  # the stream's own errors end in an SSE error event; this is a bug's
+            log.exception("gateway.internal_error", path=scope.get("path"))
+        finally:
+            await hangup.stop()
+            await stream.aclose()  # type: ignore[attr-defined]
+            if not cycle.response_complete:  # broke off mid-stream: the client must not wait on it
+                out.abort()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = KINDS.get(scope.get("path", "")) if scope["type"] == "http" else None
@@ -126,3 +191,85 @@ async def _send_error(send: Send, exc: GatewayError) -> None:
     headers += [(k.encode(), v.encode()) for k, v in exc.headers().items()]
     await send({"type": "http.response.start", "status": exc.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+async def _nothing(*_: object) -> None:
+    return None
+
+
+def _status_line(status: int) -> bytes:
+    try:
+        phrase = HTTPStatus(status).phrase.encode()
+    except ValueError:
+        phrase = b""
+    return b"HTTP/1.1 %d %s\r\n" % (status, phrase)
+
+
+_STATUS = {code: _status_line(code) for code in range(100, 600)}
+_JSON_HEAD = b"content-type: application/json\r\ncontent-length: "
+_SSE_HEAD = (b"content-type: text/event-stream\r\ncache-control: no-cache\r\nx-accel-buffering: no\r\n"
+             b"transfer-encoding: chunked\r\n")
+
+
+class _Out:
+    """Writes one answer onto uvicorn's connection and keeps its cycle's books as `send` would:
+    started, complete, keep-alive or close, and the protocol told so it reads the next request."""
+
+    __slots__ = ("cycle", "transport")
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self.cycle = cycle
+        transport = cycle.transport
+        # Past gateway/server.py's coalescing wrapper: every write here is already whole.
+        self.transport = getattr(transport, "_transport", transport)
+
+    def _head(self, status: int, headers: list[tuple[bytes, bytes]]) -> list[bytes]:
+        cycle = self.cycle
+        cycle.response_started = True
+        cycle.waiting_for_100_continue = False
+        parts = [_STATUS.get(status) or _status_line(status)]
+        for name, value in (*cycle.default_headers, *headers):
+            if b"\n" not in value and b"\r" not in value:
+                parts += (name, b": ", value, b"\r\n")
+        if not cycle.keep_alive:
+            parts.append(b"connection: close\r\n")
+        return parts
+
+    def _complete(self) -> None:
+        cycle = self.cycle
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            self.transport.close()
+        cycle.on_response()
+
+    def whole(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        if self.cycle.disconnected:
+            return
+        parts = self._head(status, headers)
+        parts += (_JSON_HEAD, str(len(body)).encode(), b"\r\n\r\n", body)
+        self.transport.write(b"".join(parts))
+        self._complete()
+
+    def start_stream(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        if self.cycle.disconnected:
+            return
+        parts = self._head(status, headers)
+        parts += (_SSE_HEAD, b"\r\n")
+        self.transport.write(b"".join(parts))
+
+    async def chunk(self, data: bytes) -> None:
+        cycle = self.cycle
+        if cycle.flow.write_paused and not cycle.disconnected:
+            await cycle.flow.drain()
+        if data and not cycle.disconnected:
+            self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+
+    def end_stream(self) -> None:
+        if not self.cycle.disconnected:
+            self.transport.write(b"0\r\n\r\n")
+            self._complete()
+
+    def abort(self) -> None:
+        if self.cycle.response_started and not self.cycle.disconnected:
+            self.transport.close()

@@ -56,7 +56,8 @@ _chunk = msgspec.json.Decoder(_Chunk)
 
 def _usage_only(payload: bytes) -> bool:
     """The chunk `stream_options.include_usage` adds: `"choices": []` and the usage."""
-    return (b'"choices":[]' in payload or b'"choices": []' in payload) and b'"usage"' in payload
+    # "usage" first: content chunks lack it, so most events cost one scan here, not two.
+    return b'"usage"' in payload and (b'"choices":[]' in payload or b'"choices": []' in payload)
 
 
 _INCLUDE_USAGE = b'"stream_options":{"include_usage":true},'

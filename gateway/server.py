@@ -1,4 +1,10 @@
-"""uvicorn's httptools protocol, writing a whole response's head and body in one syscall.
+"""uvicorn's httptools protocol, with the proxied routes served straight off the connection.
+
+The gateway's two proxied routes (POST /v1/chat/completions, /v1/completions) skip ASGI:
+their requests go to `FastPath.serve_cycle` (gateway/fastpath.py), which writes the answer
+onto the connection itself. Every other request is uvicorn's, as before.
+
+For those, uvicorn's httptools protocol writes a whole response's head and body in one syscall.
 
 uvicorn writes the status line and headers when the app sends `http.response.start`, and
 the body when it sends `http.response.body`: two `send()` calls per proxied answer, a few
@@ -11,9 +17,13 @@ straight away, so a client sees the headers of a stream before its first token.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+if TYPE_CHECKING:
+    from gateway.fastpath import FastPath
 
 
 class _Coalescing:
@@ -57,7 +67,29 @@ class _Coalescing:
 
 
 class GatewayHttpProtocol(HttpToolsProtocol):
-    """uvicorn's `http="httptools"` protocol over a `_Coalescing` transport."""
+    """uvicorn's `http="httptools"` protocol over a `_Coalescing` transport; the proxied
+    routes go to `fast` (built with functools.partial(GatewayHttpProtocol, fast=...))."""
+
+    def __init__(self, *args: Any, fast: FastPath | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fast = fast
+        if fast is not None and fast.proxy_headers is None and self.config.proxy_headers:
+            fast.proxy_headers = ProxyHeadersMiddleware(_nothing, self.config.forwarded_allow_ips)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_Coalescing(transport))  # type: ignore[arg-type]
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        fast = self.fast
+        kind = fast.hot(cycle.scope) if fast is not None else None  # type: ignore[arg-type]
+        if kind is None or self.config.reset_contextvars:
+            super()._start_asgi_task(cycle, app)
+            return
+        assert fast is not None
+        task = self.loop.create_task(fast.serve_cycle(cycle, kind))
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
+
+
+async def _nothing(*_: object) -> None:
+    return None

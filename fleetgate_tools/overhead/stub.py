@@ -8,7 +8,9 @@ on one core and the benchmark measures the proxy, not the engine.
   seconds; with `"stream": true`, `max_tokens` chunks (default `--chunks`), one
   every `--chunk-delay` seconds, then `[DONE]`. A request may override both delays
   with the non-standard body fields `stub_delay_ms` and `stub_chunk_delay_ms`
-  (proxies forward the body untouched, so one pair of stubs serves every run).
+  (proxies forward the body untouched, so one pair of stubs serves every run). Like
+  vLLM, a stream with `"stream_options": {"include_usage": true}` (the gateway asks
+  for it on every stream, to count tokens) ends with a usage chunk (`"choices": []`).
 - `GET /health`, `GET /v1/models`, `GET /metrics` (vLLM's gauge names, all zero).
 """
 
@@ -28,8 +30,13 @@ DEFAULT_CHUNKS = 64
 MAX_CHUNKS = 4096
 
 
+class _StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
 class _Body(msgspec.Struct):
     stream: bool = False
+    stream_options: _StreamOptions | None = None
     max_tokens: int | None = None
     stub_delay_ms: float | None = None
     stub_chunk_delay_ms: float | None = None
@@ -98,6 +105,13 @@ class Answers:
             b"transfer-encoding: chunked\r\n\r\n"
         )
         self.stream_end = _chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+        # vLLM's include_usage chunk (its completion_tokens: the default chunk count).
+        self.chat_usage = _chunked(b"data: " + msgspec.json.encode({
+            "id": "chatcmpl-stub", "object": "chat.completion.chunk", "created": 1700000000, "model": m,
+            "choices": [], "usage": usage}) + b"\n\n")
+        self.text_usage = _chunked(b"data: " + msgspec.json.encode({
+            "id": "cmpl-stub", "object": "text_completion", "created": 1700000000, "model": m,
+            "choices": [], "usage": usage}) + b"\n\n")
         # Raw events (for stamped streams) and their chunked frames (for the fast path).
         self.chat_events = self._events(m, "chat")
         self.text_events = self._events(m, "text")
@@ -192,7 +206,8 @@ class _Conn(asyncio.Protocol):
         if req.stream:
             chunk_delay = cfg.chunk_delay_s if req.stub_chunk_delay_ms is None else req.stub_chunk_delay_ms / 1000
             n = min(max(req.max_tokens or cfg.chunks, 2), MAX_CHUNKS)
-            self.loop.create_task(self._stream(chat, n, delay, chunk_delay, keep))
+            usage = req.stream_options is not None and req.stream_options.include_usage
+            self.loop.create_task(self._stream(chat, n, delay, chunk_delay, keep, usage))
             return
         out = self.answers.chat if chat else self.answers.text
         if delay > 0:
@@ -207,7 +222,7 @@ class _Conn(asyncio.Protocol):
         if not keep:
             self.transport.close()
 
-    async def _stream(self, chat: bool, n: int, delay: float, chunk_delay: float, keep: bool) -> None:
+    async def _stream(self, chat: bool, n: int, delay: float, chunk_delay: float, keep: bool, usage: bool) -> None:
         transport = self.transport
         assert transport is not None
         a = self.answers
@@ -234,6 +249,8 @@ class _Conn(asyncio.Protocol):
                 # One write per chunk, as an engine emits them (separate segments under TCP_NODELAY).
                 write(first if i == 0 else last if i == n - 1 else middle)
         if not self.closed:
+            if usage:
+                write(a.chat_usage if chat else a.text_usage)
             write(a.stream_end)
             if not keep:
                 transport.close()

@@ -5,6 +5,7 @@ No timed assertions: these show the plumbing counts and reports what passes thro
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -60,6 +61,18 @@ def test_stub_completes_and_streams_max_tokens_chunks(stub: str) -> None:
         events = [line for line in resp.iter_lines() if line.startswith("data:")]
     assert len(events) == 6 and events[-1] == "data: [DONE]"
     assert sum('"finish_reason":"stop"' in e for e in events) == 1
+
+
+def test_stub_ends_a_stream_with_usage_when_asked_as_vllm_does(stub: str) -> None:
+    """stream_options.include_usage (the gateway asks for it on every stream) adds one last
+    chunk before [DONE], with no choices and the usage."""
+    body = {"model": "stub", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "max_tokens": 3, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", stub + "/v1/chat/completions", json=body) as resp:
+        events = [line for line in resp.iter_lines() if line.startswith("data:")]
+    assert len(events) == 5 and events[-1] == "data: [DONE]"
+    last = json.loads(events[-2][5:])
+    assert last["choices"] == [] and last["usage"]["prompt_tokens"] > 0
 
 
 def test_stub_stamps_paced_chunks(stub: str) -> None:

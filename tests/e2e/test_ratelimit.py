@@ -90,3 +90,21 @@ def test_no_limit_by_default_and_no_headers(fleet_factory: Callable[[], Fleet]) 
                for _ in range(5)]
     assert [r.status_code for r in replies] == [200] * 5
     assert "x-ratelimit-limit-requests" not in replies[0].headers
+
+
+def test_an_open_gateway_limits_each_address_behind_a_trusted_proxy(fleet_factory: Callable[[], Fleet]) -> None:
+    """Without keys the limit is per client address; behind a proxy on 127.0.0.1 (uvicorn's
+    default trusted one) that is X-Forwarded-For's, on the proxied routes' own path and on
+    Litestar's alike: one address's burst spent leaves another's whole."""
+    fleet = fleet_factory()
+    limits = ("--set", "rate_limit_rpm=2", "--set", "rate_limit_burst=1")
+    _, fast = fleet.gateway(*limits)
+    _, slow = fleet.gateway(*limits, "--set", "fast_path=false")
+    fleet.worker("w", *FAST)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    for n, url in enumerate((fast, slow)):
+        fleet.wait_ready(url, "w")
+        a, b = {"x-forwarded-for": f"10.0.{n}.1"}, {"x-forwarded-for": f"10.0.{n}.2"}
+        assert httpx.post(f"{url}/v1/completions", json=body, headers=a).status_code == 200
+        assert httpx.post(f"{url}/v1/completions", json=body, headers=a).status_code == 429
+        assert httpx.post(f"{url}/v1/completions", json=body, headers=b).status_code == 200
