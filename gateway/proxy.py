@@ -28,6 +28,7 @@ import msgspec
 import structlog
 
 from gateway import attempts, outcomes
+from fleetgate.schema import WorkerView
 from gateway.adapters import AdapterPlacer
 from gateway.admission import Admission
 from gateway.aliases import fallback_reason, resolve, with_model
@@ -164,9 +165,13 @@ class Proxy:
         for tried, model in enumerate(plan.models):
             if model != probe.model:  # the engine gets, and answers with, the real model's name
                 probe, body = msgspec.structs.replace(probe, model=model), with_model(body, model)
-            attempt, body, hide_usage = await self._attempt(probe, body, path, kind, session, request_id)
+            # A follow-up's stored response pins its worker; looked up only then (Redis).
+            owner = None if probe.previous_response_id is None else await owner_of(
+                self.watcher, probe.previous_response_id, "previous_response_id")
+            attempt, body, hide_usage = self._attempt(probe, body, path, kind, session, request_id, owner)
             attempt.falls_back = tried < last
-            attempt.headers = {**attempt.headers, **trace.forward}
+            if trace.forward:
+                attempt.headers = {**attempt.headers, **trace.forward}
             attempt.trace = trace
             attempt.priority, attempt.full_at = priority, priority.full_at(attempt.full_at)
             if self.classes.enabled:
@@ -242,11 +247,13 @@ class Proxy:
                  error=outcomes.error_code(payload) if status >= 400 else None)
         return Reply(status, headers, body=payload)
 
-    async def _attempt(
+    def _attempt(
         self, probe: Probe, body: bytes, path: str, kind: str, session: str | None, request_id: str,
+        owner: WorkerView | None,
     ) -> tuple[Attempt, bytes, bool]:
         """The attempts at sending `body` (a request for `probe.model`), with its routing facts;
-        the body as sent, and whether the client's stream hides the usage chunk."""
+        the body as sent, and whether the client's stream hides the usage chunk. `owner`: the
+        worker storing the response the request continues."""
         snapshot = self.watcher.snapshot
         is_adapter = snapshot.models.get(probe.model, "") != ""
         generates = kind in GENERATES
@@ -263,8 +270,7 @@ class Proxy:
             estimate, floor = estimate_tokens(probe)
         warm, full = self.placer.residency(probe.model) if is_adapter else (frozenset(), frozenset())
         pinned = None
-        if probe.previous_response_id is not None:
-            owner = await owner_of(self.watcher, probe.previous_response_id, "previous_response_id")
+        if owner is not None:
             pinned = owner.info.id
             if not owner.serves(probe.model):
                 raise InvalidRequest(f"Response `{probe.previous_response_id}` is stored on worker `{pinned}`, "

@@ -29,7 +29,7 @@ from redis.exceptions import RedisError
 from fleetgate.keys import Keys
 from gateway.errors import ModelNotAllowed, QuotaExhausted, RateLimited, TokensLimited
 from gateway.tenants import Limits, Tenant
-from gateway.usage import USAGE_TTL_S, UsageBuffer, UsageMetrics, day_of
+from gateway.usage import USAGE_TTL_S, Today, UsageBuffer, UsageMetrics, day_of
 
 log = structlog.get_logger("gateway.quota")
 
@@ -230,6 +230,7 @@ class Quota:
         self._settle = redis.register_script(_SETTLE)
         self._unavailable = False
         self.tasks: set[asyncio.Task[None]] = set()
+        self.today = Today()
 
     async def admit(self, tenant: Tenant, model: str, prompt_tokens: int) -> Ticket:
         """Check and charge one request of `prompt_tokens`; RateLimited (or a subclass) if a
@@ -238,6 +239,9 @@ class Quota:
             raise ModelNotAllowed(f"The API key `{tenant.id}` may not use the model `{model}`.", param="model")
         key, team = tenant.key, tenant.team
         label = self.model_label(model)
+        if not tenant.limited:  # nothing to check or charge: only usage to write (`buffered`)
+            return Ticket(self, tenant, label, prompt_tokens, [], (0.0, 0.0), (False, False),
+                          f"{key.id}\t{label}\t", self.today())
         now = dt.datetime.now(dt.UTC)
         k = self.keys
         cells = [_cell(key, key.rpm), _cell(key, key.tpm), _cell(team, team.rpm if team else 0),
@@ -249,8 +253,6 @@ class Quota:
         prefix = f"{key.id}\t{label}\t"
         ticket = Ticket(self, tenant, label, prompt_tokens, names, (cells[1][0], cells[3][0]),
                         (kb[1] > 0, tb[1] > 0), prefix, day_of(now))
-        if not tenant.limited:
-            return ticket
         args: list[str | int | float] = [prompt_tokens]
         for interval, cap in cells:
             args += [repr(interval), repr(cap)]

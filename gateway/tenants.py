@@ -19,7 +19,7 @@ import re
 import secrets
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
@@ -164,6 +164,18 @@ class Tenant:
 
     key: KeyRecord
     team: TeamRecord | None
+    # Whether the key or its team has any limit (else quota skips Redis entirely).
+    limited: bool = field(init=False, repr=False, compare=False)
+    # Whether a limit counts this key's tokens (its own or its team's tpm or budget): then
+    # a request's end must correct its charge before the next request is checked.
+    counts_tokens: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Both are read on every request of the key: worked out once (a Tenant is immutable).
+        key, team = self.key, self.team
+        object.__setattr__(self, "limited", key.limited or (team is not None and team.limited))
+        object.__setattr__(self, "counts_tokens", any(
+            lim is not None and (lim.tpm > 0 or lim.budget_tokens > 0) for lim in (key, team)))
 
     @property
     def id(self) -> str:
@@ -173,16 +185,6 @@ class Tenant:
     def priority(self) -> str:
         """The key's priority class, for admission's scheduling."""
         return self.key.priority
-
-    @property
-    def limited(self) -> bool:
-        return self.key.limited or (self.team is not None and self.team.limited)
-
-    @property
-    def counts_tokens(self) -> bool:
-        """Whether a limit counts this key's tokens (its own or its team's tpm or budget): then
-        a request's end must correct its charge before the next request is checked."""
-        return any(lim is not None and (lim.tpm > 0 or lim.budget_tokens > 0) for lim in (self.key, self.team))
 
     def allows(self, model: str) -> bool:
         return self.key.models is None or model in self.key.models

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -36,6 +37,22 @@ OTHER_KEY = "other"
 
 def day_of(when: dt.datetime) -> str:
     return when.strftime("%Y-%m-%d")
+
+
+class Today:
+    """The UTC day as `day_of` writes it, formatted once a day rather than once a request."""
+
+    __slots__ = ("_day", "_text")
+
+    def __init__(self) -> None:
+        self._day = -1
+        self._text = ""
+
+    def __call__(self) -> str:
+        day = int(time.time() // 86400)
+        if day != self._day:
+            self._day, self._text = day, time.strftime("%Y-%m-%d", time.gmtime(day * 86400))
+        return self._text
 
 
 def days_back(n: int, today: dt.date | None = None) -> list[str]:
@@ -100,17 +117,27 @@ class UsageMetrics:
         self._limited = Counter("fleetgate_key_rate_limited", "Requests refused by a key's or its team's "
                                 "limit, by key id, model and limit (requests, tokens, budget).",
                                 ["key", "model", "limit"], registry=registry)
+        # Label children by (metric, label values): `.labels()` locks and validates each call.
+        self._children: dict[tuple[Any, ...], Any] = {}
 
     def _key(self, key_id: str) -> str:
         return key_id if self.known(key_id) else OTHER_KEY
 
     def done(self, key_id: str, model: str, prompt: int, completion: int, error: bool) -> None:
         key = self._key(key_id)
-        self._requests.labels(key, model, "true" if error else "false").inc()
+        self._child(self._requests, key, model, "true" if error else "false").inc()
         if prompt:
-            self._tokens.labels(key, model, "input").inc(prompt)
+            self._child(self._tokens, key, model, "input").inc(prompt)
         if completion:
-            self._tokens.labels(key, model, "output").inc(completion)
+            self._child(self._tokens, key, model, "output").inc(completion)
+
+    def _child(self, metric: Counter, *values: str) -> Any:
+        # A series appears when first counted, as with `.labels()`, which is only called once.
+        cell = (id(metric), *values)
+        child = self._children.get(cell)
+        if child is None:
+            child = self._children[cell] = metric.labels(*values)
+        return child
 
     def rate_limited(self, key_id: str, model: str, limit: str) -> None:
         self._limited.labels(self._key(key_id), model, limit).inc()

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from types import TracebackType
 
 import structlog
 
@@ -40,32 +41,12 @@ class FirstByteWaits:
         self._interrupted: set[asyncio.Task[object]] = set()
         self._task: asyncio.Task[None] | None = None
 
-    @contextlib.contextmanager
-    def waiting(self, worker_id: str) -> Iterator[None]:
+    def waiting(self, worker_id: str) -> _Waiting:
         """Around an await for `worker_id`'s first byte: raises WorkerWentAway when the worker
         turns unhealthy or leaves meanwhile."""
-        task = asyncio.current_task()
-        if task is None:  # pragma: no cover - always inside a task in the gateway
-            yield
-            return
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="first-byte-waits")
-        tasks = self._waiting.setdefault(worker_id, set())
-        tasks.add(task)
-        try:
-            yield
-        except asyncio.CancelledError:
-            if task not in self._interrupted:
-                raise  # the client left, or the gateway is stopping
-            self._interrupted.discard(task)
-            task.uncancel()
-            raise WorkerWentAway(f"worker {worker_id} turned unhealthy or left while the request "
-                                 "waited for its first byte") from None
-        finally:
-            tasks.discard(task)
-            if not tasks and self._waiting.get(worker_id) is tasks:
-                del self._waiting[worker_id]
-            self._interrupted.discard(task)
+        return _Waiting(self, worker_id)
 
     def check(self, snapshot: FleetSnapshot) -> None:
         for worker_id, tasks in list(self._waiting.items()):
@@ -95,6 +76,41 @@ class FirstByteWaits:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+
+class _Waiting:
+    """`FirstByteWaits.waiting`'s context: a plain class, as it is entered once or twice per
+    attempt (a generator-based context manager costs several times as much)."""
+
+    __slots__ = ("_task", "_tasks", "_waits", "_worker_id")
+
+    def __init__(self, waits: FirstByteWaits, worker_id: str) -> None:
+        self._waits = waits
+        self._worker_id = worker_id
+
+    def __enter__(self) -> None:
+        task = self._task = asyncio.current_task()
+        if task is None:  # pragma: no cover - always inside a task in the gateway
+            return
+        tasks = self._tasks = self._waits._waiting.get(self._worker_id)
+        if tasks is None:
+            tasks = self._tasks = self._waits._waiting[self._worker_id] = set()
+        tasks.add(task)
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        task = self._task
+        if task is None:  # pragma: no cover
+            return
+        waits, worker_id, tasks = self._waits, self._worker_id, self._tasks
+        interrupted = task in waits._interrupted
+        tasks.discard(task)
+        if not tasks and waits._waiting.get(worker_id) is tasks:
+            del waits._waiting[worker_id]
+        waits._interrupted.discard(task)
+        if interrupted and kind is not None and issubclass(kind, asyncio.CancelledError):
+            task.uncancel()
+            raise WorkerWentAway(f"worker {worker_id} turned unhealthy or left while the request "
+                                 "waited for its first byte") from None
 
 
 __all__ = ["FirstByteWaits", "WorkerWentAway"]
