@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import msgspec
 import structlog
 
-from gateway import attempts, outcomes
 from fleetgate.schema import WorkerView
+from gateway import attempts, outcomes
 from gateway.adapters import AdapterPlacer
 from gateway.admission import Admission
 from gateway.aliases import fallback_reason, resolve, with_model
