@@ -87,6 +87,8 @@ class _Waiting:
     def __init__(self, waits: FirstByteWaits, worker_id: str) -> None:
         self._waits = waits
         self._worker_id = worker_id
+        self._task: asyncio.Task[object] | None = None
+        self._tasks: set[asyncio.Task[object]] | None = None
 
     def __enter__(self) -> None:
         task = self._task = asyncio.current_task()
@@ -98,10 +100,10 @@ class _Waiting:
         tasks.add(task)
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        task = self._task
-        if task is None:  # pragma: no cover
+        task, tasks = self._task, self._tasks
+        if task is None or tasks is None:  # pragma: no cover
             return
-        waits, worker_id, tasks = self._waits, self._worker_id, self._tasks
+        waits, worker_id = self._waits, self._worker_id
         interrupted = task in waits._interrupted
         tasks.discard(task)
         if not tasks and waits._waiting.get(worker_id) is tasks:
