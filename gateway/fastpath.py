@@ -62,7 +62,7 @@ class FastPath:
         kind = KINDS.get(scope["path"])
         return kind if kind is not None and self.app.state.get("gw") is not None else None
 
-    async def serve_cycle(self, cycle: RequestResponseCycle, kind: str) -> None:
+    async def serve_cycle(self, cycle: RequestResponseCycle, kind: str, watched: list[front.Hangup]) -> None:
         """Answer one proxied request straight onto its connection (see the module's docstring)."""
         scope: Scope = cycle.scope  # type: ignore[assignment]
         if self.proxy_headers is not None:
@@ -72,7 +72,8 @@ class FastPath:
                     break
         out = _Out(cycle)
         try:
-            reply, hangup = await self._serve(self.app.state["gw"], scope, cycle.receive, kind)  # type: ignore[arg-type]
+            reply, hangup = await self._serve(
+                self.app.state["gw"], scope, cycle.receive, kind, watched)  # type: ignore[arg-type]
         except front.ClientGone:
             return
         except GatewayError as exc:
@@ -85,6 +86,7 @@ class FastPath:
             return
         headers = [(k.encode(), v.encode()) for k, v in reply.headers]
         if reply.stream is None:
+            watched.remove(hangup)
             out.whole(reply.status, headers, reply.body)
             return
         stream = reply.stream
@@ -102,6 +104,7 @@ class FastPath:
         except Exception:  # the stream's own errors end in an SSE error event; this is a bug's
             log.exception("gateway.internal_error", path=scope.get("path"))
         finally:
+            watched.remove(hangup)
             await hangup.stop()
             await stream.aclose()  # type: ignore[attr-defined]
             if not cycle.response_complete:  # broke off mid-stream: the client must not wait on it
@@ -132,7 +135,8 @@ class FastPath:
             return
         await _stream(reply, headers + _SSE, hangup, send)
 
-    async def _serve(self, gw: Any, scope: Scope, receive: Receive, kind: str) -> tuple[Reply, front.Hangup]:
+    async def _serve(self, gw: Any, scope: Scope, receive: Receive, kind: str,
+                     watched: list[front.Hangup] | None = None) -> tuple[Reply, front.Hangup]:
         raw = scope["headers"]
 
         def header(name: str) -> str | None:
@@ -145,7 +149,7 @@ class FastPath:
         client = scope.get("client")
         return await front.serve(
             gw, header, client[0] if client else None, lambda: _read_body(receive, gw.settings.max_body_bytes),
-            receive, scope["path"], kind,
+            receive, scope["path"], kind, watched,
         )
 
 

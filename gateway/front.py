@@ -4,7 +4,9 @@ Check the API key (gateway/tenants.py), count the client against its rate limit,
 while watching the client's connection: a client that hangs up before its answer is
 ready cancels the work, which closes the engine's request (an engine generates on for
 nobody otherwise; vLLM and the simulator abort a request whose connection closes). The
-connection is watched from `WATCH_AFTER_S` into the request on, so a fast answer costs no task. A
+connection is watched from `WATCH_AFTER_S` into the request on, so a fast answer costs no task
+(under the gateway's own server protocol, gateway/server.py, nothing is watched: the protocol
+tells the request's `Hangup` when its connection closes, at once). A
 request refused here (401, 429, 413) is logged and counted like every other answer.
 """
 
@@ -39,7 +41,7 @@ class Hangup:
 
     __slots__ = ("_receive", "_task", "_timer", "_watch", "finishing", "gone")
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, receive: Receive, watch: bool = True) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._task = task
@@ -47,7 +49,15 @@ class Hangup:
         self.gone = False
         self.finishing = False
         self._watch: asyncio.Task[None] | None = None
-        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start)
+        # watch=False: the server calls `client_gone` itself when the connection closes.
+        self._timer: asyncio.TimerHandle | None = (
+            asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start) if watch else None)
+
+    def client_gone(self) -> None:
+        """The connection closed (gateway/server.py saw it): a hang-up unless the answer is going out."""
+        if not self.finishing and not self.gone:
+            self.gone = True
+            self._task.cancel()
 
     def _start(self) -> None:
         self._timer = None
@@ -90,10 +100,12 @@ class Hangup:
 
 async def serve(
     gw: Any, header: Callable[[str], str | None], client_host: str | None, read_body: Callable[[], Awaitable[bytes]],
-    receive: Receive, path: str, kind: str,
+    receive: Receive, path: str, kind: str, watched: list[Hangup] | None = None,
 ) -> tuple[Reply, Hangup]:
     """Admit and serve one proxied request. The Hangup keeps watching a streamed answer; it is
-    stopped for a whole one. ClientGone if the client hung up first."""
+    stopped for a whole one. ClientGone if the client hung up first. `watched`: the server's
+    list of its connection's hang-up watches, which it tells itself when the connection closes
+    (then no watcher runs)."""
     started = time.perf_counter()
     key_id = ""
     try:
@@ -104,15 +116,19 @@ async def serve(
     except GatewayError as exc:
         gw.proxy.refused(exc, header, key_id, started)
         raise
-    hangup = Hangup(receive)
+    hangup = Hangup(receive, watch=watched is None)
+    if watched is not None:
+        watched.append(hangup)
     try:
         reply: Reply = await gw.proxy.serve(body, header, path, kind, key_id, tenant)
     except asyncio.CancelledError:
         hangup.finish()
+        _unwatch(watched, hangup)
         if hangup.absorb():
             raise ClientGone from None
         raise
     except BaseException:
+        _unwatch(watched, hangup)
         await hangup.stop()
         raise
     if limits:  # the key's own limits' headers (gateway/quota.py), when it has any, come first
@@ -121,3 +137,8 @@ async def serve(
     if reply.stream is None:
         await hangup.stop()
     return reply, hangup
+
+
+def _unwatch(watched: list[Hangup] | None, hangup: Hangup) -> None:
+    if watched is not None and hangup in watched:
+        watched.remove(hangup)

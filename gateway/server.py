@@ -24,6 +24,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 
 if TYPE_CHECKING:
     from gateway.fastpath import FastPath
+    from gateway.front import Hangup
 
 
 class _Coalescing:
@@ -73,11 +74,20 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, fast: FastPath | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fast = fast
+        # The hang-up watches of this connection's proxied requests in flight (gateway/front.py):
+        # told when the connection closes, so no request needs a watcher task of its own.
+        self.watched: list[Hangup] = []
         if fast is not None and fast.proxy_headers is None and self.config.proxy_headers:
             fast.proxy_headers = ProxyHeadersMiddleware(_nothing, self.config.forwarded_allow_ips)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_Coalescing(transport))  # type: ignore[arg-type]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        watched, self.watched = self.watched, []
+        for hangup in watched:
+            hangup.client_gone()
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         fast = self.fast
@@ -86,7 +96,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             super()._start_asgi_task(cycle, app)
             return
         assert fast is not None
-        task = self.loop.create_task(fast.serve_cycle(cycle, kind))
+        task = self.loop.create_task(fast.serve_cycle(cycle, kind, self.watched))
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)
 
