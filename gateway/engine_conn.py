@@ -212,6 +212,8 @@ class _Conn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.transport = None
+        if self.response is None:
+            self.pool.discard(self)  # an idle connection the engine closed (or the engine went away)
         if self.draining is not None:
             self.draining.cancel()
             self.draining = None
@@ -249,8 +251,6 @@ class _Conn(asyncio.Protocol):
     def on_message_complete(self) -> None:
         resp = self.response
         if resp is not None:
-            if not resp.status:  # a head with no body (204, 304): complete at once
-                resp.status = self.parser.get_status_code()
             resp.done = True
             resp._wake()
             if self.draining is not None:
@@ -297,23 +297,42 @@ class Pool:
         self.closing = False
 
     def put(self, conn: _Conn) -> None:
-        idle = self._idle.get(conn.key)
-        if self.closing or idle is None or len(idle) >= _MAX_IDLE_PER_ENGINE:
+        if self.closing:
+            conn.abort()
+            return
+        idle = self._idle.setdefault(conn.key, [])
+        now = time.monotonic()
+        while idle and (idle[0].closed or now - idle[0].idle_since >= self.keepalive_s):
+            idle.pop(0).abort()  # the oldest first: closed by the engine or kept too long
+        if len(idle) >= _MAX_IDLE_PER_ENGINE:
             conn.abort()
             return
         conn.used = True
-        conn.idle_since = time.monotonic()
+        conn.idle_since = now
         idle.append(conn)
+
+    def discard(self, conn: _Conn) -> None:
+        idle = self._idle.get(conn.key)
+        if idle is not None and conn in idle:
+            idle.remove(conn)
+            if not idle:
+                del self._idle[conn.key]
 
     def take(self, target: Target) -> _Conn | None:
         idle = self._idle.get(target.key)
+        if idle is None:
+            return None
         now = time.monotonic()
+        found = None
         while idle:
             conn = idle.pop()
             if not conn.closed and now - conn.idle_since < self.keepalive_s:
-                return conn
+                found = conn
+                break
             conn.abort()
-        return None
+        if not idle:
+            del self._idle[target.key]  # no list is kept for an engine with nothing idle (engines come and go)
+        return found
 
     async def connect(self, target: Target) -> _Conn:
         loop = asyncio.get_running_loop()
@@ -324,7 +343,6 @@ class Pool:
             _, conn = await loop.create_connection(
                 lambda: _Conn(self, loop, target.key), target.host, target.port, ssl=context,
             )
-        self._idle.setdefault(target.key, [])
         return conn
 
     def close(self) -> None:

@@ -92,7 +92,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
         fast = self.fast
         kind = fast.hot(cycle.scope) if fast is not None else None  # type: ignore[arg-type]
-        if kind is None or self.config.reset_contextvars:
+        if kind is None or app is not self.app or self.config.reset_contextvars:  # uvicorn's 503 app under limit_concurrency
             super()._start_asgi_task(cycle, app)
             return
         assert fast is not None

@@ -61,3 +61,40 @@ def test_the_asgi_app_under_stock_uvicorn_proxies_whole_and_streamed_answers(
     too_big = httpx.post(f"{url}/v1/completions", content=b"x" * 8192, timeout=30,
                          headers={"content-type": "application/json"})
     assert too_big.status_code == 413 and too_big.json()["error"]["code"] == "request_too_large"
+
+
+OWN_PROTOCOL_LIMITED = """
+import functools, sys, uvicorn
+from gateway.app import create_asgi
+from gateway.server import GatewayHttpProtocol
+from gateway.settings_check import load_checked
+from fleetgate.logs import configure_logging
+port, redis_url, prefix = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+settings = load_checked(None, {"port": port, "redis_url": redis_url, "redis_prefix": prefix})
+configure_logging(settings.log_level, settings.log_json)
+asgi = create_asgi(settings)
+uvicorn.run(asgi, host="127.0.0.1", port=port, log_config=None, limit_concurrency=1,
+            http=functools.partial(GatewayHttpProtocol, fast=asgi))
+"""
+
+
+def test_the_gateway_protocol_keeps_uvicorns_503_under_limit_concurrency(fleet_factory: Callable[[], Fleet]) -> None:
+    """An embedder who sets uvicorn's limit_concurrency gets uvicorn's 503 on the proxied routes
+    too: the fleetgate protocol serves a request itself only when uvicorn hands it the app."""
+    fleet = fleet_factory()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = fleet._spawn("limited-gateway", [sys.executable, "-c", OWN_PROTOCOL_LIMITED, str(port), fleet.redis_url,
+                                            fleet.prefix], {"FLEETGATE_ADMIN_TOKEN": ADMIN_TOKEN})
+
+    def up() -> bool:
+        assert proc.alive(), proc.output()
+        try:
+            return httpx.get(url + "/health", timeout=1).status_code == 503  # one connection is the limit
+        except httpx.HTTPError:
+            return False
+
+    wait_until(up, timeout=30)
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        resp = httpx.post(url + path, json={"model": MODEL, "prompt": "hi", "messages": []}, timeout=10)
+        assert resp.status_code == 503 and resp.text == "Service Unavailable"

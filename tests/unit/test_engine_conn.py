@@ -215,3 +215,23 @@ async def test_closing_a_stream_closes_its_connection(serve, upstream) -> None:
     assert await resp.readany() == b"hello"
     resp.close()
     await asyncio.wait_for(closed.wait(), 2)
+
+
+async def test_the_pool_forgets_an_engine_once_its_idle_connection_is_closed(serve, upstream) -> None:
+    """Engines come and go: a departed engine's closed keep-alive leaves nothing behind in the pool."""
+    async def answer(reader, writer, n):
+        writer.write(whole())
+        await writer.drain()
+        await asyncio.sleep(0.05)  # the answer is read and the connection pooled, then the engine goes
+        return False
+
+    servers = [await serve(answer) for _ in range(3)]
+    for server in servers:
+        assert (await post(upstream, server.url))[0] == 200
+    pool = upstream._pool
+    assert pool is not None
+    for _ in range(200):  # the engines' closes arrive within 2 s
+        if not pool._idle:
+            break
+        await asyncio.sleep(0.01)
+    assert pool._idle == {}
