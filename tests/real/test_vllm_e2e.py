@@ -176,9 +176,14 @@ def test_fleet_policy_gets_more_real_prefix_cache_hits_than_round_robin(vllm_fle
 def test_zz_real_vllm_worker_killed_mid_stream_is_resumed_on_the_other(vllm_fleet: tuple[Fleet, str]) -> None:
     """Chaos on real engines (runs last: it kills a worker): SIGKILL the vLLM serving a stream;
     the stream is continued on the other vLLM (continue_final_message) and concurrent
-    requests all succeed."""
+    requests all succeed.
+
+    The stream is long (the tiny model writes a token in about a millisecond on a CPU): a short
+    one could be whole in the gateway's and the socket's buffers before the client reads its
+    8th event, and the kill would then find nothing left to resume (CI saw that with 64 tokens)."""
     fleet, url = vllm_fleet
-    body = {"model": "tiny", "max_tokens": 64, "ignore_eos": True, "stream": True,
+    max_tokens = 1500
+    body = {"model": "tiny", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": "Tell me a long story."}]}
     events: list[dict[str, object]] = []
@@ -203,7 +208,7 @@ def test_zz_real_vllm_worker_killed_mid_stream_is_resumed_on_the_other(vllm_flee
     finishes = [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]  # type: ignore[union-attr]
     assert finishes == ["length"]
     usage = events[-1]["usage"]
-    assert usage["completion_tokens"] >= 60  # type: ignore[index]
+    assert usage["completion_tokens"] >= 0.9 * max_tokens  # type: ignore[index]  (re-tokenized at the resume)
     assert statuses == [200] * 4
     gateway_log = next(p for p in fleet.procs if "gateway" in p.log_path.name).output()
     assert "gateway.stream_resumed" in gateway_log
