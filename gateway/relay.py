@@ -59,28 +59,37 @@ async def relay(
                         data = await read()
                     while data:
                         deadline.reschedule(loop.time() + settings.stall_timeout_s)
-                        *events, buffer = (buffer + data).split(b"\n\n")
-                        if not events:
+                        if buffer:
+                            data = buffer + data
+                        end = data.rfind(b"\n\n") + 2
+                        if end < 2:
+                            buffer = data
                             data = await read()
                             continue
-                        # What arrived in one read leaves in one write.
-                        out = [x for e in events if (x := tracker.on_event(e.strip(b"\r\n"))) is not None]
-                        if not out:
-                            data = await read()
-                            continue
+                        # What arrived in one read leaves in one write: as it came, when the
+                        # tracker need not look at its events one by one.
+                        block, buffer = (data, b"") if end == len(data) else (data[:end], data[end:])
+                        joined, rest = tracker.on_block(block)
+                        if rest:
+                            out = [x for e in rest[:-2].split(b"\n\n")
+                                   if (x := tracker.on_event(e.strip(b"\r\n"))) is not None]
+                            if not out and not joined:
+                                data = await read()
+                                continue
+                            for piece in out:
+                                if b'"usage":{' in piece or b'"usage": {' in piece:
+                                    usage = usage_of(piece)
+                                    if usage[1]:
+                                        tokens = usage
+                            if out:
+                                joined = b"".join((joined, *out)) if joined else b"".join(out)
                         if first_chunk_ms is None:
                             first_chunk_ms = round((time.perf_counter() - started) * 1000, 2)
-                        joined = b"".join(out)
                         if stores and tracker.response_id:
                             # Recorded before the client can see the id, so a follow-up finds it.
                             await remember(dispatch.watcher, tracker.response_id, worker.id,
                                            settings.responses_ttl_s)
                             stores = False
-                        if b'"usage":{' in joined or b'"usage": {' in joined:
-                            for piece in out:
-                                usage = usage_of(piece)
-                                if usage[1]:
-                                    tokens = usage
                         yield joined
                         if tracker.done:
                             break

@@ -72,6 +72,10 @@ class ResponsesTracker:
         self.content_chunks = 0
         self._sequence = -1
 
+    def on_block(self, block: bytes) -> tuple[bytes, bytes]:
+        """Every event is looked at (`on_event`): the sequence numbers and the terminal event."""
+        return b"", block
+
     def on_event(self, event: bytes) -> bytes:
         self.content_chunks += 1
         at = event.rfind(b'"sequence_number":')

@@ -16,7 +16,7 @@ after the prefilled text (a second JSON object, say), so it ends with an error e
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -102,9 +102,22 @@ def unresumable(body: bytes, kind: str, text_sent: bool) -> str | None:
     return None
 
 
+def _payloads(sent: list[bytes]) -> Iterator[bytes]:
+    """The data payloads in what was sent: runs of SSE events, or the JSON of one chunk."""
+    for item in sent:
+        if item.startswith(b"{"):
+            yield item
+            continue
+        for event in item.split(b"\n\n"):
+            event = event.strip(b"\r\n")
+            if event.startswith(b"data:"):
+                yield event[5:].strip()
+
+
 class StreamTracker:
-    """Follows one stream. The common case (nothing breaks) costs a list append and two byte
-    searches per event: events are only decoded when the stream must be resumed."""
+    """Follows one stream. The common case (nothing breaks) costs a list append and a few byte
+    searches per read from the engine (`on_block`): events are only decoded when the stream
+    must be resumed."""
 
     def __init__(self, kind: str, unresumable: Callable[[bool], str | None], hide_usage: bool = False) -> None:
         self.kind = kind
@@ -117,7 +130,7 @@ class StreamTracker:
         self.resumable = True
         # Why not, for the client's error event: " (<reason>)" or "".
         self.why_not = ""
-        # The data payloads the client was sent, as sent.
+        # What the client was sent, as sent: runs of whole SSE events, or one event's data.
         self.sent: list[bytes] = []
         self.finished = False
         self.done = False
@@ -127,6 +140,26 @@ class StreamTracker:
         self.response_id = ""
         self.created = 0
         self._usage_before = 0
+
+    def on_block(self, block: bytes) -> tuple[bytes, bytes]:
+        """Split a run of whole events (`block` ends in a blank line) into what goes to the client
+        as it came and the rest, whose events need `on_event` one by one: from the first that
+        holds [DONE] or a usage chunk on, or all of it once the stream goes on from another
+        engine."""
+        if self.segment:
+            return b"", block
+        cut = len(block)
+        for marker in (b"[DONE]", b'"usage"'):
+            at = block.find(marker, 0, cut)
+            if at >= 0:
+                cut = block.rfind(b"\n\n", 0, at) + 2  # where that event starts (-1 + 2: the first)
+                cut = cut if cut >= 2 else 0
+        passed = block if cut == len(block) else block[:cut]
+        if passed:
+            self.sent.append(passed)
+            if b'"finish_reason":"' in passed or b'"finish_reason": "' in passed:
+                self.finished = True
+        return passed, block[cut:]
 
     def on_event(self, event: bytes) -> bytes | None:
         """The bytes to send the client for one SSE event (None: drop it)."""
@@ -142,7 +175,7 @@ class StreamTracker:
             self.hidden_usage = (max(0, prompt - before), completion + before)
             return None
         if self.segment == 0:
-            self.sent.append(payload)
+            self.sent.append(event)
             if b'"finish_reason":"' in payload or b'"finish_reason": "' in payload:
                 self.finished = True
             return event + b"\n\n"
@@ -157,7 +190,7 @@ class StreamTracker:
         text: list[str] = []
         why_not = None
         chunks = 0
-        for payload in self.sent:
+        for payload in _payloads(self.sent):
             try:
                 chunk = _chunk.decode(payload)
             except msgspec.DecodeError:
