@@ -1,6 +1,8 @@
-"""Relaying one engine stream to the client, event by event, and continuing it if it breaks.
+"""Relaying one engine stream to the client as it arrives, and continuing it if it breaks.
 
-Events are relayed as they arrive; what arrived in one read leaves in one write. If the
+Events are relayed as they arrive; what arrived in one read leaves in one write, as it came
+unless the tracker must look at an event on its own ([DONE], the usage chunk, a resumed
+stream's events: `StreamTracker.on_block`). If the
 engine dies or stalls mid-stream, the stream is continued on another worker
 (gateway/resume.py) through the request's `Attempt`; the one summary log line and the
 request's metrics are written when the stream ends, however it ends.
