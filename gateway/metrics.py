@@ -24,11 +24,13 @@ from typing import Any
 import msgspec
 from litestar import Response, get
 from litestar.datastructures import State
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
+from gateway.cells import CounterFamily as Counter
+from gateway.cells import HistogramFamily as Histogram
 from gateway.fleet import FleetWatcher
 
 # Seconds. TTFT of a warm engine is tens of milliseconds; a queued one, seconds.
@@ -152,21 +154,12 @@ class GatewayMetrics:
         # A requested model as a label value. Models are chosen by clients: the app sets this
         # to keep only names the fleet serves (or served recently), the rest as `unknown`.
         self.model_label: Callable[[str], str] = lambda model: model
-        # Label children by label values: `.labels()` takes a lock and validates each call.
-        self._children: dict[tuple[Any, ...], Any] = {}
         # Answered requests per worker since start; the dashboard turns these into rates.
         self.by_worker: dict[str, int] = {}
         self.started_at = time.time()
         self.decisions = DecisionLog(decisions)
 
     # -- the request path --------------------------------------------------------------
-
-    def _child(self, metric: Any, *values: str) -> Any:
-        key = (id(metric), *values)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*values)
-        return child
 
     def request_done(
         self, model: str, worker: str, status: int, stream: bool, seconds: float,
@@ -175,34 +168,34 @@ class GatewayMetrics:
         """Once per request, when its last byte went out (or it failed); `worker` may be ''."""
         worker = worker or NO_WORKER
         model = self.model_label(model)
-        self._child(self._requests, model, worker, str(status)).inc()
-        self._child(self._duration, model, "true" if stream else "false").observe(seconds)
+        self._requests.labels(model, worker, str(status)).inc()
+        self._duration.labels(model, "true" if stream else "false").observe(seconds)
         if ttft_seconds is not None:
-            self._child(self._ttft, model).observe(ttft_seconds)
+            self._ttft.labels(model).observe(ttft_seconds)
         if prompt_tokens:
-            self._child(self._tokens, model, "prompt").inc(prompt_tokens)
+            self._tokens.labels(model, "prompt").inc(prompt_tokens)
         if completion_tokens:
-            self._child(self._tokens, model, "completion").inc(completion_tokens)
+            self._tokens.labels(model, "completion").inc(completion_tokens)
         self.by_worker[worker] = self.by_worker.get(worker, 0) + 1
 
     def retry(self, model: str) -> None:
-        self._child(self._retries, self.model_label(model)).inc()
+        self._retries.labels(self.model_label(model)).inc()
 
     def failover(self, model: str) -> None:
-        self._child(self._failovers, self.model_label(model)).inc()
+        self._failovers.labels(self.model_label(model)).inc()
 
     def fallback(self, model: str, fallback: str, reason: str) -> None:
-        self._child(self._fallbacks, self.model_label(model), self.model_label(fallback), reason).inc()
+        self._fallbacks.labels(self.model_label(model), self.model_label(fallback), reason).inc()
 
     def resumed_stream(self, model: str) -> None:
-        self._child(self._resumed, self.model_label(model)).inc()
+        self._resumed.labels(self.model_label(model)).inc()
 
     def shed(self, model: str, status: int, reason: str) -> None:
-        self._child(self._shed, self.model_label(model), str(status), reason).inc()
+        self._shed.labels(self.model_label(model), str(status), reason).inc()
 
     def error(self, status: int, code: str | None) -> None:
         """An error the gateway answered itself (its codes are a fixed set)."""
-        self._child(self._errors, str(status), code or "").inc()
+        self._errors.labels(str(status), code or "").inc()
 
     def record_decision(
         self, request_id: str, model: str, worker: str, reason: str, attempts: int = 1,

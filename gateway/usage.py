@@ -20,10 +20,11 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 from redis.exceptions import RedisError
 
 from fleetgate.keys import Keys
+from gateway.cells import CounterFamily as Counter
 
 log = structlog.get_logger("gateway.usage")
 
@@ -117,27 +118,17 @@ class UsageMetrics:
         self._limited = Counter("fleetgate_key_rate_limited", "Requests refused by a key's or its team's "
                                 "limit, by key id, model and limit (requests, tokens, budget).",
                                 ["key", "model", "limit"], registry=registry)
-        # Label children by (metric, label values): `.labels()` locks and validates each call.
-        self._children: dict[tuple[Any, ...], Any] = {}
 
     def _key(self, key_id: str) -> str:
         return key_id if self.known(key_id) else OTHER_KEY
 
     def done(self, key_id: str, model: str, prompt: int, completion: int, error: bool) -> None:
         key = self._key(key_id)
-        self._child(self._requests, key, model, "true" if error else "false").inc()
+        self._requests.labels(key, model, "true" if error else "false").inc()
         if prompt:
-            self._child(self._tokens, key, model, "input").inc(prompt)
+            self._tokens.labels(key, model, "input").inc(prompt)
         if completion:
-            self._child(self._tokens, key, model, "output").inc(completion)
-
-    def _child(self, metric: Counter, *values: str) -> Any:
-        # A series appears when first counted, as with `.labels()`, which is only called once.
-        cell = (id(metric), *values)
-        child = self._children.get(cell)
-        if child is None:
-            child = self._children[cell] = metric.labels(*values)
-        return child
+            self._tokens.labels(key, model, "output").inc(completion)
 
     def rate_limited(self, key_id: str, model: str, limit: str) -> None:
         self._limited.labels(self._key(key_id), model, limit).inc()
