@@ -4,6 +4,7 @@
     python scripts/bench_overhead.py                        # 3 rounds x {1,16,64} x {plain,stream}: ~4 min
     python scripts/bench_overhead.py --rounds 5 --duration 5 --concurrency 1,64
     python scripts/bench_overhead.py --no-router --json .run/overhead.json
+    python scripts/bench_overhead.py --baseline /tmp/base --concurrency 64 --no-router   # vs another checkout
     python scripts/bench_overhead.py --soak 600             # 10 min of load, RSS every 30 s
     python scripts/bench_overhead.py --gateway-workers 1,2,4,8 --concurrency 64,256 --modes plain \
         --stubs 4 --loadgen-procs 4                         # the scaling table (a machine with cores)
@@ -56,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gateway-workers", type=_ints, default=(1,), metavar="N,N,...",
                    help="one fleetgate per count, each `python -m gateway --workers N` (default 1); "
                         "more than one count adds the scaling table")
+    p.add_argument("--baseline", type=Path, default=None, metavar="DIR",
+                   help="another checkout of fleetgate (e.g. `git worktree add /tmp/base HEAD~1`): its "
+                        "gateway is one more target, `baseline`, in the same interleaved rounds")
     p.add_argument("--stubs", type=int, default=2, help="stub engines (default 2)")
     p.add_argument("--loadgen-procs", type=int, default=1,
                    help="load generator processes sharing each run's clients (default 1)")
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     log(f"starting the stack (logs in {run_dir})")
     with Stack(run_dir, stubs=args.stubs, router=router, router_policy=args.router_policy,
-               gateway_workers=args.gateway_workers) as stack:
+               gateway_workers=args.gateway_workers, baseline=args.baseline) as stack:
         targets = list(stack.targets.values())
         log("targets: " + ", ".join(f"{t.name} {' '.join(t.urls)}" + (f" pid {t.pid}" if t.pid else "")
                                     for t in targets))

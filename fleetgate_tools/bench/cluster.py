@@ -31,11 +31,12 @@ class StartupError(RuntimeError):
 
 
 class Proc:
-    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None,
+                 cwd: Path | None = None) -> None:
         self.name, self.argv, self.log_path = name, argv, log
         self._log = open(log, "wb")
         self.popen = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
+            argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd or ROOT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True,
         )  # fmt: skip
 

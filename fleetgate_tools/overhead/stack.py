@@ -91,6 +91,9 @@ class Stack:
     # One fleetgate target per count: "fleetgate" for 1 process, "fleetgate-wN" for `--workers N`.
     gateway_workers: tuple[int, ...] = (1,)
     redis_url: str | None = None
+    # Another checkout of fleetgate (its root folder): its gateway is one more target, "baseline",
+    # measured in the same rounds (before/after a change, side by side).
+    baseline: Path | None = None
     api_key: str = field(default_factory=lambda: "fg-bench-" + secrets.token_hex(8))
     procs: list[Proc] = field(default_factory=list)
     targets: dict[str, Target] = field(default_factory=dict)
@@ -108,8 +111,9 @@ class Stack:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
-        proc = Proc(name, argv, self.run_dir / f"{name}.log", env)
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+               cwd: Path | None = None) -> Proc:
+        proc = Proc(name, argv, self.run_dir / f"{name}.log", env, cwd)
         self.procs.append(proc)
         return proc
 
@@ -140,6 +144,8 @@ class Stack:
         for n in self.gateway_workers:
             name = "fleetgate" if n == 1 else f"fleetgate-w{n}"
             self.targets[name] = self._gateway(name, n, prefix)
+        if self.baseline is not None:
+            self.targets["baseline"] = self._gateway("baseline", 1, prefix, self.baseline)
         if self.router:
             port = free_port()
             r_url = f"http://127.0.0.1:{port}"
@@ -151,14 +157,15 @@ class Stack:
             wait_for("vllm-router", lambda: httpx.get(r_url + "/v1/models").status_code == 200, [router])
             self.targets["vllm-router"] = Target("vllm-router", [r_url], router.popen.pid)
 
-    def _gateway(self, name: str, workers: int, prefix: str) -> Target:
+    def _gateway(self, name: str, workers: int, prefix: str, checkout: Path | None = None) -> Target:
         assert self.redis_url is not None
         port = free_port()
         gw_url = f"http://127.0.0.1:{port}"
         gateway = self._spawn(name, [
             sys.executable, "-m", "gateway", "--port", str(port), "--redis-url", self.redis_url,
             "--redis-prefix", prefix, "--policy", "fleet", "--workers", str(workers),
-        ], {"FLEETGATE_API_KEYS": self.api_key, "FLEETGATE_ADMIN_TOKEN": secrets.token_hex(8)})
+        ], {"FLEETGATE_API_KEYS": self.api_key, "FLEETGATE_ADMIN_TOKEN": secrets.token_hex(8),
+            **({"PYTHONPATH": str(checkout)} if checkout else {})}, cwd=checkout)
 
         def ready() -> bool:
             # With --workers N each connection may reach another process: every one must be ready.
