@@ -9,6 +9,7 @@ no per-request line is written by a library.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json as jsonlib
 import logging
 import sys
@@ -60,32 +61,41 @@ class _Stamper:
 
 
 class LoopFlushedLogger:
-    """structlog's BytesLogger without a write(2) per line: lines go into the file's buffer and
-    the buffer is flushed once the event loop's current iteration is over (a `call_soon`), so the
-    lines of requests that finish together cost one write. Outside a running loop (start-up,
-    threads) each line is flushed at once. A line waits no longer than the loop iteration
-    that logged it; only a process killed in that iteration loses it."""
+    """structlog's BytesLogger without a write(2) per line: a line logged on an event loop waits
+    in a list until the loop's current iteration is over (a `call_soon`), and the lines of
+    requests that finish together go out in one write (stderr is often unbuffered:
+    PYTHONUNBUFFERED, as containers set it). Outside a running loop (start-up, threads) a
+    line is written at once. A line waits no longer than the loop iteration that logged it;
+    only a process killed in that iteration loses it."""
 
-    __slots__ = ("_file", "_pending")
+    __slots__ = ("_file", "_lines", "_pending")
 
     def __init__(self, file: object) -> None:
         self._file = file
+        self._lines: list[bytes] = []
         self._pending: asyncio.AbstractEventLoop | None = None  # the loop a flush is scheduled on
 
     def msg(self, message: bytes) -> None:
-        self._file.write(message + b"\n")  # type: ignore[attr-defined]
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
+            self._file.write(message + b"\n")  # type: ignore[attr-defined]
             self._file.flush()  # type: ignore[attr-defined]
             return
+        self._lines.append(message)
         if self._pending is not loop:  # (a loop that stopped before flushing does not hold lines back)
             self._pending = loop
             loop.call_soon(self.flush)
 
     def flush(self) -> None:
         self._pending = None
-        self._file.flush()  # type: ignore[attr-defined]
+        lines = self._lines
+        n = len(lines)  # a line another thread's loop adds meanwhile stays for its own flush
+        if n:
+            data = b"\n".join(lines[:n]) + b"\n"
+            del lines[:n]
+            self._file.write(data)  # type: ignore[attr-defined]
+            self._file.flush()  # type: ignore[attr-defined]
 
     log = debug = info = warn = warning = msg
     fatal = failure = err = error = critical = exception = msg
@@ -111,13 +121,15 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
     )
     out = getattr(sys.stderr, "buffer", None)
     if json and out is not None:
-        # The request path logs a line per request: bytes straight to stderr's buffer, and
-        # a cheaper clock stamp (the lines read the same).
+        # The request path logs a line per request: bytes straight to stderr's buffer, a loop
+        # iteration's lines in one write, and a cheaper clock stamp (the lines read the same).
+        lines = LoopFlushedLogger(out)
+        atexit.register(lines.flush)  # lines of a loop that stopped before its flush
         structlog.configure(
             processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
                         _Stamper(), structlog.processors.format_exc_info, _render_bytes],
             wrapper_class=structlog.make_filtering_bound_logger(numeric),
-            logger_factory=_factory(LoopFlushedLogger(out)),
+            logger_factory=_factory(lines),
             cache_logger_on_first_use=True,
         )
     else:

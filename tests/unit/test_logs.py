@@ -24,7 +24,7 @@ class _Raw(io.RawIOBase):
 
 def _logger() -> tuple[LoopFlushedLogger, _Raw]:
     raw = _Raw()
-    return LoopFlushedLogger(io.BufferedWriter(raw, buffer_size=1 << 16)), raw
+    return LoopFlushedLogger(raw), raw  # unbuffered, as stderr is under PYTHONUNBUFFERED
 
 
 def test_outside_a_loop_each_line_is_written_at_once() -> None:
@@ -68,4 +68,19 @@ def test_a_loop_that_stopped_before_its_flush_does_not_hold_later_lines_back() -
         await asyncio.sleep(0)
 
     asyncio.run(later())
-    assert b"".join(raw.writes) == b'{"event":"first"}\n{"event":"second"}\n'
+    assert raw.writes == [b'{"event":"first"}\n{"event":"second"}\n']
+
+
+def test_lines_left_by_a_stopped_loop_are_written_by_the_flush_at_exit() -> None:
+    logger, raw = _logger()
+    loop = asyncio.new_event_loop()
+
+    def log_and_stop() -> None:
+        logger.info(b'{"event":"last"}')
+        loop.stop()
+
+    loop.call_soon(log_and_stop)
+    loop.run_forever()
+    loop.close()
+    logger.flush()  # configure_logging registers it with atexit
+    assert raw.writes == [b'{"event":"last"}\n']
