@@ -16,7 +16,7 @@ in between (X-Forwarded-For is honoured as that middleware would, when a request
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
@@ -77,14 +77,14 @@ class FastPath:
         except front.ClientGone:
             return
         except GatewayError as exc:
-            out.whole(exc.status, [(k.encode(), v.encode()) for k, v in exc.headers().items()], exc.body())
+            out.whole(exc.status, _block(exc.headers().items()), exc.body())
             return
         except Exception:
             log.exception("gateway.internal_error", path=scope.get("path"))
             internal = GatewayError("Internal error in the gateway.")
-            out.whole(internal.status, [], internal.body())
+            out.whole(internal.status, b"", internal.body())
             return
-        headers = [(k.encode(), v.encode()) for k, v in reply.headers]
+        headers = _block(reply.headers)
         if reply.stream is None:
             watched.remove(hangup)
             out.whole(reply.status, headers, reply.body)
@@ -137,14 +137,12 @@ class FastPath:
 
     async def _serve(self, gw: Any, scope: Scope, receive: Receive, kind: str,
                      watched: list[front.Hangup] | None = None) -> tuple[Reply, front.Hangup]:
-        raw = scope["headers"]
+        # By name, the first of a repeated header winning (a dict keeps the last it is given).
+        names: dict[bytes, bytes] = dict(reversed(scope["headers"]))
 
         def header(name: str) -> str | None:
-            key = name.encode()
-            for k, v in raw:
-                if k == key:
-                    return v.decode("latin-1")
-            return None
+            value = names.get(name.encode())
+            return None if value is None else value.decode("latin-1")
 
         client = scope.get("client")
         return await front.serve(
@@ -201,6 +199,12 @@ async def _nothing(*_: object) -> None:
     return None
 
 
+def _block(headers: Iterable[tuple[str, str]]) -> bytes:
+    """Header lines, UTF-8; a value holding CR or LF (a client's model name, say) is left out."""
+    return "".join([f"{name}: {value}\r\n" for name, value in headers
+                    if "\n" not in value and "\r" not in value]).encode()
+
+
 def _status_line(status: int) -> bytes:
     try:
         phrase = HTTPStatus(status).phrase.encode()
@@ -227,14 +231,14 @@ class _Out:
         # Past gateway/server.py's coalescing wrapper: every write here is already whole.
         self.transport = getattr(transport, "_transport", transport)
 
-    def _head(self, status: int, headers: list[tuple[bytes, bytes]]) -> list[bytes]:
+    def _head(self, status: int, headers: bytes) -> list[bytes]:
         cycle = self.cycle
         cycle.response_started = True
         cycle.waiting_for_100_continue = False
         parts = [_STATUS.get(status) or _status_line(status)]
-        for name, value in (*cycle.default_headers, *headers):
-            if b"\n" not in value and b"\r" not in value:
-                parts += (name, b": ", value, b"\r\n")
+        for name, value in cycle.default_headers:
+            parts += (name, b": ", value, b"\r\n")
+        parts.append(headers)
         if not cycle.keep_alive:
             parts.append(b"connection: close\r\n")
         return parts
@@ -247,7 +251,7 @@ class _Out:
             self.transport.close()
         cycle.on_response()
 
-    def whole(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    def whole(self, status: int, headers: bytes, body: bytes) -> None:
         if self.cycle.disconnected:
             return
         parts = self._head(status, headers)
@@ -255,7 +259,7 @@ class _Out:
         self.transport.write(b"".join(parts))
         self._complete()
 
-    def start_stream(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+    def start_stream(self, status: int, headers: bytes) -> None:
         if self.cycle.disconnected:
             return
         parts = self._head(status, headers)
