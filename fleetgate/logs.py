@@ -15,6 +15,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import structlog
@@ -101,6 +102,31 @@ class LoopFlushedLogger:
     fatal = failure = err = error = critical = exception = msg
 
 
+def _json_wrapper(min_level: int, chain: list[Any], stamper: _Stamper) -> type[Any]:
+    """structlog's filtering bound logger whose `info` runs `chain` (the JSON chain below) inline:
+    the same line, without the generic path's dispatch (one event per request is at info).
+    Any other level, positional arguments, exc_info, or a chain configured since (structlog's
+    capture_logs in a test) takes structlog's own path."""
+    base: type[Any] = structlog.make_filtering_bound_logger(min_level)
+    if min_level > logging.INFO:
+        return base
+    merge = structlog.contextvars.merge_contextvars
+
+    class JSONBoundLogger(base):  # type: ignore[misc, valid-type]
+        def info(self, event: str, *args: Any, **kw: Any) -> Any:
+            if args or "exc_info" in kw or self._processors is not chain:
+                return base.info(self, event, *args, **kw)
+            event_dict = self._context.copy()
+            event_dict.update(kw)
+            event_dict["event"] = event
+            merge(None, "info", event_dict)
+            event_dict["level"] = "info"
+            stamper(None, "info", event_dict)
+            return self._logger.msg(_render_bytes(None, "info", event_dict))
+
+    return JSONBoundLogger
+
+
 def _factory(logger: LoopFlushedLogger) -> Callable[..., LoopFlushedLogger]:
     return lambda *_: logger
 
@@ -125,10 +151,12 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
         # iteration's lines in one write, and a cheaper clock stamp (the lines read the same).
         lines = LoopFlushedLogger(out)
         atexit.register(lines.flush)  # lines of a loop that stopped before its flush
+        stamper = _Stamper()
+        chain: list[Any] = [structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
+                            stamper, structlog.processors.format_exc_info, _render_bytes]
         structlog.configure(
-            processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
-                        _Stamper(), structlog.processors.format_exc_info, _render_bytes],
-            wrapper_class=structlog.make_filtering_bound_logger(numeric),
+            processors=chain,
+            wrapper_class=_json_wrapper(numeric, chain, stamper),
             logger_factory=_factory(lines),
             cache_logger_on_first_use=True,
         )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import io
 
+import pytest
+
 from fleetgate.logs import LoopFlushedLogger
 
 
@@ -84,3 +86,37 @@ def test_lines_left_by_a_stopped_loop_are_written_by_the_flush_at_exit() -> None
     loop.close()
     logger.flush()  # configure_logging registers it with atexit
     assert raw.writes == [b'{"event":"last"}\n']
+
+
+def test_the_json_info_line_is_the_one_structlogs_chain_renders(monkeypatch: pytest.MonkeyPatch) -> None:
+    """configure_logging's JSON `info` (run inline) writes what the configured chain writes."""
+    import json
+    import logging
+    import sys
+
+    import structlog
+
+    from fleetgate.logs import configure_logging
+
+    raw = _Raw()
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(io.BufferedWriter(raw)))
+    saved = structlog.get_config()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        configure_logging("info", json=True)
+        structlog.contextvars.bind_contextvars(gateway_pid=42)
+        log = structlog.get_logger("t").bind(bound="b")
+        log.info("t.fast", a=1, b=None)
+        log.warning("t.slow", a=1, b=None)  # structlog's own path, through the same chain
+        log.info("t.%s", "args", a=1)  # positional arguments: structlog's path too
+    finally:
+        structlog.contextvars.clear_contextvars()
+        structlog.configure(**saved)
+        root.handlers[:], root.level = handlers, level
+    lines = [json.loads(line) for line in b"".join(raw.writes).splitlines()]
+    assert [line["event"] for line in lines] == ["t.fast", "t.slow", "t.args"]
+    fast, slow = lines[0], lines[1]
+    assert fast.keys() == slow.keys() == {"bound", "a", "b", "event", "gateway_pid", "level", "timestamp"}
+    assert (fast["level"], slow["level"]) == ("info", "warning")
+    assert fast["gateway_pid"] == 42 and fast["bound"] == "b" and fast["timestamp"].endswith("Z")
