@@ -11,6 +11,7 @@ request's metrics are written when the stream ends, however it ends.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator
 
@@ -28,6 +29,10 @@ from gateway.upstream import Response
 from gateway.waiting import WorkerWentAway
 
 log = structlog.get_logger("gateway.proxy")
+
+
+# A stream is given up after `stall_timeout_s` of silence, and at most this factor of it.
+STALL_MARGIN = 1.1
 
 
 class StreamBroke(Exception):
@@ -54,13 +59,21 @@ async def relay(
                 buffer = b""
                 # The first event may wait behind the engine's queue; later ones may not stall.
                 read = resp.readany  # b"" at the end
+                stall = settings.stall_timeout_s
+                armed = -math.inf  # the stall deadline set last
                 async with asyncio.timeout(attempt.first_byte_timeout()) as deadline:
                     # Waiting for the first event counts as waiting for a first byte
                     # (gateway/waiting.py): the engine has sent the client nothing yet.
                     with dispatch.waits.waiting(worker.id):
                         data = await read()
                     while data:
-                        deadline.reschedule(loop.time() + settings.stall_timeout_s)
+                        # The stall deadline moves only when it is less than `stall` away, to
+                        # STALL_MARGIN times that: never before `stall` s of silence, at most a
+                        # tenth of it late, and one timer set per few seconds, not one per read.
+                        now = loop.time()
+                        if armed - now < stall:
+                            armed = now + stall * STALL_MARGIN
+                            deadline.reschedule(armed)
                         if buffer:
                             data = buffer + data
                         end = data.rfind(b"\n\n") + 2

@@ -135,3 +135,39 @@ def test_a_stream_waiting_for_its_first_event_leaves_an_engine_that_turns_unheal
     assert after_s < 10, after_s
     log = next(p for p in fleet.procs if "gateway" in p.log_path.name).output()
     assert "gateway.waiting_interrupted" in log
+
+
+STALL_AFTER_S = 1.0
+
+
+def test_a_stream_that_stalls_midway_is_given_up_after_the_stall_limit_not_before(
+    fleet_factory: Callable[[], Fleet],
+) -> None:
+    """An engine that stops after a few events: the gateway waits `stall_timeout_s` of silence
+    (never less; at most a tenth more, gateway/relay.py's STALL_MARGIN) and then the stream goes
+    on on the other worker, the client seeing one stream with a gap of about that length."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway("--policy", "round_robin", "--set", f"stall_timeout_s={STALL_AFTER_S}",
+                           "--set", "breaker_threshold=100")
+    for wid in ("a", "b"):
+        fleet.worker(wid, "--model", MODEL, "--option", "time_scale=0.05")
+    fleet.wait_ready(url, "a", "b")
+    a_url = str(fleet.workers(url)["a"]["url"])
+    assert httpx.post(f"{a_url}/sim/faults", json={"stall_after_chunks": 3}).status_code == 200
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
+            "ignore_eos": True, "stream": True}
+    for _ in range(2):  # round robin: one of the two starts on `a`
+        arrivals: list[float] = []
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as resp:
+            assert resp.status_code == 200
+            first = resp.headers["x-fleetgate-worker"]
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    arrivals.append(time.monotonic())
+                    assert "error" not in line, line
+        if first == "a":
+            break
+    assert first == "a"
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert STALL_AFTER_S * 0.99 <= max(gaps) < STALL_AFTER_S * 1.1 + 2.0, gaps
+    assert arrivals and sum(g > 0.5 for g in gaps) == 1, gaps  # one stall, then the stream went on
