@@ -94,6 +94,9 @@ class Stack:
     # Another checkout of fleetgate (its root folder): its gateway is one more target, "baseline",
     # measured in the same rounds (before/after a change, side by side).
     baseline: Path | None = None
+    # Run each gateway under valgrind's callgrind, instrumentation off until asked for
+    # (scripts/bench_instructions.py): its dumps go to <run_dir>/callgrind.<target>.out[.N].
+    callgrind: bool = False
     api_key: str = field(default_factory=lambda: "fg-bench-" + secrets.token_hex(8))
     procs: list[Proc] = field(default_factory=list)
     targets: dict[str, Target] = field(default_factory=dict)
@@ -161,8 +164,10 @@ class Stack:
         assert self.redis_url is not None
         port = free_port()
         gw_url = f"http://127.0.0.1:{port}"
+        valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                    f"--callgrind-out-file={self.run_dir / f'callgrind.{name}.out'}"] if self.callgrind else []
         gateway = self._spawn(name, [
-            sys.executable, "-m", "gateway", "--port", str(port), "--redis-url", self.redis_url,
+            *valgrind, sys.executable, "-m", "gateway", "--port", str(port), "--redis-url", self.redis_url,
             "--redis-prefix", prefix, "--policy", "fleet", "--workers", str(workers),
         ], {"FLEETGATE_API_KEYS": self.api_key, "FLEETGATE_ADMIN_TOKEN": secrets.token_hex(8),
             **({"PYTHONPATH": str(checkout)} if checkout else {})}, cwd=checkout)
@@ -174,7 +179,7 @@ class Stack:
             return all(httpx.get(gw_url + "/health").json().get("ready_workers", 0) >= self.stubs
                        for _ in range(4 * workers))
 
-        wait_for(f"{name} with {self.stubs} ready workers", ready, self.procs, timeout=90)
+        wait_for(f"{name} with {self.stubs} ready workers", ready, self.procs, timeout=600 if self.callgrind else 90)
         return Target(name, [gw_url], gateway.popen.pid, self.api_key)
 
     def close(self) -> None:

@@ -6,6 +6,7 @@ No timed assertions: these show the plumbing counts and reports what passes thro
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -161,3 +162,38 @@ def test_benchmark_end_to_end_tiny(tmp_path: Path) -> None:
     assert "stream  2  fleetgate" in out.stdout and "Issue 17 targets" in out.stdout
     assert " 0\n" in out.stdout.split("Against direct")[0]  # the errors column
     assert (tmp_path / "out.json").exists()
+
+
+def test_baseline_checkout_is_measured_beside_this_one(tmp_path: Path) -> None:
+    """--baseline DIR: a gateway from another checkout is one more target in the same rounds."""
+    base = tmp_path / "base"
+    subprocess.run(["git", "worktree", "add", "--detach", str(base), "HEAD"], cwd=ROOT, check=True,
+                   capture_output=True)
+    try:
+        out = subprocess.run(
+            [sys.executable, "scripts/bench_overhead.py", "--rounds", "1", "--duration", "0.3", "--warmup", "0.1",
+             "--concurrency", "2", "--modes", "plain", "--timing-requests", "0", "--no-router",
+             "--baseline", str(base), "--run-dir", str(tmp_path / "run")],
+            cwd=ROOT, capture_output=True, text=True, timeout=180,
+        )
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, capture_output=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {line.split()[2] for line in out.stdout.split("Against direct")[0].splitlines()
+            if line.startswith("plain ")}
+    assert rows == {"direct", "fleetgate", "baseline"}, out.stdout
+    assert '"event":"gateway.request"' in (tmp_path / "run" / "baseline.log").read_text()
+
+
+@pytest.mark.skipif(not shutil.which("callgrind_control"), reason="valgrind is not installed")
+def test_instruction_count_end_to_end_tiny(tmp_path: Path) -> None:
+    """scripts/bench_instructions.py runs the gateway under callgrind and counts its requests' instructions."""
+    out = subprocess.run(
+        [sys.executable, "scripts/bench_instructions.py", "--modes", "plain", "--requests", "40", "--warmup", "10",
+         "--concurrency", "2", "--run-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = next(line for line in out.stdout.splitlines() if line.split()[:2] == ["plain", "fleetgate"])
+    ir = int(row.split()[2].replace(",", ""))
+    assert 50_000 < ir < 50_000_000, row  # a request is hundreds of thousands of instructions, not zero
