@@ -103,6 +103,7 @@ class Stack:
     _redis: EmbeddedRedis | None = None
 
     def __enter__(self) -> Stack:
+        self.run_dir = self.run_dir.resolve()  # a baseline gateway runs in its own checkout's folder
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
             self.start()
