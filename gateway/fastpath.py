@@ -221,22 +221,15 @@ _SSE_HEAD = (b"content-type: text/event-stream\r\ncache-control: no-cache\r\nx-a
 
 class _Out:
     """Writes one answer onto uvicorn's connection and keeps its cycle's books as `send` would:
-    started, complete, keep-alive or close, and the protocol told so it reads the next request.
+    started, complete, keep-alive or close, and the protocol told so it reads the next request."""
 
-    A stream's head waits for its first piece until the loop's current iteration ends (a
-    `call_soon`), and a piece ending in `[DONE]` waits for the end of the body, so a stream
-    whose first event came with its headers, and one that ends at once, cost one write less
-    each; no byte waits longer than the iteration that produced it."""
-
-    __slots__ = ("cycle", "held", "scheduled", "transport")
+    __slots__ = ("cycle", "transport")
 
     def __init__(self, cycle: RequestResponseCycle) -> None:
         self.cycle = cycle
         transport = cycle.transport
         # Past gateway/server.py's coalescing wrapper: every write here is already whole.
         self.transport = getattr(transport, "_transport", transport)
-        self.held = b""  # written with the next write, or when the loop's iteration ends
-        self.scheduled = False
 
     def _head(self, status: int, headers: bytes) -> list[bytes]:
         cycle = self.cycle
@@ -258,19 +251,6 @@ class _Out:
             self.transport.close()
         cycle.on_response()
 
-    def _hold(self, data: bytes) -> None:
-        self.held += data
-        if not self.scheduled:
-            self.scheduled = True
-            asyncio.get_running_loop().call_soon(self.release)
-
-    def release(self) -> None:
-        """Write what is held (the end of the loop's iteration that held it)."""
-        self.scheduled = False
-        held, self.held = self.held, b""
-        if held and not self.cycle.disconnected:
-            self.transport.write(held)
-
     def whole(self, status: int, headers: bytes, body: bytes) -> None:
         if self.cycle.disconnected:
             return
@@ -284,30 +264,20 @@ class _Out:
             return
         parts = self._head(status, headers)
         parts += (_SSE_HEAD, b"\r\n")
-        self._hold(b"".join(parts))
+        self.transport.write(b"".join(parts))
 
     async def chunk(self, data: bytes) -> None:
         cycle = self.cycle
         if cycle.flow.write_paused and not cycle.disconnected:
-            self.release()
             await cycle.flow.drain()
         if data and not cycle.disconnected:
-            framed = b"%x\r\n%b\r\n" % (len(data), data)
-            if data.endswith(b"data: [DONE]\n\n"):  # the last event: it leaves with the body's end
-                self._hold(framed)
-            elif self.held:
-                self.transport.write(self.held + framed)
-                self.held = b""
-            else:
-                self.transport.write(framed)
+            self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
     def end_stream(self) -> None:
         if not self.cycle.disconnected:
-            self.transport.write(self.held + b"0\r\n\r\n")
-            self.held = b""
+            self.transport.write(b"0\r\n\r\n")
             self._complete()
 
     def abort(self) -> None:
         if self.cycle.response_started and not self.cycle.disconnected:
-            self.release()  # what the stream had produced (an error event, say) goes first
             self.transport.close()
