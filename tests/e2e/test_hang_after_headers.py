@@ -9,6 +9,7 @@ began) nor never. Real gateway, agents, simulators and Redis.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -168,6 +169,6 @@ def test_a_stream_that_stalls_midway_is_given_up_after_the_stall_limit_not_befor
         if first == "a":
             break
     assert first == "a"
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     assert STALL_AFTER_S * 0.99 <= max(gaps) < STALL_AFTER_S * 1.1 + 2.0, gaps
     assert arrivals and sum(g > 0.5 for g in gaps) == 1, gaps  # one stall, then the stream went on
