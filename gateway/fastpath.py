@@ -6,11 +6,12 @@ proxied request. This app answers POST /v1/chat/completions and /v1/completions
 itself, with exactly the logic of the Litestar routes (`Proxy.serve`); everything
 else (lifespan, admin, models, metrics, docs) goes to Litestar unchanged.
 
-Under the gateway's own server protocol (gateway/server.py) those two routes skip ASGI
-as well: `serve_cycle` reads the request from uvicorn's request cycle and writes the
+Under the gateway's own server protocol (gateway/server.py) those routes skip ASGI as
+well: the protocol parses the request into an `Exchange`, and `serve_exchange` writes the
 answer's bytes to the connection itself (one write for a whole answer, one per relayed
-piece of a stream), with no message dicts, header validation or proxy-headers middleware
-in between (X-Forwarded-For is honoured as that middleware would, when a request has it).
+piece of a stream), with no scope, request cycle, message dicts, header validation or
+proxy-headers middleware in between (X-Forwarded-For is honoured as that middleware would,
+when a request has it).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from gateway.requests import KINDS
 
 if TYPE_CHECKING:
     from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
-    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 log = structlog.get_logger("gateway.fastpath")
 
@@ -48,6 +48,14 @@ class TooLarge(InvalidRequest):
     status = 413
     code = "request_too_large"
 
+    @classmethod
+    def over(cls, limit: int) -> TooLarge:
+        return cls(f"The request body is over the gateway's limit of {limit} bytes.")
+
+
+# The proxied routes by their raw path (a path with %-escapes or a query is the ASGI app's).
+_RAW_KINDS = {path.encode(): kind for path, kind in KINDS.items()}
+
 
 class FastPath:
     def __init__(self, app: Litestar) -> None:
@@ -55,32 +63,45 @@ class FastPath:
         # uvicorn's X-Forwarded-For handling (gateway/server.py sets it), for requests that have it.
         self.proxy_headers: ProxyHeadersMiddleware | None = None
 
-    def hot(self, scope: Scope) -> str | None:
-        """The kind of request that `serve_cycle` answers (None: the ASGI app's)."""
-        if scope["method"] != "POST":
+    def hot(self, method: bytes, raw_path: bytes) -> str | None:
+        """The kind of request that `serve_exchange` answers (None: the ASGI app's)."""
+        if method != b"POST":
             return None
-        kind = KINDS.get(scope["path"])
+        kind = _RAW_KINDS.get(raw_path)
         return kind if kind is not None and self.app.state.get("gw") is not None else None
 
-    async def serve_cycle(self, cycle: RequestResponseCycle, kind: str, watched: list[front.Hangup]) -> None:
+    def max_body_bytes(self) -> int:
+        return int(self.app.state["gw"].settings.max_body_bytes)
+
+    async def serve_exchange(self, ex: Exchange, watched: list[front.Hangup]) -> None:
         """Answer one proxied request straight onto its connection (see the module's docstring)."""
-        scope: Scope = cycle.scope  # type: ignore[assignment]
+        scope = ex.scope
         if self.proxy_headers is not None:
             for name, _ in scope["headers"]:
                 if name == b"x-forwarded-for" or name == b"x-forwarded-proto":
                     await self.proxy_headers(scope, _nothing, _nothing)  # type: ignore[arg-type]
                     break
-        out = _Out(cycle)
+        gw = self.app.state["gw"]
+        # By name, the first of a repeated header winning (a dict keeps the last it is given).
+        names: dict[bytes, bytes] = dict(reversed(scope["headers"]))
+
+        def header(name: str) -> str | None:
+            value = names.get(name.encode())
+            return None if value is None else value.decode("latin-1")
+
+        client = scope["client"]
+        out = _Out(ex)
         try:
-            reply, hangup = await self._serve(
-                self.app.state["gw"], scope, cycle.receive, kind, watched)  # type: ignore[arg-type]
+            # `watched`: the connection tells the hang-up itself, so no receive is watched.
+            reply, hangup = await front.serve(gw, header, client[0] if client else None, ex.read_body,
+                                              _nothing, scope["path"], ex.kind, watched)  # type: ignore[arg-type]
         except front.ClientGone:
             return
         except GatewayError as exc:
             out.whole(exc.status, _block(exc.headers().items()), exc.body())
             return
         except Exception:
-            log.exception("gateway.internal_error", path=scope.get("path"))
+            log.exception("gateway.internal_error", path=scope["path"])
             internal = GatewayError("Internal error in the gateway.")
             out.whole(internal.status, b"", internal.body())
             return
@@ -93,7 +114,8 @@ class FastPath:
         try:
             out.start_stream(reply.status, headers)
             async for chunk in stream:
-                await out.chunk(chunk)
+                if out.chunk(chunk):
+                    await ex.flow.drain()
             hangup.finish()
             out.end_stream()
         except asyncio.CancelledError:
@@ -102,12 +124,12 @@ class FastPath:
                 return
             raise
         except Exception:  # the stream's own errors end in an SSE error event; this is a bug's
-            log.exception("gateway.internal_error", path=scope.get("path"))
+            log.exception("gateway.internal_error", path=scope["path"])
         finally:
             watched.remove(hangup)
             await hangup.stop()
             await stream.aclose()  # type: ignore[attr-defined]
-            if not cycle.response_complete:  # broke off mid-stream: the client must not wait on it
+            if not ex.response_complete:  # broke off mid-stream: the client must not wait on it
                 out.abort()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -135,8 +157,7 @@ class FastPath:
             return
         await _stream(reply, headers + _SSE, hangup, send)
 
-    async def _serve(self, gw: Any, scope: Scope, receive: Receive, kind: str,
-                     watched: list[front.Hangup] | None = None) -> tuple[Reply, front.Hangup]:
+    async def _serve(self, gw: Any, scope: Scope, receive: Receive, kind: str) -> tuple[Reply, front.Hangup]:
         # By name, the first of a repeated header winning (a dict keeps the last it is given).
         names: dict[bytes, bytes] = dict(reversed(scope["headers"]))
 
@@ -147,7 +168,7 @@ class FastPath:
         client = scope.get("client")
         return await front.serve(
             gw, header, client[0] if client else None, lambda: _read_body(receive, gw.settings.max_body_bytes),
-            receive, scope["path"], kind, watched,
+            receive, scope["path"], kind,
         )
 
 
@@ -161,7 +182,7 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise TooLarge(f"The request body is over the gateway's limit of {limit} bytes.")
+            raise TooLarge.over(limit)
         chunks.append(chunk)
         if not message.get("more_body"):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -225,11 +246,9 @@ class _Out:
 
     __slots__ = ("cycle", "transport")
 
-    def __init__(self, cycle: RequestResponseCycle) -> None:
+    def __init__(self, cycle: Exchange) -> None:
         self.cycle = cycle
-        transport = cycle.transport
-        # Past gateway/server.py's coalescing wrapper: every write here is already whole.
-        self.transport = getattr(transport, "_transport", transport)
+        self.transport = cycle.transport
 
     def _head(self, status: int, headers: bytes) -> list[bytes]:
         cycle = self.cycle
@@ -266,12 +285,15 @@ class _Out:
         parts += (_SSE_HEAD, b"\r\n")
         self.transport.write(b"".join(parts))
 
-    async def chunk(self, data: bytes) -> None:
+    def chunk(self, data: bytes) -> bool:
+        """Write a piece of a stream; True when the client reads slower than it comes (await
+        `flow.drain()` before the next piece)."""
         cycle = self.cycle
-        if cycle.flow.write_paused and not cycle.disconnected:
-            await cycle.flow.drain()
-        if data and not cycle.disconnected:
+        if cycle.disconnected:
+            return False
+        if data:
             self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return cycle.flow.write_paused  # type: ignore[no-any-return]
 
     def end_stream(self) -> None:
         if not self.cycle.disconnected:
@@ -281,3 +303,87 @@ class _Out:
     def abort(self) -> None:
         if self.cycle.response_started and not self.cycle.disconnected:
             self.transport.close()
+
+
+class _NoEvent:
+    __slots__ = ()
+
+    def set(self) -> None:
+        return None
+
+
+class Exchange:
+    """One proxied request on the gateway's connection protocol (gateway/server.py): its head
+    as parsed, its body as it arrives, and the books that `_Out` keeps as uvicorn's request
+    cycle would (started, complete, keep-alive or close), with no ASGI in between."""
+
+    __slots__ = ("_chunks", "_error", "_limit", "_size", "_waiter", "default_headers", "disconnected", "flow",
+                 "keep_alive", "kind", "more_body", "on_response", "response_complete", "response_started",
+                 "scope", "transport", "waiting_for_100_continue")
+    # uvicorn's protocol sets its request cycle's event when the connection closes; nobody waits here.
+    message_event = _NoEvent()
+
+    def __init__(self, kind: str, scope: Scope, transport: asyncio.Transport, flow: Any,
+                 default_headers: list[tuple[bytes, bytes]], keep_alive: bool, expect_100_continue: bool,
+                 limit: int, on_response: Callable[[], None]) -> None:
+        self.kind = kind
+        self.scope = scope
+        self.transport = transport
+        self.flow = flow
+        self.default_headers = default_headers
+        self.keep_alive = keep_alive
+        self.waiting_for_100_continue = expect_100_continue
+        self.on_response = on_response
+        self.disconnected = False
+        self.response_started = False
+        self.response_complete = False
+        self.more_body = True
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._limit = limit
+        self._error: TooLarge | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- fed by the protocol -----------------------------------------------------------
+    def feed(self, data: bytes) -> None:
+        if self._error is not None:
+            return
+        self._size += len(data)
+        if self._size > self._limit:
+            self._chunks.clear()
+            self._error = TooLarge.over(self._limit)
+            self.keep_alive = False  # the rest of the body is never read: the connection closes after the 413
+            self._wake()
+            return
+        self._chunks.append(data)
+
+    def end(self) -> None:
+        self.more_body = False
+        self._wake()
+
+    def lost(self) -> None:
+        self.disconnected = True
+        self._wake()
+
+    # -- read by the request's task --------------------------------------------------------
+    async def read_body(self) -> bytes:
+        while self.more_body and self._error is None:
+            if self.disconnected:
+                raise InvalidRequest("The client went away before sending the whole body.")
+            if self.waiting_for_100_continue and not self.response_started:
+                self.waiting_for_100_continue = False
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if self._error is not None:
+            raise self._error
+        chunks = self._chunks
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)

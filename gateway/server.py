@@ -1,14 +1,22 @@
 """uvicorn's httptools protocol, with the proxied routes served straight off the connection.
 
-The gateway's two proxied routes (POST /v1/chat/completions, /v1/completions) skip ASGI:
-their requests go to `FastPath.serve_cycle` (gateway/fastpath.py), which writes the answer
-onto the connection itself. Every other request is uvicorn's, as before.
+A request for a proxied route (POST /v1/chat/completions, /v1/completions and the others of
+`gateway.requests.KINDS`, by their raw path) becomes an `Exchange` (gateway/fastpath.py):
+its head as httptools parsed it, its body as it arrives, served by
+`FastPath.serve_exchange`, which writes the answer onto the connection itself. No ASGI
+scope, request cycle, message dicts or body event per request. Every other request (and a
+proxied one with a query string, a %-escaped path, a root path, or under uvicorn's
+limit_concurrency) is uvicorn's request cycle for the ASGI app, as before; both kinds may
+follow each other, pipelined too, on one connection.
 
-For those, uvicorn's httptools protocol writes a whole response's head and body in one syscall.
+The keep-alive timer is armed once per idle spell, not once per request: when it fires it
+closes a connection idle for `timeout_keep_alive` since its last answer, re-arms for what is
+left of that, or leaves a connection with a request (or a request's head) in flight alone
+until its answer is out. uvicorn arms one per answer and cancels it at the next request.
 
+For the ASGI requests, the transport writes a whole response's head and body in one syscall:
 uvicorn writes the status line and headers when the app sends `http.response.start`, and
-the body when it sends `http.response.body`: two `send()` calls per proxied answer, a few
-percent of the gateway's CPU per request. Here the transport holds back a head that
+the body when it sends `http.response.body`. Here the transport holds back a head that
 declares a content-length (a whole answer, whose body follows at once) and writes it with
 the body. A streamed answer (chunked, no content-length) is written as before, its head
 straight away, so a client sees the headers of a stream before its first token.
@@ -21,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+from gateway.fastpath import Exchange
 
 if TYPE_CHECKING:
     from gateway.fastpath import FastPath
@@ -68,8 +78,9 @@ class _Coalescing:
 
 
 class GatewayHttpProtocol(HttpToolsProtocol):
-    """uvicorn's `http="httptools"` protocol over a `_Coalescing` transport; the proxied
-    routes go to `fast` (built with functools.partial(GatewayHttpProtocol, fast=...))."""
+    """uvicorn's `http="httptools"` protocol over a `_Coalescing` transport. A proxied route's
+    request becomes an `Exchange` that `fast` serves (built with functools.partial(GatewayHttpProtocol,
+    fast=...)); every other request is a uvicorn request cycle for the ASGI app, as before."""
 
     def __init__(self, *args: Any, fast: FastPath | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -77,6 +88,12 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         # The hang-up watches of this connection's proxied requests in flight (gateway/front.py):
         # told when the connection closes, so no request needs a watcher task of its own.
         self.watched: list[Hangup] = []
+        self._idle_since = 0.0
+        self._in_head = False  # a request's head is arriving
+        # Exchanges only where uvicorn would hand every request the app as it is (no 503 app
+        # under limit_concurrency, no root path, no fresh context per task).
+        self._hot_ok = (fast is not None and self.limit_concurrency is None and not self.root_path
+                        and not self.config.reset_contextvars)
         if fast is not None and fast.proxy_headers is None and self.config.proxy_headers:
             fast.proxy_headers = ProxyHeadersMiddleware(_nothing, self.config.forwarded_allow_ips)
 
@@ -84,21 +101,119 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         super().connection_made(_Coalescing(transport))  # type: ignore[arg-type]
 
     def connection_lost(self, exc: Exception | None) -> None:
+        cycle = self.cycle
+        if type(cycle) is Exchange and not cycle.response_complete:
+            cycle.lost()
+        self._stop_timer()
         super().connection_lost(exc)
         watched, self.watched = self.watched, []
         for hangup in watched:
             hangup.client_gone()
+        # The request cycle (or exchange) holds this protocol's on_response_complete, and the
+        # protocol holds it: let reference counting free both (tests/e2e/test_connection_garbage.py).
+        self.cycle = None  # type: ignore[assignment]
+        self.pipeline.clear()
+
+    # -- requests ----------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        # The ASGI scope is built once the head says whose request it is (on_headers_complete).
+        self._in_head = True
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        parser, fast = self.parser, self.fast
+        kind = path = None
+        if self._hot_ok and not parser.should_upgrade():
+            path, _, query = self.url.partition(b"?")
+            kind = None if query else fast.hot(parser.get_method(), path)  # type: ignore[union-attr]
+        if kind is None or path is None or fast is None:  # the ASGI app's: uvicorn's scope and cycle
+            url, headers, expect = self.url, self.headers, self.expect_100_continue
+            super().on_message_begin()
+            self.url, self.headers, self.expect_100_continue = url, headers, expect
+            self.scope["headers"] = headers
+            super().on_headers_complete()
+            return
+        existing = self.cycle
+        self.cycle = ex = Exchange(  # type: ignore[assignment]
+            kind,
+            {"type": "http", "path": path.decode("ascii"), "headers": self.headers, "client": self.client,
+             "scheme": self.scheme},
+            self.transport._transport,  # type: ignore[attr-defined]  # past _Coalescing: every write is whole
+            self.flow, self.server_state.default_headers,
+            parser.get_http_version() != "1.0" and parser.should_keep_alive(),
+            self.expect_100_continue, fast.max_body_bytes(), self.on_response_complete,
+        )
+        if existing is None or existing.response_complete:
+            self._start_asgi_task(ex, None)  # type: ignore[arg-type]
+        else:  # pipelined behind a request still being answered
+            self.flow.pause_reading()
+            self.pipeline.appendleft((ex, None))  # type: ignore[arg-type]
+
+    def on_body(self, body: bytes) -> None:
+        cycle = self.cycle
+        if type(cycle) is Exchange:
+            cycle.feed(body)
+        else:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        cycle = self.cycle
+        if type(cycle) is Exchange:
+            cycle.end()
+        else:
+            super().on_message_complete()
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-        fast = self.fast
-        kind = fast.hot(cycle.scope) if fast is not None else None  # type: ignore[arg-type]
-        if kind is None or app is not self.app or self.config.reset_contextvars:  # uvicorn's 503 app under limit_concurrency
+        if type(cycle) is not Exchange:
             super()._start_asgi_task(cycle, app)
             return
-        assert fast is not None
-        task = self.loop.create_task(fast.serve_cycle(cycle, kind, self.watched))
+        task = self.loop.create_task(self.fast.serve_exchange(cycle, self.watched))  # type: ignore[union-attr]
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)
+
+    # -- keep-alive: a timer per idle spell, not one armed and cancelled per request ------
+    def _unset_keepalive_if_required(self) -> None:
+        return None  # the timer looks for itself when it fires (timeout_keep_alive_handler)
+
+    def _stop_timer(self) -> None:
+        if self.timeout_keep_alive_task is not None:
+            self.timeout_keep_alive_task.cancel()
+            self.timeout_keep_alive_task = None
+
+    def handle_websocket_upgrade(self) -> None:
+        self._stop_timer()
+        super().handle_websocket_upgrade()
+
+    def on_response_complete(self) -> None:
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self._idle_since = self.loop.time()
+        self.flow.resume_reading()
+        if self.pipeline:  # the next pipelined request
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        elif self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
+
+    def timeout_keep_alive_handler(self) -> None:
+        """Close the connection once it has been idle `timeout_keep_alive` seconds since its last
+        answer. One busy with a request, or a request's head, is looked at again after its answer."""
+        self.timeout_keep_alive_task = None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if self._in_head or self.pipeline or (cycle is not None and not cycle.response_complete):
+            return
+        left = self._idle_since + self.timeout_keep_alive - self.loop.time()
+        if left <= 0:
+            self.transport.close()
+        else:
+            self.timeout_keep_alive_task = self.loop.call_later(left, self.timeout_keep_alive_handler)
 
 
 async def _nothing(*_: object) -> None:
