@@ -191,6 +191,9 @@ class _Conn(asyncio.Protocol):
         self.framed = False  # the body's end is known from its head (length or chunked), not EOF
         self.keep_alive = True
         self.draining: asyncio.TimerHandle | None = None  # released, waiting for its body's end
+        # The body's pieces parsed from one read (httptools calls on_body once per chunk of a
+        # chunked body: once per SSE event), handed to the response together at the read's end.
+        self.pieces: list[bytes] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -203,8 +206,19 @@ class _Conn(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
+            self._deliver()
             self._lost(ConnectionError(f"malformed answer from the engine: {exc}"))
             self.abort()
+            return
+        self._deliver()
+
+    def _deliver(self) -> None:
+        pieces = self.pieces
+        if pieces:
+            data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+            pieces.clear()
+            if self.response is not None:
+                self.response._feed(data)
 
     def eof_received(self) -> bool:
         return False  # close our side too
@@ -245,10 +259,10 @@ class _Conn(asyncio.Protocol):
             resp._wake()
 
     def on_body(self, body: bytes) -> None:
-        if self.response is not None:
-            self.response._feed(body)
+        self.pieces.append(body)
 
     def on_message_complete(self) -> None:
+        self._deliver()
         resp = self.response
         if resp is not None:
             resp.done = True
