@@ -82,13 +82,7 @@ class FastPath:
                     await self.proxy_headers(scope, _nothing, _nothing)  # type: ignore[arg-type]
                     break
         gw = self.app.state["gw"]
-        # By name, the first of a repeated header winning (a dict keeps the last it is given).
-        names: dict[bytes, bytes] = dict(reversed(scope["headers"]))
-
-        def header(name: str) -> str | None:
-            value = names.get(name.encode())
-            return None if value is None else value.decode("latin-1")
-
+        header = _lookup(scope["headers"])
         client = scope["client"]
         out = _Out(ex)
         try:
@@ -158,18 +152,23 @@ class FastPath:
         await _stream(reply, headers + _SSE, hangup, send)
 
     async def _serve(self, gw: Any, scope: Scope, receive: Receive, kind: str) -> tuple[Reply, front.Hangup]:
-        # By name, the first of a repeated header winning (a dict keeps the last it is given).
-        names: dict[bytes, bytes] = dict(reversed(scope["headers"]))
-
-        def header(name: str) -> str | None:
-            value = names.get(name.encode())
-            return None if value is None else value.decode("latin-1")
-
+        header = _lookup(scope["headers"])
         client = scope.get("client")
         return await front.serve(
             gw, header, client[0] if client else None, lambda: _read_body(receive, gw.settings.max_body_bytes),
             receive, scope["path"], kind,
         )
+
+
+def _lookup(headers: list[tuple[bytes, bytes]]) -> Callable[[str], str | None]:
+    """A request header by (lower-case) name; the first of a repeated one wins."""
+    names = dict(reversed(headers))  # a dict keeps the last it is given
+
+    def header(name: str) -> str | None:
+        value = names.get(name.encode())
+        return None if value is None else value.decode("latin-1")
+
+    return header
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes:
@@ -241,8 +240,8 @@ _SSE_HEAD = (b"content-type: text/event-stream\r\ncache-control: no-cache\r\nx-a
 
 
 class _Out:
-    """Writes one answer onto uvicorn's connection and keeps its cycle's books as `send` would:
-    started, complete, keep-alive or close, and the protocol told so it reads the next request."""
+    """Writes one answer onto an `Exchange`'s connection and keeps its books as uvicorn's `send`
+    would: started, complete, keep-alive or close, and the protocol told so it reads the next request."""
 
     __slots__ = ("cycle", "transport")
 

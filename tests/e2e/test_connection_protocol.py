@@ -88,13 +88,14 @@ class Reader:
             elif isinstance(event, h11.Data):
                 body += event.data
             elif isinstance(event, h11.EndOfMessage):
-                self.conn.start_next_cycle() if self.conn.our_state is h11.DONE else None
+                if self.conn.our_state is h11.DONE:
+                    self.conn.start_next_cycle()
                 return status, headers, body
             elif isinstance(event, h11.ConnectionClosed):
                 raise ConnectionError("closed before an answer")
 
     def send(self, data: bytes) -> None:
-        """Raw bytes; h11 is told the request's head so it reads the answer's framing right."""
+        """Raw bytes, as written (`_expect` tells h11 a request went out before reading its answer)."""
         self.sock.sendall(data)
 
 
