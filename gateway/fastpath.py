@@ -8,10 +8,10 @@ else (lifespan, admin, models, metrics, docs) goes to Litestar unchanged.
 
 Under the gateway's own server protocol (gateway/server.py) those routes skip ASGI as
 well: the protocol parses the request into an `Exchange`, and `serve_exchange` writes the
-answer's bytes to the connection itself (one write for a whole answer, one per relayed
-piece of a stream), with no scope, request cycle, message dicts, header validation or
-proxy-headers middleware in between (X-Forwarded-For is honoured as that middleware would,
-when a request has it).
+answer's bytes to the connection itself (one write for a whole answer; for a stream, its
+head with what was relayed before the loop turned, then one per relayed piece), with no
+scope, request cycle, message dicts, header validation or proxy-headers middleware in
+between (X-Forwarded-For is honoured as that middleware would, when a request has it).
 """
 
 from __future__ import annotations
@@ -241,13 +241,19 @@ _SSE_HEAD = (b"content-type: text/event-stream\r\ncache-control: no-cache\r\nx-a
 
 class _Out:
     """Writes one answer onto an `Exchange`'s connection and keeps its books as uvicorn's `send`
-    would: started, complete, keep-alive or close, and the protocol told so it reads the next request."""
+    would: started, complete, keep-alive or close, and the protocol told so it reads the next request.
 
-    __slots__ = ("cycle", "transport")
+    A stream's head waits in `pending` until the task that relays it yields to the loop (a
+    `call_soon`), and pieces relayed meanwhile join it: a stream that arrives in one read (a
+    short answer, a fast engine) leaves in one write, head, events and end together, instead of
+    three. Once the head is out, each piece is written as it comes."""
+
+    __slots__ = ("cycle", "pending", "transport")
 
     def __init__(self, cycle: Exchange) -> None:
         self.cycle = cycle
         self.transport = cycle.transport
+        self.pending: list[bytes] = []
 
     def _head(self, status: int, headers: bytes) -> list[bytes]:
         cycle = self.cycle
@@ -282,7 +288,17 @@ class _Out:
             return
         parts = self._head(status, headers)
         parts += (_SSE_HEAD, b"\r\n")
-        self.transport.write(b"".join(parts))
+        self.pending.append(b"".join(parts))
+        asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Write what waits in `pending` (the head, and pieces relayed with it)."""
+        pending = self.pending
+        if pending:
+            data = pending[0] if len(pending) == 1 else b"".join(pending)
+            pending.clear()
+            if not self.cycle.disconnected:
+                self.transport.write(data)
 
     def chunk(self, data: bytes) -> bool:
         """Write a piece of a stream; True when the client reads slower than it comes (await
@@ -291,16 +307,25 @@ class _Out:
         if cycle.disconnected:
             return False
         if data:
-            self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            framed = b"%x\r\n%b\r\n" % (len(data), data)
+            if self.pending:
+                self.pending.append(framed)
+            else:
+                self.transport.write(framed)
         return cycle.flow.write_paused  # type: ignore[no-any-return]
 
     def end_stream(self) -> None:
         if not self.cycle.disconnected:
-            self.transport.write(b"0\r\n\r\n")
+            if self.pending:
+                self.pending.append(b"0\r\n\r\n")
+                self.flush()
+            else:
+                self.transport.write(b"0\r\n\r\n")
             self._complete()
 
     def abort(self) -> None:
         if self.cycle.response_started and not self.cycle.disconnected:
+            self.flush()  # what was relayed goes out before the connection closes
             self.transport.close()
 
 
