@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import NoReturn
 
 import structlog
+from msgspec.structs import replace
 from tenacity import (
     AsyncRetrying,
     retry_if_exception_type,
@@ -180,26 +181,24 @@ class Attempt:
         url = worker.info.url + self.path
         headers = self.trace.attempt(self.headers, self, choice, url)
         try:
+            # One wait for the first byte: a stream's head, or a whole answer's head and body.
             with dispatch.waits.waiting(worker.id):
                 resp = await dispatch.upstream.post(url, body(worker) if body else self.body, headers, self.stream,
                                                  self.first_byte_timeout() if self.stream else self.answer_timeout(worker))
+                self.trace.attempt_status(resp.status)
+                if self.stream and resp.status == 200:
+                    return choice, resp, (200, b"")  # the relay holds the worker from here
+                try:
+                    data = await dispatch.upstream.read(resp)
+                finally:
+                    resp.release()
         except UpstreamError as exc:
             self.release(worker.id)
             self._failed(worker, exc)
         except BaseException:  # cancelled: the client hung up, the engine's request is closed
             self.release(worker.id)
             raise
-        self.trace.attempt_status(resp.status)
-        if self.stream and resp.status == 200:
-            return choice, resp, (200, b"")
-        try:
-            with dispatch.waits.waiting(worker.id):
-                data = await dispatch.upstream.read(resp)
-        except UpstreamError as exc:
-            self._failed(worker, exc)
-        finally:
-            resp.release()
-            self.release(worker.id)
+        self.release(worker.id)
         if resp.status == 429:  # full, not sick: retried elsewhere, never held against it
             self._failed(worker, Overloaded(f"Worker {worker.id} is at capacity.", retry_after=1), sick=False)
         if resp.status in RETRYABLE_STATUS:

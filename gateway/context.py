@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import replace
 
 import msgspec
+from msgspec.structs import replace
 
 from gateway.routing import RequestFacts, Routes
 

@@ -12,6 +12,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
+import msgspec
+
 from gateway.routing.homes import Homes
 from gateway.routing.table import ModelRoutes, Routes, Slot
 
@@ -30,8 +32,9 @@ def best(keyed: list[_T], limit: int) -> list[_T]:
     return [min(keyed)] if limit == 1 else heapq.nsmallest(limit, keyed)
 
 
-@dataclass(frozen=True, slots=True)
-class RequestFacts:
+# The per-request records are frozen msgspec Structs: immutable as a dataclass(frozen=True), and
+# built in C (a frozen dataclass sets each field through object.__setattr__; RequestFacts has 16).
+class RequestFacts(msgspec.Struct, frozen=True):
     model: str
     # Estimated prompt tokens; 0 when unknown (then max_model_len does not filter).
     prompt_tokens: int = 0
@@ -132,8 +135,7 @@ class FullAt:
         return self.why(slot, live) is not None
 
 
-@dataclass(frozen=True, slots=True)
-class Choice:
+class Choice(msgspec.Struct, frozen=True):
     slot: Slot
     reason: str
 
@@ -142,8 +144,7 @@ class Choice:
         return self.slot.view
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(msgspec.Struct, frozen=True):
     verdict: Verdict
     choices: tuple[Choice, ...] = ()
     # For context_length: the largest max_model_len among workers serving the model.
