@@ -10,18 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from gateway.fastpath import Exchange, _Out
-
-
-class _Transport:
-    def __init__(self) -> None:
-        self.writes: list[bytes] = []
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        self.writes.append(data)
-
-    def close(self) -> None:
-        self.closed = True
+from tests.unit.test_server import Recorder as _Transport
 
 
 class _Flow:
