@@ -76,13 +76,11 @@ class FastPath:
     async def serve_exchange(self, ex: Exchange, watched: list[front.Hangup]) -> None:
         """Answer one proxied request straight onto its connection (see the module's docstring)."""
         scope = ex.scope
-        if self.proxy_headers is not None:
-            for name, _ in scope["headers"]:
-                if name == b"x-forwarded-for" or name == b"x-forwarded-proto":
-                    await self.proxy_headers(scope, _nothing, _nothing)  # type: ignore[arg-type]
-                    break
+        names = _names(scope["headers"])
+        if self.proxy_headers is not None and (b"x-forwarded-for" in names or b"x-forwarded-proto" in names):
+            await self.proxy_headers(scope, _nothing, _nothing)  # type: ignore[arg-type]
         gw = self.app.state["gw"]
-        header = _lookup(scope["headers"])
+        header = _by_name(names)
         client = scope["client"]
         out = _Out(ex)
         try:
@@ -160,15 +158,22 @@ class FastPath:
         )
 
 
-def _lookup(headers: list[tuple[bytes, bytes]]) -> Callable[[str], str | None]:
-    """A request header by (lower-case) name; the first of a repeated one wins."""
-    names = dict(reversed(headers))  # a dict keeps the last it is given
+def _names(headers: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
+    """Request headers by (lower-case) name; the first of a repeated one wins."""
+    return dict(reversed(headers))  # a dict keeps the last it is given
 
+
+def _by_name(names: dict[bytes, bytes]) -> Callable[[str], str | None]:
     def header(name: str) -> str | None:
         value = names.get(name.encode())
         return None if value is None else value.decode("latin-1")
 
     return header
+
+
+def _lookup(headers: list[tuple[bytes, bytes]]) -> Callable[[str], str | None]:
+    """A request header by (lower-case) name; the first of a repeated one wins."""
+    return _by_name(_names(headers))
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes:

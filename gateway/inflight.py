@@ -61,6 +61,10 @@ class SharedInflight(Mapping[str, int]):
         self.local_tokens: dict[str, int] = {}
         self.remote_tokens: dict[str, int] = {}
         self.tokens = _Tokens(self.local_tokens, self.remote_tokens)
+        # The same sums as plain dicts, kept current by `add`, `done` and each sync: what routing
+        # reads (`Live`), a C-level dict lookup per worker instead of a method call.
+        self.total: dict[str, int] = {}
+        self.total_tokens: dict[str, int] = {}
         # (worker, affinity key) -> requests in flight there that share that key's prefix.
         self._sharing: dict[tuple[str, int], int] = {}
         # Called after every completion (the admission queue re-checks for room).
@@ -73,14 +77,16 @@ class SharedInflight(Mapping[str, int]):
     def add(self, worker_id: str, tokens: int = 0, key: int | None = None, prefix: int = 0) -> None:
         """One request in flight on `worker_id`, holding `tokens` of its own and sharing the
         `prefix` tokens of affinity `key` with the others in flight there."""
-        self.local[worker_id] = self.local.get(worker_id, 0) + 1
+        n = self.local[worker_id] = self.local.get(worker_id, 0) + 1
+        self.total[worker_id] = n + self.remote.get(worker_id, 0)
         if key is not None and prefix:
             sharing = self._sharing.get((worker_id, key), 0)
             self._sharing[(worker_id, key)] = sharing + 1
             if sharing == 0:
                 tokens += prefix
         if tokens:
-            self.local_tokens[worker_id] = self.local_tokens.get(worker_id, 0) + tokens
+            held = self.local_tokens[worker_id] = self.local_tokens.get(worker_id, 0) + tokens
+            self.total_tokens[worker_id] = held + self.remote_tokens.get(worker_id, 0)
 
     def done(self, worker_id: str, tokens: int = 0, key: int | None = None, prefix: int = 0) -> None:
         """The request `add` counted (same arguments) has finished."""
@@ -89,6 +95,11 @@ class SharedInflight(Mapping[str, int]):
             self.local[worker_id] = left
         else:
             self.local.pop(worker_id, None)
+            left = 0
+        if n := left + self.remote.get(worker_id, 0):
+            self.total[worker_id] = n
+        else:
+            self.total.pop(worker_id, None)
         if key is not None and prefix:
             sharing = self._sharing.get((worker_id, key), 1) - 1
             if sharing > 0:
@@ -102,6 +113,11 @@ class SharedInflight(Mapping[str, int]):
                 self.local_tokens[worker_id] = held
             else:
                 self.local_tokens.pop(worker_id, None)
+                held = 0
+            if t := held + self.remote_tokens.get(worker_id, 0):
+                self.total_tokens[worker_id] = t
+            else:
+                self.total_tokens.pop(worker_id, None)
         if self.on_done is not None:
             self.on_done()
 
@@ -148,6 +164,8 @@ class SharedInflight(Mapping[str, int]):
                 self.remote_tokens[field[n:]] = value
             else:
                 self.remote[field] = value
+        _sum_into(self.total, self.local, self.remote)
+        _sum_into(self.total_tokens, self.local_tokens, self.remote_tokens)
 
     async def _loop(self) -> None:
         failing = False
@@ -167,3 +185,13 @@ class SharedInflight(Mapping[str, int]):
                 if time.monotonic() - self._remote_at > self.lease_s:
                     self._set_remote({})
             await asyncio.sleep(self.interval_s)
+
+
+def _sum_into(total: dict[str, int], local: dict[str, int], remote: dict[str, int]) -> None:
+    """`total` (in place: routing holds it) = local + remote, per worker, zeros left out."""
+    total.clear()
+    for source in (local, remote):
+        for worker_id, n in source.items():
+            total[worker_id] = total.get(worker_id, 0) + n
+    for worker_id in [w for w, n in total.items() if not n]:
+        del total[worker_id]

@@ -107,7 +107,7 @@ class Proxy:
             static = Routes(self.settings.aliases, self.settings.fallbacks)
             self.routes = lambda: static
         self.waits = FirstByteWaits(lambda: self.watcher.snapshot)
-        self.live = self.placement.live(Live(self.inflight, self.inflight.tokens))
+        self.live = self.placement.live(Live(self.inflight.total, self.inflight.total_tokens))
         self.inflight.on_done = self.admission.wake
         self.dispatch = Dispatch(self.settings, self.watcher, self.upstream, self.policy, self.live, self.inflight,
                                  self.placer, self.placement, self.breakers, self.waits)

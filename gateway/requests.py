@@ -127,10 +127,12 @@ def parse_request(body: bytes, kind: str) -> Probe:
         raise InvalidRequest("`input` is required.", param="input")
     if probe.previous_response_id is not None and not probe.previous_response_id:
         raise InvalidRequest("`previous_response_id` must name a response.", param="previous_response_id")
-    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-        value = getattr(probe, name)
-        if value is not None and value < 1:
-            raise InvalidRequest(f"`{name}` must be at least 1.", param=name)
+    a, b, c = probe.max_tokens, probe.max_completion_tokens, probe.max_output_tokens
+    if (a is not None and a < 1) or (b is not None and b < 1) or (c is not None and c < 1):
+        for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+            value = getattr(probe, name)
+            if value is not None and value < 1:
+                raise InvalidRequest(f"`{name}` must be at least 1.", param=name)
     return probe
 
 

@@ -45,7 +45,9 @@ class Upstream:
     def _head(method: bytes, target: Target, headers: Mapping[str, str], length: int) -> bytes:
         # Values come from the gateway or from the client's already-parsed headers; a CR or LF
         # would split the head, so a value holding one is left out.
-        lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items() if "\n" not in v and "\r" not in v)
+        lines = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
+        if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):  # rare: check each
+            lines = "".join([f"{k}: {v}\r\n" for k, v in headers.items() if "\n" not in v and "\r" not in v])
         return b"".join((method, target.prefix, lines.encode("latin-1"), b"content-length: ",
                          str(length).encode(), b"\r\n\r\n"))
 

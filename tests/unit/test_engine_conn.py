@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
+from gateway.engine_conn import Target
 from gateway.errors import UpstreamError, UpstreamTimeout
 from gateway.upstream import Upstream
 
@@ -235,3 +236,12 @@ async def test_the_pool_forgets_an_engine_once_its_idle_connection_is_closed(ser
             break
         await asyncio.sleep(0.01)
     assert pool._idle == {}
+
+
+def test_a_header_value_holding_cr_or_lf_is_left_out_of_the_engine_request() -> None:
+    target = Target("http://127.0.0.1:9/v1/completions")
+    head = Upstream._head(b"POST", target, {"x-request-id": "r1", "x-session-id": "a\r\nx-evil: 1",
+                                            "x-b": "b\nc", "x-c": "ok"}, 15).decode()
+    assert head == ("POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:9\r\nx-request-id: r1\r\nx-c: ok\r\n"
+                    "content-length: 15\r\n\r\n")
+    assert Upstream._head(b"POST", target, {"x-a": "1"}, 0).decode().endswith("x-a: 1\r\ncontent-length: 0\r\n\r\n")

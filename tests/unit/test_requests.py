@@ -53,6 +53,8 @@ def test_prompt_size_is_estimated_in_every_shape(kind: str, body: dict[str, obje
         ("responses", {"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
         ("responses", {"input": "hi", "previous_response_id": ""}, "previous_response_id"),
         ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+        ("chat", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, "max_completion_tokens"),
+        ("completion", {"prompt": "hi", "max_tokens": 1, "max_completion_tokens": 0}, "max_completion_tokens"),
     ],
 )
 def test_malformed_requests_name_their_field(kind: str, body: dict[str, object], param: str) -> None:
