@@ -276,9 +276,8 @@ class Proxy:
                 raise InvalidRequest(f"Response `{probe.previous_response_id}` is stored on worker `{pinned}`, "
                                      f"which does not serve `{probe.model}`; continue it with a model it "
                                      "serves.", param="model")
-        # Looked up here so a first attempt that did not wait finds its facts current (no copy);
-        # Attempt.next looks again, since a request may wait in the queue.
-        home, second, heavy = self.placement.lookup(key)
+        # Where the key is placed (home, second, heavy) is left to Attempt.next, which looks it
+        # up as it decides: a request may wait (the queue, a key's limits) before that.
         facts = RequestFacts(
             model=probe.model,
             prompt_tokens=estimate,
@@ -293,9 +292,6 @@ class Proxy:
             pinned=pinned,
             pooling=True if kind == "embeddings" else False if generates else None,
             prefix_tokens=shared_prefix_tokens(probe, key_kind, estimate),
-            home=home,
-            second=second,
-            heavy=heavy,
         )
         hide_usage = probe.stream and kind in ("chat", "completion") and not probe.wants_usage
         if hide_usage:  # count every stream's tokens: ask the engine for usage anyway
