@@ -148,19 +148,11 @@ class UsageBuffer:
         self._failing = False
 
     def add(self, day: str, prefix: str, requests: int, prompt: int, completion: int, errors: int) -> None:
-        counts = self._counts  # (written out: this is every request's path)
-        if requests:
-            cell = (day, prefix + "requests")
-            counts[cell] = counts.get(cell, 0) + requests
-        if prompt:
-            cell = (day, prefix + "input")
-            counts[cell] = counts.get(cell, 0) + prompt
-        if completion:
-            cell = (day, prefix + "output")
-            counts[cell] = counts.get(cell, 0) + completion
-        if errors:
-            cell = (day, prefix + "errors")
-            counts[cell] = counts.get(cell, 0) + errors
+        counts = self._counts
+        for name, n in (("requests", requests), ("input", prompt), ("output", completion), ("errors", errors)):
+            if n:
+                cell = (day, prefix + name)
+                counts[cell] = counts.get(cell, 0) + n
 
     async def flush(self) -> None:
         if not self._counts:
