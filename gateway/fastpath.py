@@ -17,7 +17,7 @@ between (X-Forwarded-For is honoured as that middleware would, when a request ha
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, MutableMapping
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +28,7 @@ from gateway import front
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.proxy import Reply
 from gateway.requests import KINDS
+from gateway.upstream import header_lines
 
 if TYPE_CHECKING:
     from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
@@ -90,7 +91,7 @@ class FastPath:
         except front.ClientGone:
             return
         except GatewayError as exc:
-            out.whole(exc.status, _block(list(exc.headers().items())), exc.body())
+            out.whole(exc.status, _block(exc.headers().items()), exc.body())
             return
         except Exception:
             log.exception("gateway.internal_error", path=scope["path"])
@@ -224,14 +225,9 @@ async def _nothing(*_: object) -> None:
     return None
 
 
-def _block(headers: Sequence[tuple[str, str]]) -> bytes:
+def _block(headers: Collection[tuple[str, str]]) -> bytes:
     """Header lines, UTF-8; a value holding CR or LF (a client's model name, say) is left out."""
-    text = "".join([f"{name}: {value}\r\n" for name, value in headers])
-    n = len(headers)
-    if text.count("\n") == n and text.count("\r") == n:  # the usual case: no value holds either
-        return text.encode()
-    return "".join([f"{name}: {value}\r\n" for name, value in headers
-                    if "\n" not in value and "\r" not in value]).encode()
+    return header_lines(headers).encode()
 
 
 def _status_line(status: int) -> bytes:

@@ -8,7 +8,7 @@ gateway's error tree (`UpstreamError`, `UpstreamTimeout`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import msgspec
 
@@ -18,6 +18,15 @@ from gateway.errors import UpstreamError, UpstreamTimeout
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 
 __all__ = ["RETRYABLE_STATUS", "Response", "Upstream", "openai_error_body", "sse_error"]
+
+
+def header_lines(headers: Collection[tuple[str, str]]) -> str:
+    """`name: value` lines; a value holding CR or LF (it would split the head) is left out."""
+    text = "".join([f"{k}: {v}\r\n" for k, v in headers])
+    n = len(headers)
+    if text.count("\n") == n and text.count("\r") == n:  # the usual case: no value holds either
+        return text
+    return "".join([f"{k}: {v}\r\n" for k, v in headers if "\n" not in v and "\r" not in v])
 
 
 class Upstream:
@@ -45,9 +54,7 @@ class Upstream:
     def _head(method: bytes, target: Target, headers: Mapping[str, str], length: int) -> bytes:
         # Values come from the gateway or from the client's already-parsed headers; a CR or LF
         # would split the head, so a value holding one is left out.
-        lines = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
-        if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):  # rare: check each
-            lines = "".join([f"{k}: {v}\r\n" for k, v in headers.items() if "\n" not in v and "\r" not in v])
+        lines = header_lines(headers.items())
         return b"".join((method, target.prefix, lines.encode("latin-1"), b"content-length: ",
                          str(length).encode(), b"\r\n\r\n"))
 
