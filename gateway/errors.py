@@ -2,7 +2,8 @@
 
     GatewayError                     (status, OpenAI `type`, `code`)
     ├── InvalidRequest               400 invalid_request_error
-    │   └── ContextLengthExceeded    400 invalid_request_error / context_length_exceeded
+    │   ├── ContextLengthExceeded    400 invalid_request_error / context_length_exceeded
+    │   └── RequestTooLarge          413 invalid_request_error / request_too_large (the body limit)
     ├── Unauthorized                 401 authentication_error / invalid_api_key
     ├── NotFound                     404 invalid_request_error / not_found
     │   └── ModelNotFound            404 invalid_request_error / model_not_found
@@ -80,6 +81,15 @@ class InvalidRequest(GatewayError):
 
 class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
+
+
+class RequestTooLarge(InvalidRequest):
+    status = 413
+    code = "request_too_large"
+
+    @classmethod
+    def over(cls, limit: int) -> RequestTooLarge:
+        return cls(f"The request body is over the gateway's limit of {limit} bytes.")
 
 
 class Unauthorized(GatewayError):

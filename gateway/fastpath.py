@@ -25,7 +25,7 @@ import structlog
 from litestar import Litestar
 
 from gateway import front
-from gateway.errors import GatewayError, InvalidRequest
+from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge
 from gateway.proxy import Reply
 from gateway.requests import KINDS
 from gateway.upstream import header_lines
@@ -43,15 +43,6 @@ Send = Callable[[Message], Awaitable[None]]
 _JSON = (b"content-type", b"application/json")
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
         (b"x-accel-buffering", b"no")]
-
-
-class TooLarge(InvalidRequest):
-    status = 413
-    code = "request_too_large"
-
-    @classmethod
-    def over(cls, limit: int) -> TooLarge:
-        return cls(f"The request body is over the gateway's limit of {limit} bytes.")
 
 
 # The proxied routes by their raw path (a path with %-escapes or a query is the ASGI app's).
@@ -187,7 +178,7 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise TooLarge.over(limit)
+            raise RequestTooLarge.over(limit)
         chunks.append(chunk)
         if not message.get("more_body"):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -370,7 +361,7 @@ class Exchange:
         self._chunks: list[bytes] = []
         self._size = 0
         self._limit = limit
-        self._error: TooLarge | None = None
+        self._error: RequestTooLarge | None = None
         self._waiter: asyncio.Future[None] | None = None
 
     def _wake(self) -> None:
@@ -385,7 +376,7 @@ class Exchange:
         self._size += len(data)
         if self._size > self._limit:
             self._chunks.clear()
-            self._error = TooLarge.over(self._limit)
+            self._error = RequestTooLarge.over(self._limit)
             self.keep_alive = False  # the rest of the body is never read: the connection closes after the 413
             self._wake()
             return

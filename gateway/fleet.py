@@ -109,6 +109,10 @@ class FleetWatcher:
         # Worker id -> (when its agent was last told its record is ignored, when it was logged).
         self._told: dict[str, tuple[float, float]] = {}
 
+    def current(self) -> FleetSnapshot:
+        """The snapshot now (for those that hold the reader, not the watcher)."""
+        return self.snapshot
+
     @property
     def age_s(self) -> float:
         return time.time() - self.snapshot.read_at if self.snapshot.read_at else float("inf")

@@ -75,6 +75,18 @@ class Reply:
     stream: AsyncIterator[bytes] | None = None
 
 
+# Named functions, not lambdas: mypyc compiles this module (scripts/compile.py) and
+# does not take a lambda in a dataclass's methods or field defaults.
+def _new_prefix() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def _constant(routes: Routes) -> Callable[[], Routes]:
+    def get() -> Routes:
+        return routes
+    return get
+
+
 @dataclass
 class Proxy:
     settings: GatewaySettings
@@ -105,14 +117,14 @@ class Proxy:
         self.classes = self.priorities or Priorities.from_settings(self.settings)
         if self.routes is None:
             static = Routes(self.settings.aliases, self.settings.fallbacks)
-            self.routes = lambda: static
-        self.waits = FirstByteWaits(lambda: self.watcher.snapshot)
+            self.routes = _constant(static)
+        self.waits = FirstByteWaits(self.watcher.current)
         self.live = self.placement.live(Live(self.inflight.total, self.inflight.total_tokens))
         self.inflight.on_done = self.admission.wake
         self.dispatch = Dispatch(self.settings, self.watcher, self.upstream, self.policy, self.live, self.inflight,
                                  self.placer, self.placement, self.breakers, self.waits)
     # Request ids: a random per-process prefix and a counter (no syscall per request).
-    _id_prefix: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    _id_prefix: str = field(default_factory=_new_prefix)
 
     def _next_id(self) -> str:
         return f"{self._id_prefix}{self.seq:016x}"
