@@ -21,9 +21,10 @@ from litestar.exceptions import HTTPException
 from litestar.handlers import HTTPRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.response import Stream
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from fleetgate.registry import Registry, connect
-from gateway import front, gctune
+from gateway import ACCEL, front, gctune
 from gateway.adapters import AdapterPlacer
 from gateway.admission import Admission
 from gateway.aliases import listed
@@ -45,7 +46,7 @@ from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
 from gateway.known import KnownModels
 from gateway.lora_state import LoraState
-from gateway.metrics import GatewayMetrics, metrics_endpoint
+from gateway.metrics import GatewayMetrics
 from gateway.openapi import ModelsOperation, StoredResponseOperation, proxied_operation
 from gateway.placement import Placement
 from gateway.priorities import Priorities, PriorityCollector
@@ -145,6 +146,12 @@ async def get_model(request: Request, state: State, model_id: str) -> Response:
         raise gw.watcher.absent(ModelNotFound(f"The model `{name}` does not exist.", param="model"), name)
     body = {"id": name, "object": "model", "owned_by": "fleetgate", "parent": models[name] or None}
     return Response(content=msgspec.json.encode(body), media_type="application/json")
+
+
+@get("/metrics", include_in_schema=False)
+async def metrics_endpoint(state: State) -> Response:
+    """Prometheus scrape; open like /health (put it behind your network's rules)."""
+    return Response(content=state["gw"].metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 
 @get("/health")
@@ -275,7 +282,8 @@ def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None)
         inflight.start()
         placement.start()
         gctune.settle()
-        log.info("gateway.started", gateway_id=gateway_id, pid=os.getpid(), **settings.public())
+        # accel: whether the request path runs compiled (gateway/accel.py: compiled, pure, stale, disabled).
+        log.info("gateway.started", gateway_id=gateway_id, pid=os.getpid(), accel=ACCEL, **settings.public())
         if exposed:
             log.warning("gateway.open_data_plane", host=settings.host, message=exposed)
         try:

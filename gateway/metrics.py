@@ -22,9 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import msgspec
-from litestar import Response, get
-from litestar.datastructures import State
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
@@ -32,6 +30,7 @@ from prometheus_client.registry import Collector
 from gateway.cells import CounterFamily as Counter
 from gateway.cells import HistogramFamily as Histogram
 from gateway.fleet import FleetWatcher
+from gateway.wire import WithUsage
 
 # Seconds. TTFT of a warm engine is tens of milliseconds; a queued one, seconds.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -41,25 +40,7 @@ WORKER_STATES = ("starting", "ready", "draining")
 NO_WORKER = "none"
 
 
-class _Usage(msgspec.Struct):
-    prompt_tokens: int | None = 0
-    completion_tokens: int | None = 0
-    # The Responses API's names for the same counts.
-    input_tokens: int | None = 0
-    output_tokens: int | None = 0
-
-
-class _Response(msgspec.Struct):
-    usage: _Usage | None = None
-
-
-class _WithUsage(msgspec.Struct):
-    usage: _Usage | None = None
-    # A Responses API stream's last event carries the whole response, usage inside.
-    response: _Response | None = None
-
-
-_usage_decoder = msgspec.json.Decoder(_WithUsage)
+_usage_decoder = msgspec.json.Decoder(WithUsage)
 
 
 def usage_of(payload: bytes) -> tuple[int, int]:
@@ -281,10 +262,3 @@ class FleetCollector(Collector):
                 "fleetgate_snapshot_age_seconds", "Age of the fleet snapshot this gateway routes on.",
                 value=watcher.age_s,
             )
-
-
-@get("/metrics", include_in_schema=False)
-async def metrics_endpoint(state: State) -> Response:
-    """Prometheus scrape; open like /health (put it behind your network's rules)."""
-    body = state["gw"].metrics.exposition()
-    return Response(content=body, media_type=CONTENT_TYPE_LATEST)

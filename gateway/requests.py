@@ -1,6 +1,6 @@
 """What routing needs to know about an OpenAI request, read without re-encoding the body.
 
-msgspec decodes only the fields named here and skips the rest; the body itself is
+msgspec decodes only the fields named in gateway/wire.py and skips the rest; the body itself is
 forwarded byte for byte. From those fields come the request's facts: the model,
 how many tokens the prompt has (exactly with the model's tokenizer when one is
 configured, else estimated), and the affinity key that keeps requests sharing a
@@ -15,6 +15,7 @@ import msgspec
 
 from fleetgate.hashing import stable_hash
 from gateway.errors import InvalidRequest
+from gateway.wire import Embeddings, Part, Probe
 
 # Characters of the shared prefix that make an affinity key. Long enough to tell
 # system prompts apart, short enough to hash in microseconds.
@@ -23,68 +24,8 @@ PREFIX_CHARS = 2048
 TEMPLATE_TOKENS_PER_MESSAGE = 4
 
 
-class Part(msgspec.Struct):
-    """One content part (`{"type": "text", "text": ...}`, an image, ...): only text counts here."""
-
-    text: str | None = None
-
-
-class Message(msgspec.Struct):
-    """A chat message, or an item of a Responses API `input` (a message, a tool call's output)."""
-
-    role: str = ""
-    # A string, or a list of content parts.
-    content: str | list[Part] | None = None
-    # A tool call's output (Responses API `function_call_output` items).
-    output: str | None = None
-
-
-class StreamOptions(msgspec.Struct):
-    # Kept loose: the engine judges the value; only `true` asks for the usage chunk.
-    include_usage: object = None
-
-
-class Probe(msgspec.Struct):
-    """The fields of an OpenAI request that routing reads."""
-
-    model: str
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    user: str | None = None
-    messages: list[Message] | None = None
-    # A string, a list of strings, token ids or lists of them: kept raw (msgspec cannot
-    # decode that union), decoded by `prompt_texts` only when a completion needs it.
-    prompt: msgspec.Raw = msgspec.Raw()
-    # The Responses API: `input` is a string or a list of items, `instructions` play the
-    # system prompt, and a follow-up names the response it continues.
-    input: str | list[Message] | None = None
-    instructions: str | None = None
-    max_output_tokens: int | None = None
-    previous_response_id: str | None = None
-    store: bool | None = None
-
-    @property
-    def max_new_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens or self.max_output_tokens
-
-    @property
-    def wants_usage(self) -> bool:
-        """Whether a stream's client asked for the final usage chunk."""
-        return self.stream_options is not None and self.stream_options.include_usage is True
-
-
-class _Embeddings(msgspec.Struct):
-    """An embeddings request: its `input` takes the forms a completion's `prompt` does."""
-
-    model: str
-    input: msgspec.Raw = msgspec.Raw()
-    user: str | None = None
-
-
 _probe = msgspec.json.Decoder(Probe)
-_embeddings = msgspec.json.Decoder(_Embeddings)
+_embeddings = msgspec.json.Decoder(Embeddings)
 
 # The OpenAI (and vLLM) POST routes the gateway routes by `model`, and what each is.
 KINDS = {

@@ -14,6 +14,7 @@ import msgspec
 
 from gateway.engine_conn import Pool, Response, Target
 from gateway.errors import UpstreamError, UpstreamTimeout
+from gateway.wire import EngineError, NestedError
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 
@@ -130,22 +131,6 @@ def _unreachable(url: str, exc: BaseException) -> UpstreamError:
     return UpstreamError(f"engine at {url} is unreachable: {type(exc).__name__}")
 
 
-class _Flat(msgspec.Struct):
-    message: str = ""
-    type: str | None = None
-    param: str | None = None
-    code: int | str | None = None
-
-
-class _Nested(msgspec.Struct):
-    error: _Flat | str | None = None
-    detail: str | list[object] | None = None
-    message: str | None = None
-    type: str | None = None
-    param: str | None = None
-    code: int | str | None = None
-
-
 def openai_error_body(status: int, data: bytes) -> bytes:
     """An engine's error answer in OpenAI's nested shape.
 
@@ -153,11 +138,11 @@ def openai_error_body(status: int, data: bytes) -> bytes:
     (`{"message", "type", "code", "object": "error"}`), FastAPI with `{"detail"}`.
     """
     try:
-        parsed = msgspec.json.decode(data, type=_Nested)
+        parsed = msgspec.json.decode(data, type=EngineError)
     except msgspec.DecodeError:
         text = data.decode(errors="replace").strip()[:500]
         return _encode(text or f"engine answered {status}", status, None)
-    if isinstance(parsed.error, _Flat):
+    if isinstance(parsed.error, NestedError):
         return data
     if isinstance(parsed.error, str):
         return _encode(parsed.error, status, parsed.param)

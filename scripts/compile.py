@@ -30,15 +30,31 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 GROUP = "gateway._accel"
 MANIFEST = ROOT / "gateway" / "_accel.json"
-# The request path. Left out: modules that define msgspec Structs (msgspec cannot read a
-# compiled module's annotations) and relay.py (mypyc has no async generators).
+# The request path. Left out: modules that define msgspec Structs (mypyc keeps only plain
+# types of a class's annotations, `list` for `list[Message]`, so msgspec would decode less;
+# gateway/wire.py holds the decoded shapes for that reason), modules with Prometheus
+# collectors (subclasses of a Python class) and relay.py (mypyc has no async generators).
 MODULES = (
     "gateway/fastpath.py",
     "gateway/front.py",
     "gateway/proxy.py",
     "gateway/attempts.py",
     "gateway/engine_conn.py",
+    "gateway/upstream.py",
+    "gateway/requests.py",
     "gateway/inflight.py",
+    "gateway/admission.py",
+    "gateway/placement.py",
+    "gateway/waiting.py",
+    "gateway/quota.py",
+    "gateway/usage.py",
+    "gateway/ratelimit.py",
+    "gateway/circuit.py",
+    "gateway/server.py",
+    "gateway/metrics.py",
+    "gateway/cells.py",
+    "gateway/routing/base.py",
+    "gateway/routing/fleet.py",
     "gateway/routing/table.py",
     "gateway/routing/homes.py",
 )

@@ -1,4 +1,4 @@
-"""What every policy shares: the request's facts, the candidate filter and the decision type.
+"""What every policy shares: the candidate filter and `decide` (the records: routing/records.py).
 
 Pure code: no I/O, no framework imports. `decide` filters the workers that serve
 the model (precomputed per snapshot in `Routes`), then the policy ranks the top few;
@@ -10,14 +10,11 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeVar
-
-import msgspec
+from typing import Any, Protocol, TypeVar
 
 from gateway.routing.homes import Homes
+from gateway.routing.records import Choice, Decision, RequestFacts
 from gateway.routing.table import ModelRoutes, Routes, Slot
-
-Verdict = Literal["ok", "unknown_model", "no_worker", "wrong_task", "context_length", "saturated"]
 
 # How many ranked workers a decision returns: the first choice plus retries.
 DEFAULT_LIMIT = 3
@@ -30,46 +27,6 @@ def best(keyed: list[_T], limit: int) -> list[_T]:
     if not keyed:
         return []
     return [min(keyed)] if limit == 1 else heapq.nsmallest(limit, keyed)
-
-
-# The per-request records are frozen msgspec Structs: immutable as a dataclass(frozen=True), and
-# built in C (a frozen dataclass sets each field through object.__setattr__; RequestFacts has 16).
-class RequestFacts(msgspec.Struct, frozen=True):
-    model: str
-    # Estimated prompt tokens; 0 when unknown (then max_model_len does not filter).
-    prompt_tokens: int = 0
-    max_tokens: int | None = None
-    session: str | None = None
-    # The gateway's request counter; round-robin and random use it, nothing else should.
-    seq: int = 0
-    # True when `model` names a LoRA adapter rather than a base model.
-    adapter: bool = False
-    # Stable hash of what this request shares with others (a system prompt, a session);
-    # requests with the same key are sent to the same worker while its load allows.
-    affinity_key: int | None = None
-    affinity_kind: str | None = None
-    # For an adapter: workers where it is likely in a LoRA slot (this gateway sent it
-    # there recently, and not more than the worker's slots of other adapters since),
-    # and workers whose slots are likely all taken (a load there evicts another adapter).
-    warm: frozenset[str] = frozenset()
-    full: frozenset[str] = frozenset()
-    # The one worker that can serve this request (it stores the response a Responses API
-    # follow-up continues). It takes the request while draining too: the conversation
-    # lives there, and a drain lets requests finish.
-    pinned: str | None = None
-    # True for embeddings (only embedding models serve them), False for the routes that
-    # generate text (embedding models cannot), None when either will do (/tokenize).
-    pooling: bool | None = None
-    # Tokens of the shared part the affinity key stands for (a system prompt).
-    prefix_tokens: int = 0
-    # Where the gateway has placed this affinity key (gateway/routing/homes.py), and its
-    # second home while it has one; None for a key not placed yet.
-    home: str | None = None
-    second: str | None = None
-    # The key carries a large share of its home's placed work (a hot tenant): only such a
-    # key may get a second home when its home saturates. Light keys stay home, so a busy
-    # worker does not spread all of its tenants over the fleet (which thrashes every cache).
-    heavy: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,24 +90,6 @@ class FullAt:
 
     def full(self, slot: Slot, live: Live) -> bool:
         return self.why(slot, live) is not None
-
-
-class Choice(msgspec.Struct, frozen=True):
-    slot: Slot
-    reason: str
-
-    @property
-    def worker(self):  # type: ignore[no-untyped-def]  # -> WorkerView
-        return self.slot.view
-
-
-class Decision(msgspec.Struct, frozen=True):
-    verdict: Verdict
-    choices: tuple[Choice, ...] = ()
-    # For context_length: the largest max_model_len among workers serving the model.
-    limit: int = 0
-    # For saturated: the limit the first choice is at ("slots", "kv").
-    why: str = ""
 
 
 class Policy(Protocol):

@@ -22,42 +22,19 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 import msgspec
 
 from gateway.routing.base import Choice, Live, RequestFacts, best
+from gateway.routing.records import FleetOptions
 from gateway.routing.table import ModelRoutes, Slot
 
 _JITTER_SCALE = 1.0 / 65536
 
 
-class FleetOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    # Placed work per unit of capacity this far apart (x the mean) moves a key off the
-    # busier worker (gateway/routing/homes.py).
-    balance: float = 0.25
-    # A home whose KV cache is this full by the gateway's account is saturated.
-    kv_high: float = 0.9
-    # Relative spread of the random tie-break between near-equal workers.
-    jitter: float = 0.05
-    # Weight of engine-reported work beyond the gateways' own in-flight count (other clients').
-    foreign_weight: float = 0.5
-    # A key doing this share of its home's placed work is heavy: it may get a second home.
-    heavy_share: float = 0.3
-    # A second home must be this much less loaded than the saturated home.
-    spill_margin: float = 0.1
-    # How long a key keeps its second home after its home was last saturated, and the
-    # half-life of the work by which keys are placed.
-    second_hold_s: float = 10.0
-    half_life_s: float = 30.0
-    # Extra cost of sending an adapter where it is not in a slot: with a free slot (a
-    # load), and with every slot taken (a load that evicts another adapter).
-    lora_load_cost: float = 0.3
-    lora_swap_cost: float = 1.5
-
-
 class FleetPolicy:
-    name = "fleet"
+    name: ClassVar[str] = "fleet"
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Self:
@@ -120,7 +97,7 @@ class FleetPolicy:
         elif facts.heavy:
             # A hot key saturating its home: a worker with room, clearly less loaded, shares it.
             bar = home[0] * (1.0 - opts.spill_margin)
-            room = [x for x in scored if x is not home and x[0] < bar and not self.saturated(x[2], live)]
+            room = [x for x in scored if x[1] != home[1] and x[0] < bar and not self.saturated(x[2], live)]
             pick, reason = (min(room), f"{kind}-spill") if room else (home, f"{kind}-hit")
         else:
             # A light key stays where its prefix is cached even on a saturated home; the
@@ -129,7 +106,7 @@ class FleetPolicy:
             pick, reason = home, f"{kind}-hit"
         if limit == 1:
             return [Choice(pick[2], reason)]
-        rest = best([x for x in scored if x is not pick], limit - 1)
+        rest = best([x for x in scored if x[1] != pick[1]], limit - 1)
         return [Choice(pick[2], reason), *(Choice(x[2], "least-load") for x in rest)]
 
     def _place(

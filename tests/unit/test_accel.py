@@ -20,6 +20,7 @@ import gateway
 from gateway import accel
 
 SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
+ROUTE_DECORATORS = {"get", "post", "put", "patch", "delete", "route"}
 
 
 def _package(tmp_path: Path, name: str, digest_of: dict[str, str] | None = None) -> Path:
@@ -92,3 +93,32 @@ def test_this_checkout_imports_what_the_guard_says() -> None:
 def _env() -> dict[str, str]:
     import os
     return {k: v for k, v in os.environ.items() if k != "FLEETGATE_PURE"}
+
+
+def _compile_script():  # type: ignore[no-untyped-def]
+    import importlib.util
+    path = Path(gateway.__file__).parent.parent / "scripts" / "compile.py"
+    spec = importlib.util.spec_from_file_location("fleetgate_compile_script", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_no_compiled_module_defines_a_msgspec_struct_or_a_route() -> None:
+    """mypyc keeps a compiled class's annotations only as plain types (`list` for
+    `list[Message]`), so a Struct defined in a compiled module would decode with less
+    validation than its source says (decoded shapes live in gateway/wire.py and
+    gateway/routing/records.py); and Litestar cannot read a compiled handler's signature."""
+    import ast
+    script = _compile_script()
+    root = Path(gateway.__file__).parent.parent
+    offenders = []
+    for module in script.MODULES:
+        for node in ast.walk(ast.parse((root / module).read_text())):
+            if isinstance(node, ast.ClassDef) and any("Struct" in ast.unparse(b) for b in node.bases):
+                offenders.append(f"{module}: {node.name}")
+            if isinstance(node, ast.AsyncFunctionDef | ast.FunctionDef) and any(
+                    isinstance(d, ast.Call) and ast.unparse(d.func) in ROUTE_DECORATORS for d in node.decorator_list):
+                offenders.append(f"{module}: {node.name}")
+    assert script.MODULES and not offenders

@@ -1,0 +1,107 @@
+"""The shapes the gateway decodes off the wire: an OpenAI request's routed fields, an
+engine's error answer. msgspec decodes only the fields named here and skips the rest.
+
+They live apart from the code that reads them because that code is compiled with mypyc
+(scripts/compile.py), which keeps a class's annotations only as plain types (`list`, not
+`list[Message]`): msgspec would then decode less. This module stays Python.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Part(msgspec.Struct):
+    """One content part (`{"type": "text", "text": ...}`, an image, ...): only text counts here."""
+
+    text: str | None = None
+
+
+class Message(msgspec.Struct):
+    """A chat message, or an item of a Responses API `input` (a message, a tool call's output)."""
+
+    role: str = ""
+    # A string, or a list of content parts.
+    content: str | list[Part] | None = None
+    # A tool call's output (Responses API `function_call_output` items).
+    output: str | None = None
+
+
+class StreamOptions(msgspec.Struct):
+    # Kept loose: the engine judges the value; only `true` asks for the usage chunk.
+    include_usage: object = None
+
+
+class Probe(msgspec.Struct):
+    """The fields of an OpenAI request that routing reads."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    user: str | None = None
+    messages: list[Message] | None = None
+    # A string, a list of strings, token ids or lists of them: kept raw (msgspec cannot
+    # decode that union), decoded by `prompt_texts` only when a completion needs it.
+    prompt: msgspec.Raw = msgspec.Raw()
+    # The Responses API: `input` is a string or a list of items, `instructions` play the
+    # system prompt, and a follow-up names the response it continues.
+    input: str | list[Message] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens or self.max_output_tokens
+
+    @property
+    def wants_usage(self) -> bool:
+        """Whether a stream's client asked for the final usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage is True
+
+
+class Embeddings(msgspec.Struct):
+    """An embeddings request: its `input` takes the forms a completion's `prompt` does."""
+
+    model: str
+    input: msgspec.Raw = msgspec.Raw()
+    user: str | None = None
+
+
+# An engine's error answer: OpenAI's nested shape, or LMDeploy's, ms-swift's and FastAPI's flat ones.
+class NestedError(msgspec.Struct):
+    message: str = ""
+    type: str | None = None
+    param: str | None = None
+    code: int | str | None = None
+
+
+class EngineError(msgspec.Struct):
+    error: NestedError | str | None = None
+    detail: str | list[object] | None = None
+    message: str | None = None
+    type: str | None = None
+    param: str | None = None
+    code: int | str | None = None
+
+
+# The usage an OpenAI answer or SSE event carries (gateway/metrics.py, `usage_of`).
+class Usage(msgspec.Struct):
+    prompt_tokens: int | None = 0
+    completion_tokens: int | None = 0
+    # The Responses API's names for the same counts.
+    input_tokens: int | None = 0
+    output_tokens: int | None = 0
+
+
+class UsageResponse(msgspec.Struct):
+    usage: Usage | None = None
+
+
+class WithUsage(msgspec.Struct):
+    usage: Usage | None = None
+    # A Responses API stream's last event carries the whole response, usage inside.
+    response: UsageResponse | None = None
