@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -284,14 +285,21 @@ def test_tenant_affinity_client_over_a_real_fleet(tmp_path: Path) -> None:
     assert len(requests) > 10
     expected = Counter(f"w{tenant_of(r.tag) % 3}" for r in requests)  # type: ignore[operator]
 
+    def _sum(text: str, name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
     async def finished(workers: list[WorkerRef]) -> dict[str, float]:
+        """Each engine's finished requests, read once none runs or waits (an agent's warm-up
+        still finishing on a loaded machine would otherwise count as the run's)."""
         async with httpx.AsyncClient(timeout=5) as c:
-            out = {}
-            for w in workers:
-                text = (await c.get(w.url + "/metrics")).text
-                out[w.id] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                                if line.startswith("vllm:request_success_total"))  # fmt: skip
-            return out
+            deadline = time.monotonic() + 30
+            while True:
+                texts = {w.id: (await c.get(w.url + "/metrics")).text for w in workers}
+                busy = sum(_sum(t, "vllm:num_requests_running") + _sum(t, "vllm:num_requests_waiting")
+                           for t in texts.values())
+                if not busy or time.monotonic() > deadline:
+                    return {wid: _sum(t, "vllm:request_success_total") for wid, t in texts.items()}
+                await asyncio.sleep(0.2)
 
     async def run(route_name: str, workers: list[WorkerRef]) -> tuple[list[Outcome], dict[str, float]]:
         before = await finished(workers)
