@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from fleetgate_tools.bench import engines
 from fleetgate_tools.bench.cluster import running
@@ -286,7 +287,7 @@ def test_tenant_affinity_client_over_a_real_fleet(tmp_path: Path) -> None:
     expected = Counter(f"w{tenant_of(r.tag) % 3}" for r in requests)  # type: ignore[operator]
 
     def _sum(text: str, name: str) -> float:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
     async def finished(workers: list[WorkerRef]) -> dict[str, float]:
         """Each engine's finished requests, read once none runs or waits (an agent's warm-up
