@@ -89,6 +89,8 @@ async def _proxied(request: Request, state: State, path: str, kind: str) -> Resp
         await hangup.stop()  # Litestar's streaming response watches the connection itself
         return Stream(reply.stream, status_code=reply.status, media_type="text/event-stream",
                       headers={**dict(reply.headers), **SSE_HEADERS})
+    if reply.after is not None:  # (Litestar's background tasks would run a sync one in a thread)
+        reply.after()
     return Response(content=reply.body, status_code=reply.status, media_type="application/json",
                     headers=dict(reply.headers))
 

@@ -93,6 +93,7 @@ class FastPath:
         if reply.stream is None:
             watched.remove(hangup)
             out.whole(reply.status, headers, reply.body)
+            _after(reply)
             return
         stream = reply.stream
         try:
@@ -136,8 +137,11 @@ class FastPath:
         headers = [(k.encode(), v.encode()) for k, v in reply.headers]
         if reply.stream is None:
             headers += [_JSON, (b"content-length", str(len(reply.body)).encode())]
-            await send({"type": "http.response.start", "status": reply.status, "headers": headers})
-            await send({"type": "http.response.body", "body": reply.body})
+            try:
+                await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+                await send({"type": "http.response.body", "body": reply.body})
+            finally:
+                _after(reply)
             return
         await _stream(reply, headers + _SSE, hangup, send)
 
@@ -148,6 +152,16 @@ class FastPath:
             gw, header, client[0] if client else None, lambda: _read_body(receive, gw.settings.max_body_bytes),
             receive, scope["path"], kind,
         )
+
+
+def _after(reply: Reply) -> None:
+    """A whole answer's bookkeeping, once it is written (`Reply.after`); its bug is logged, not the client's."""
+    after = reply.after
+    if after is not None:
+        try:
+            after()
+        except Exception:
+            log.exception("gateway.internal_error", stage="after_answer")
 
 
 def _names(headers: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:

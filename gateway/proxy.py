@@ -42,7 +42,7 @@ from gateway.metrics import GatewayMetrics, usage_of
 from gateway.placement import Placement
 from gateway.priorities import HEADER as PRIORITY_HEADER
 from gateway.priorities import Priorities
-from gateway.quota import Quota
+from gateway.quota import Quota, Ticket
 from gateway.relay import relay
 from gateway.requests import (
     GENERATES,
@@ -73,6 +73,45 @@ class Reply:
     headers: list[tuple[str, str]]
     body: bytes = b""
     stream: AsyncIterator[bytes] | None = None
+    # A whole answer's bookkeeping (metrics, usage, its log line, its trace), for whoever writes
+    # the answer to call once it is written: none of it delays the client. Synchronous, so it
+    # runs in the loop step that wrote the answer, before the connection's next request.
+    after: Callable[[], None] | None = None
+
+
+class _Answered:
+    """What is left to do for a whole answer once it is written (`Reply.after`)."""
+
+    def __init__(self, metrics: GatewayMetrics, ticket: Ticket | None, model: str, worker_id: str, status: int,
+                 elapsed: float, payload: bytes, fields: dict[str, object], trace: RequestTrace) -> None:
+        self.metrics = metrics
+        self.ticket = ticket
+        self.model = model
+        self.worker_id = worker_id
+        self.status = status
+        self.elapsed = elapsed  # to the answer, not to this bookkeeping
+        self.payload = payload
+        self.fields = fields
+        self.trace = trace
+        self._usage: tuple[int, int] | None = None
+
+    def usage(self) -> tuple[int, int]:
+        if self._usage is None:
+            self._usage = usage_of(self.payload) if self.status == 200 else (0, 0)
+        return self._usage
+
+    def run(self) -> None:
+        status = self.status
+        prompt_tokens, completion_tokens = self.usage()
+        ticket = self.ticket
+        if ticket is not None:
+            ticket.settle_buffered(prompt_tokens, completion_tokens, status)  # (no-op once settled)
+        self.metrics.request_done(self.model, self.worker_id, status, False, self.elapsed, None,
+                                  prompt_tokens, completion_tokens)
+        log.info("gateway.request", **self.fields, status=status, ms=round(self.elapsed * 1000, 2),
+                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 error=outcomes.error_code(self.payload) if status >= 400 else None)
+        self.trace.end(status)
 
 
 # Named functions, not lambdas: mypyc compiles this module (scripts/compile.py) and
@@ -156,7 +195,7 @@ class Proxy:
         except Exception:
             trace.end(500, error="internal_error")
             raise
-        if reply.stream is None:  # a stream's trace ends with it (gateway/relay.py)
+        if reply.stream is None and reply.after is None:  # a stream's trace ends with it (gateway/relay.py)
             trace.end(reply.status)
         return reply
 
@@ -248,16 +287,11 @@ class Proxy:
         status, payload = data
         if stores and status == 200 and (response_id := response_id_of(payload)):
             await remember(self.watcher, response_id, worker.id, self.settings.responses_ttl_s)
-        elapsed = time.perf_counter() - started
-        prompt_tokens, completion_tokens = usage_of(payload) if status == 200 else (0, 0)
-        if ticket is not None:
-            await ticket.settle(prompt_tokens, completion_tokens, status)
-        self.metrics.request_done(probe.model, worker.id, status, False, elapsed, None,
-                                  prompt_tokens, completion_tokens)
-        log.info("gateway.request", **fields, status=status, ms=round(elapsed * 1000, 2),
-                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 error=outcomes.error_code(payload) if status >= 400 else None)
-        return Reply(status, headers, body=payload)
+        done = _Answered(self.metrics, ticket, probe.model, worker.id, status, time.perf_counter() - started,
+                         payload, fields, trace)
+        if ticket is not None and not ticket.settles_at_once:  # the key's token counts (Redis): before the answer
+            await ticket.settle(*done.usage(), status)
+        return Reply(status, headers, body=payload, after=done.run)
 
     def _attempt(
         self, probe: Probe, body: bytes, path: str, kind: str, session: str | None, request_id: str,

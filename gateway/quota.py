@@ -203,6 +203,18 @@ class Ticket:
             return
         await self.quota.settle(self, prompt_tokens, completion_tokens, status)
 
+    @property
+    def settles_at_once(self) -> bool:
+        """Whether `settle` does no I/O (only usage to buffer): it may then run after the answer."""
+        return not self.tenant.counts_tokens
+
+    def settle_buffered(self, prompt_tokens: int, completion_tokens: int, status: int) -> None:
+        """`settle` for a ticket that `settles_at_once`: no await."""
+        if self.settled:
+            return
+        self.settled = True
+        self.quota.buffered(self, prompt_tokens, completion_tokens, status)
+
     def settle_soon(self, prompt_tokens: int, completion_tokens: int, status: int) -> None:
         """`settle` in the background: for where the request's task is being cancelled."""
         if self.settled:
