@@ -5,6 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import EqualJitterBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 
 def connect(url: str, **kwargs: Any) -> aioredis.Redis:
@@ -16,15 +19,26 @@ def connect(url: str, **kwargs: Any) -> aioredis.Redis:
     Cluster as ``redis+cluster://[:password@]host1:7000,host2:7001`` (any reachable nodes:
     the client learns the rest and follows slot moves and failovers). Every key lives in
     one slot (the prefix is a hash tag), so a cluster gives failover, not sharding.
+
+    A command that finds its pooled connection dead (Redis restarted, a proxy or a failover
+    closed it) is sent once more on a new connection: without it, the first command on each
+    pooled connection after a restart failed (redis-py's `from_url` pools retry nothing).
+    Only a closed or refused connection is retried, not a timeout, which may have run.
     """
     kwargs.setdefault("socket_connect_timeout", 2.0)
     kwargs.setdefault("socket_timeout", 5.0)
     kwargs.setdefault("health_check_interval", 10)
+    if url.startswith("redis+cluster://"):
+        return _cluster(url, **kwargs)  # (the cluster client retries moved slots and dead nodes itself)
+    kwargs.setdefault("retry", once_more())
     if url.startswith("redis+sentinel://"):
         return _sentinel_master(url, **kwargs)
-    if url.startswith("redis+cluster://"):
-        return _cluster(url, **kwargs)
     return aioredis.from_url(url, **kwargs)
+
+
+def once_more() -> Retry:
+    """One retry, after 10-50 ms, of a command whose connection was closed or refused."""
+    return Retry(EqualJitterBackoff(cap=0.05, base=0.01), 1, supported_errors=(RedisConnectionError,))
 
 
 def _nodes(url: str, scheme: str, default_port: int) -> tuple[str | None, list[tuple[str, int]], list[str]]:
