@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import json as jsonlib
 import logging
+import os
 import sys
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -69,14 +73,23 @@ class LoopFlushedLogger:
     line is written at once. A line waits no longer than the loop iteration that logged it;
     only a process killed in that iteration loses it."""
 
-    __slots__ = ("_file", "_lines", "_pending")
+    __slots__ = ("__weakref__", "_file", "_lines", "_pending", "_thread")
 
     def __init__(self, file: object) -> None:
         self._file = file
         self._lines: list[bytes] = []
         self._pending: asyncio.AbstractEventLoop | None = None  # the loop a flush is scheduled on
+        self._thread = 0  # the thread that loop runs in
+        # A child forked inside a loop's callback is not in that loop: it looks again.
+        os.register_at_fork(after_in_child=functools.partial(_forked, weakref.ref(self)))
 
     def msg(self, message: bytes) -> None:
+        pending = self._pending
+        # The flush scheduled on a loop that still runs in this thread takes this line too (no
+        # loop lookup: under Python 3.11 it costs a getpid(2) call per line).
+        if pending is not None and self._thread == threading.get_ident() and pending.is_running():
+            self._lines.append(message)
+            return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -86,6 +99,7 @@ class LoopFlushedLogger:
         self._lines.append(message)
         if self._pending is not loop:  # (a loop that stopped before flushing does not hold lines back)
             self._pending = loop
+            self._thread = threading.get_ident()
             loop.call_soon(self.flush)
 
     def flush(self) -> None:
@@ -100,6 +114,12 @@ class LoopFlushedLogger:
 
     log = debug = info = warn = warning = msg
     fatal = failure = err = error = critical = exception = msg
+
+
+def _forked(ref: weakref.ref[LoopFlushedLogger]) -> None:
+    logger = ref()
+    if logger is not None:
+        logger._pending = None
 
 
 def _json_wrapper(min_level: int, chain: list[Any], stamper: _Stamper) -> type[Any]:

@@ -43,7 +43,7 @@ from gateway.inflight import SharedInflight
 from gateway.metrics import GatewayMetrics
 from gateway.placement import Placement
 from gateway.priorities import Priority
-from gateway.routing import Choice, Live, Policy, RequestFacts, decide
+from gateway.routing import Choice, FullAt, Live, Policy, RequestFacts, decide
 from gateway.routing.table import Slot
 from gateway.settings import GatewaySettings
 from gateway.tracing import NO_TRACE, RequestTrace
@@ -90,6 +90,7 @@ class Dispatch:
     placement: Placement
     breakers: Breakers
     waits: FirstByteWaits
+    full_at: FullAt  # settings.full_at, built once (settings do not change while the gateway runs)
 
 
 # (choice, open streaming response or None, (status, body) when not streaming)
@@ -130,7 +131,7 @@ class Attempt:
         # ("": all one line), and when a worker counts full for it (its class's share).
         self.priority = _DEFAULT_PRIORITY
         self.tenant = ""
-        self.full_at = dispatch.settings.full_at
+        self.full_at = dispatch.full_at
         # The request has a fallback model (gateway/aliases.py): when this one is full or its
         # context too small, raise at once (no queueing, no engine 400) so the fallback gets it.
         self.falls_back = False
@@ -330,7 +331,7 @@ async def _hold(attempt: Attempt, admission: Admission, slot: Slot) -> None:
     (a completion there wakes it), rather than have its engine preempt to admit it."""
     attempt.held = True
     settings = attempt.dispatch.settings
-    full_at, live, tokens = settings.full_at, attempt.dispatch.live, attempt.own_tokens
+    full_at, live, tokens = attempt.dispatch.full_at, attempt.dispatch.live, attempt.own_tokens
     got = await admission.hold(slot.id, lambda: not full_at.holds(slot, live, tokens),
                                time.monotonic() + settings.hold_max_s)
     log.debug("gateway.hold", worker_id=slot.id, model=attempt.facts.model, room=got)

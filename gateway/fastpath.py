@@ -78,7 +78,7 @@ class FastPath:
         try:
             # `watched`: the connection tells the hang-up itself, so no receive is watched.
             reply, hangup = await front.serve(gw, header, client[0] if client else None, ex.read_body,
-                                              _nothing, scope["path"], ex.kind, watched)  # type: ignore[arg-type]
+                                              _nothing, scope["path"], ex.kind, watched, ex.task)  # type: ignore[arg-type]
         except front.ClientGone:
             return
         except GatewayError as exc:
@@ -353,7 +353,7 @@ class Exchange:
 
     __slots__ = ("_chunks", "_error", "_limit", "_size", "_waiter", "default_headers", "disconnected", "flow",
                  "keep_alive", "kind", "more_body", "on_response", "response_complete", "response_started",
-                 "scope", "transport", "waiting_for_100_continue")
+                 "scope", "task", "transport", "waiting_for_100_continue")
     # uvicorn's protocol sets its request cycle's event when the connection closes; nobody waits here.
     message_event = _NoEvent()
 
@@ -377,6 +377,7 @@ class Exchange:
         self._limit = limit
         self._error: RequestTooLarge | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self.task: asyncio.Task[None] | None = None  # the task serving it, once the server starts one
 
     def _wake(self) -> None:
         waiter = self._waiter

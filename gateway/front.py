@@ -41,8 +41,8 @@ class Hangup:
 
     __slots__ = ("_receive", "_task", "_timer", "_watch", "finishing", "gone")
 
-    def __init__(self, receive: Receive, watch: bool = True) -> None:
-        task = asyncio.current_task()
+    def __init__(self, receive: Receive, watch: bool = True, task: asyncio.Task[Any] | None = None) -> None:
+        task = task or asyncio.current_task()
         assert task is not None
         self._task = task
         self._receive = receive
@@ -101,11 +101,12 @@ class Hangup:
 async def serve(
     gw: Any, header: Callable[[str], str | None], client_host: str | None, read_body: Callable[[], Awaitable[bytes]],
     receive: Receive, path: str, kind: str, watched: list[Hangup] | None = None,
+    task: asyncio.Task[Any] | None = None,
 ) -> tuple[Reply, Hangup]:
     """Admit and serve one proxied request. The Hangup keeps watching a streamed answer; it is
     stopped for a whole one. ClientGone if the client hung up first. `watched`: the server's
     list of its connection's hang-up watches, which it tells itself when the connection closes
-    (then no watcher runs)."""
+    (then no watcher runs). `task`: the task serving it, where the caller knows it."""
     started = time.perf_counter()
     key_id = ""
     try:
@@ -116,7 +117,7 @@ async def serve(
     except GatewayError as exc:
         gw.proxy.refused(exc, header, key_id, started)
         raise
-    hangup = Hangup(receive, watch=watched is None)
+    hangup = Hangup(receive, watch=watched is None, task=task)
     if watched is not None:
         watched.append(hangup)
     try:

@@ -161,7 +161,7 @@ class Proxy:
         self.live = self.placement.live(Live(self.inflight.total, self.inflight.total_tokens))
         self.inflight.on_done = self.admission.wake
         self.dispatch = Dispatch(self.settings, self.watcher, self.upstream, self.policy, self.live, self.inflight,
-                                 self.placer, self.placement, self.breakers, self.waits)
+                                 self.placer, self.placement, self.breakers, self.waits, self.settings.full_at)
     # Request ids: a random per-process prefix and a counter (no syscall per request).
     _id_prefix: str = field(default_factory=_new_prefix)
 

@@ -23,6 +23,7 @@ import msgspec
 
 from gateway.metrics import usage_of
 from gateway.upstream import sse_error
+from gateway.wire import StreamChunk
 
 DONE = b"data: [DONE]\n\n"
 
@@ -31,27 +32,8 @@ DONE = b"data: [DONE]\n\n"
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
-class _Delta(msgspec.Struct):
-    content: str | None = None
-    role: str | None = None
-    tool_calls: list[msgspec.Raw] | None = None
-
-
-class _Choice(msgspec.Struct):
-    index: int = 0
-    delta: _Delta | None = None
-    text: str | None = None
-    finish_reason: str | None = None
-
-
-class _Chunk(msgspec.Struct):
-    id: str = ""
-    created: int = 0
-    choices: list[_Choice] = msgspec.field(default_factory=list)
-    usage: dict[str, Any] | None = None
-
-
-_chunk = msgspec.json.Decoder(_Chunk)
+# (The chunk shapes live in gateway/wire.py: this module is compiled, scripts/compile.py.)
+_chunk = msgspec.json.Decoder(StreamChunk)
 
 
 def _usage_only(payload: bytes) -> bool:

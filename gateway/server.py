@@ -170,7 +170,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if type(cycle) is not Exchange:
             super()._start_asgi_task(cycle, app)
             return
-        task = self.loop.create_task(self.fast.serve_exchange(cycle, self.watched))  # type: ignore[union-attr]
+        task = cycle.task = self.loop.create_task(self.fast.serve_exchange(cycle, self.watched))  # type: ignore[union-attr]
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)
 

@@ -8,6 +8,8 @@ They live apart from the code that reads them because that code is compiled with
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 
@@ -105,3 +107,24 @@ class WithUsage(msgspec.Struct):
     usage: Usage | None = None
     # A Responses API stream's last event carries the whole response, usage inside.
     response: UsageResponse | None = None
+
+
+# A streamed chunk as gateway/resume.py decodes it (only when a stream must be resumed).
+class StreamDelta(msgspec.Struct):
+    content: str | None = None
+    role: str | None = None
+    tool_calls: list[msgspec.Raw] | None = None
+
+
+class StreamChoice(msgspec.Struct):
+    index: int = 0
+    delta: StreamDelta | None = None
+    text: str | None = None
+    finish_reason: str | None = None
+
+
+class StreamChunk(msgspec.Struct):
+    id: str = ""
+    created: int = 0
+    choices: list[StreamChoice] = msgspec.field(default_factory=list)
+    usage: dict[str, Any] | None = None

@@ -58,6 +58,7 @@ MODULES = (
     "gateway/routing/fleet.py",
     "gateway/routing/table.py",
     "gateway/routing/homes.py",
+    "gateway/resume.py",
 )
 
 

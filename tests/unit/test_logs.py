@@ -120,3 +120,44 @@ def test_the_json_info_line_is_the_one_structlogs_chain_renders(monkeypatch: pyt
     assert fast.keys() == slow.keys() == {"bound", "a", "b", "event", "gateway_pid", "level", "timestamp"}
     assert (fast["level"], slow["level"]) == ("info", "warning")
     assert fast["gateway_pid"] == 42 and fast["bound"] == "b" and fast["timestamp"].endswith("Z")
+
+
+def test_a_child_forked_inside_a_loops_callback_writes_its_lines_at_once() -> None:
+    """The child is not in the parent's loop (which would flush for it): its line is written at once."""
+    import os
+
+    logger, _raw = _logger()
+    read_end, write_end = os.pipe()
+    logger._file = os.fdopen(write_end, "wb", buffering=0)
+
+    async def main() -> None:
+        logger.info(b'{"event":"parent"}')  # a flush is now pending on this loop
+        pid = os.fork()
+        if pid == 0:  # the child: log, then leave without running anything of the loop's
+            logger.info(b'{"event":"child"}')
+            os._exit(0)
+        os.waitpid(pid, 0)  # noqa: ASYNC222 - the child exits at once; the loop must not turn meanwhile
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    logger._file.close()
+    with os.fdopen(read_end, "rb") as pipe:
+        out = pipe.read()
+    assert out == b'{"event":"child"}\n{"event":"parent"}\n'
+
+
+def test_lines_logged_from_another_thread_are_not_left_to_this_loops_flush() -> None:
+    import threading
+
+    logger, raw = _logger()
+
+    async def main() -> None:
+        logger.info(b'{"event":"loop"}')
+        worker = threading.Thread(target=logger.info, args=(b'{"event":"thread"}',))
+        worker.start()
+        worker.join()
+        assert raw.writes == [b'{"event":"thread"}\n']  # no loop in that thread: written at once
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert raw.writes == [b'{"event":"thread"}\n', b'{"event":"loop"}\n']
