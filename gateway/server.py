@@ -4,7 +4,9 @@ A request for a proxied route (POST /v1/chat/completions, /v1/completions and th
 `gateway.requests.KINDS`, by their raw path) becomes an `Exchange` (gateway/fastpath.py):
 its head as httptools parsed it, its body as it arrives, served by
 `FastPath.serve_exchange`, which writes the answer onto the connection itself. No ASGI
-scope, request cycle, message dicts or body event per request. Every other request (and a
+scope, request cycle, message dicts or body event per request. The parser's callbacks
+and the transport's reads go to `Hooks` (gateway/hooks.py, compiled), not to uvicorn's
+interpreted callbacks. Every other request (and a
 proxied one with a query string, a %-escaped path, a root path, or under uvicorn's
 limit_concurrency) is uvicorn's request cycle for the ASGI app, as before; both kinds may
 follow each other, pipelined too, on one connection.
@@ -27,10 +29,12 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
+import httptools
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from gateway.fastpath import Exchange
+from gateway.hooks import Hooks
 
 if TYPE_CHECKING:
     from gateway.fastpath import FastPath
@@ -78,26 +82,33 @@ class _Coalescing:
 
 
 class GatewayHttpProtocol(HttpToolsProtocol):
-    """uvicorn's `http="httptools"` protocol over a `_Coalescing` transport. A proxied route's
-    request becomes an `Exchange` that `fast` serves (built with functools.partial(GatewayHttpProtocol,
-    fast=...)); every other request is a uvicorn request cycle for the ASGI app, as before."""
+    """uvicorn's `http="httptools"` protocol over a `_Coalescing` transport. Where proxied routes
+    are served off the connection (built with functools.partial(GatewayHttpProtocol, fast=...)),
+    its parser calls a compiled `Hooks` (gateway/hooks.py), which turns a proxied route's
+    request into an `Exchange` for `fast` and hands every other request back to uvicorn's
+    callbacks here, for the ASGI app as before. Otherwise it is uvicorn's protocol as it is."""
 
     def __init__(self, *args: Any, fast: FastPath | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fast = fast
-        # The hang-up watches of this connection's proxied requests in flight (gateway/front.py):
-        # told when the connection closes, so no request needs a watcher task of its own.
-        self.watched: list[Hangup] = []
+        self.raw_transport: asyncio.Transport | None = None  # past _Coalescing: an Exchange's writes are whole
         self._idle_since = 0.0
-        self._in_head = False  # a request's head is arriving
         # Exchanges only where uvicorn would hand every request the app as it is (no 503 app
         # under limit_concurrency, no root path, no fresh context per task).
-        self._hot_ok = (fast is not None and self.limit_concurrency is None and not self.root_path
-                        and not self.config.reset_contextvars)
+        self.hooks: Hooks | None = None
+        self.watched: list[Hangup] = []
+        if (fast is not None and self.limit_concurrency is None and not self.root_path
+                and not self.config.reset_contextvars):
+            self.hooks = hooks = Hooks(self, fast)
+            self.parser = hooks.parser
+            self.watched = hooks.watched
+            # The transport looks this up once per connection: reads go straight to the parser.
+            self.data_received = hooks.data_received  # type: ignore[method-assign]
         if fast is not None and fast.proxy_headers is None and self.config.proxy_headers:
             fast.proxy_headers = ProxyHeadersMiddleware(_nothing, self.config.forwarded_allow_ips)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self.raw_transport = transport
         super().connection_made(_Coalescing(transport))  # type: ignore[arg-type]
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -109,74 +120,46 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         watched, self.watched = self.watched, []
         for hangup in watched:
             hangup.client_gone()
+        watched.clear()
         # The request cycle (or exchange) holds this protocol's on_response_complete, and the
-        # protocol holds it: let reference counting free both (tests/e2e/test_connection_garbage.py).
+        # protocol holds it; the hooks hold the protocol, and it holds them: let reference
+        # counting free them all (tests/e2e/test_connection_garbage.py).
         self.cycle = None  # type: ignore[assignment]
         self.pipeline.clear()
+        if self.hooks is not None:
+            self.hooks.protocol = None
 
-    # -- requests ----------------------------------------------------------------------
-    def on_message_begin(self) -> None:
-        # The ASGI scope is built once the head says whose request it is (on_headers_complete).
-        self._in_head = True
-        self.url = b""
-        self.expect_100_continue = False
-        self.headers = []
+    # -- requests (with hooks; without, uvicorn's callbacks run as they are) ---------------
+    def begin_asgi(self, url: bytes, headers: list[tuple[bytes, bytes]], expect_100_continue: bool) -> None:
+        """A request for the ASGI app, its head parsed by the hooks: uvicorn's scope and cycle."""
+        super().on_message_begin()
+        self.url, self.headers, self.expect_100_continue = url, headers, expect_100_continue
+        self.scope["headers"] = headers
+        super().on_headers_complete()
 
-    def on_headers_complete(self) -> None:
-        self._in_head = False
-        parser, fast = self.parser, self.fast
-        kind = path = None
-        if self._hot_ok and not parser.should_upgrade():
-            path, _, query = self.url.partition(b"?")
-            kind = None if query else fast.hot(parser.get_method(), path)  # type: ignore[union-attr]
-        if kind is None or path is None or fast is None:  # the ASGI app's: uvicorn's scope and cycle
-            url, headers, expect = self.url, self.headers, self.expect_100_continue
-            super().on_message_begin()
-            self.url, self.headers, self.expect_100_continue = url, headers, expect
-            self.scope["headers"] = headers
-            super().on_headers_complete()
+    def parse_failed(self, exc: Exception) -> None:
+        """What uvicorn's data_received does when the parser raises."""
+        if isinstance(exc, httptools.HttpParserUpgrade):
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
             return
-        existing = self.cycle
-        self.cycle = ex = Exchange(  # type: ignore[assignment]
-            kind,
-            {"type": "http", "path": path.decode("ascii"), "headers": self.headers, "client": self.client,
-             "scheme": self.scheme},
-            self.transport._transport,  # type: ignore[attr-defined]  # past _Coalescing: every write is whole
-            self.flow, self.server_state.default_headers,
-            parser.get_http_version() != "1.0" and parser.should_keep_alive(),
-            self.expect_100_continue, fast.max_body_bytes(), self.on_response_complete,
-        )
-        if existing is None or existing.response_complete:
-            self._start_asgi_task(ex, None)  # type: ignore[arg-type]
-        else:  # pipelined behind a request still being answered
-            self.flow.pause_reading()
-            self.pipeline.appendleft((ex, None))  # type: ignore[arg-type]
-
-    def on_body(self, body: bytes) -> None:
-        cycle = self.cycle
-        if type(cycle) is Exchange:
-            cycle.feed(body)
-        else:
-            super().on_body(body)
-
-    def on_message_complete(self) -> None:
-        cycle = self.cycle
-        if type(cycle) is Exchange:
-            cycle.end()
-        else:
-            super().on_message_complete()
+        msg = "Invalid HTTP request received."
+        self.logger.warning(msg)
+        self.send_400_response(msg)
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-        if type(cycle) is not Exchange:
+        if type(cycle) is Exchange and self.hooks is not None:
+            self.hooks.start(cycle)
+        else:
             super()._start_asgi_task(cycle, app)
-            return
-        task = cycle.task = self.loop.create_task(self.fast.serve_exchange(cycle, self.watched))  # type: ignore[union-attr]
-        task.add_done_callback(self.tasks.discard)
-        self.tasks.add(task)
 
     # -- keep-alive: a timer per idle spell, not one armed and cancelled per request ------
     def _unset_keepalive_if_required(self) -> None:
-        return None  # the timer looks for itself when it fires (timeout_keep_alive_handler)
+        if self.hooks is None:
+            super()._unset_keepalive_if_required()
+        # else the timer looks for itself when it fires (timeout_keep_alive_handler)
 
     def _stop_timer(self) -> None:
         if self.timeout_keep_alive_task is not None:
@@ -188,6 +171,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         super().handle_websocket_upgrade()
 
     def on_response_complete(self) -> None:
+        if self.hooks is None:
+            super().on_response_complete()
+            return
         self.server_state.total_requests += 1
         if self.transport.is_closing():
             return
@@ -206,8 +192,11 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.timeout_keep_alive_task = None
         if self.transport.is_closing():
             return
+        if self.hooks is None:
+            super().timeout_keep_alive_handler()
+            return
         cycle = self.cycle
-        if self._in_head or self.pipeline or (cycle is not None and not cycle.response_complete):
+        if self.hooks.in_head or self.pipeline or (cycle is not None and not cycle.response_complete):
             return
         left = self._idle_since + self.timeout_keep_alive - self.loop.time()
         if left <= 0:

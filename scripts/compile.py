@@ -39,6 +39,7 @@ MANIFEST = ROOT / "gateway" / "_accel.json"
 MODULES = (
     "gateway/fastpath.py",
     "gateway/front.py",
+    "gateway/hooks.py",
     "gateway/proxy.py",
     "gateway/attempts.py",
     "gateway/engine_conn.py",

@@ -38,6 +38,10 @@ def served(redis_url: str, prefix: str) -> Iterator[tuple[int, list[weakref.ref[
 
     def protocol(*args: object, **kwargs: object) -> GatewayHttpProtocol:
         proto = GatewayHttpProtocol(*args, fast=asgi, **kwargs)  # type: ignore[arg-type]
+        # The parser and the transport's reads go to the compiled hooks (gateway/hooks.py),
+        # which hold the protocol: connection_lost must let go of it for this test to pass.
+        assert proto.hooks is not None and proto.parser is proto.hooks.parser
+        assert proto.data_received.__self__ is proto.hooks  # type: ignore[attr-defined]
         made.append(weakref.ref(proto))
         return proto
 
