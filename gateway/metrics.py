@@ -48,7 +48,9 @@ def usage_of(payload: bytes) -> tuple[int, int]:
 
     (0, 0) when it carries no usage. Only `usage` is decoded; msgspec skips the rest.
     """
-    if b'"usage"' not in payload:
+    # find(), not `in`: bytes.__contains__ first tries the needle as an int, which raises
+    # (and formats) a TypeError each call under CPython 3.11.
+    if payload.find(b'"usage"') < 0:
         return 0, 0
     if payload.startswith(b"event:"):  # a named event (the Responses API's): its data line
         payload = payload.partition(b"\ndata:")[2]

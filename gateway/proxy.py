@@ -108,7 +108,9 @@ class _Answered:
             ticket.settle_buffered(prompt_tokens, completion_tokens, status)  # (no-op once settled)
         self.metrics.request_done(self.model, self.worker_id, status, False, self.elapsed, None,
                                   prompt_tokens, completion_tokens)
-        log.info("gateway.request", **self.fields, status=status, ms=round(self.elapsed * 1000, 2),
+        # bind(): the lazy proxy's `info` would be found only after a failed lookup (an
+        # AttributeError built and dropped per request); bind() is a plain attribute.
+        log.bind().info("gateway.request", **self.fields, status=status, ms=round(self.elapsed * 1000, 2),
                  prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                  error=outcomes.error_code(self.payload) if status >= 400 else None)
         self.trace.end(status)

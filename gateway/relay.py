@@ -92,7 +92,8 @@ async def relay(
                                 data = await read()
                                 continue
                             for piece in out:
-                                if b'"usage":{' in piece or b'"usage": {' in piece:
+                                # find(), not `in`: see gateway/resume.py's _usage_only.
+                                if piece.find(b'"usage":{') >= 0 or piece.find(b'"usage": {') >= 0:
                                     usage = usage_of(piece)
                                     if usage[1]:
                                         tokens = usage
@@ -178,7 +179,7 @@ async def relay(
             str(fields["model"]), worker.id, 200, True, elapsed,
             first_chunk_ms / 1000 if first_chunk_ms is not None else None, *tokens,
         )
-        log.info(
+        log.bind().info(  # bind(): see _Answered.run in gateway/proxy.py
             "gateway.request", **fields, final_worker=worker.id, status=200, outcome=outcome,
             resumes=resumes, ttft_ms=first_chunk_ms, ms=round(elapsed * 1000, 2),
             prompt_tokens=tokens[0], completion_tokens=tokens[1],

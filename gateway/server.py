@@ -55,7 +55,7 @@ class _Coalescing:
         if held is not None:
             self._held = None
             self._transport.write(held + data)
-        elif data.endswith(b"\r\n\r\n") and data.startswith(b"HTTP/1.1 ") and b"\r\ncontent-length: " in data:
+        elif data.endswith(b"\r\n\r\n") and data.startswith(b"HTTP/1.1 ") and data.find(b"\r\ncontent-length: ") >= 0:
             self._held = data
         else:
             self._transport.write(data)
@@ -76,6 +76,9 @@ class _Coalescing:
     def abort(self) -> None:
         self._held = None
         self._transport.abort()
+
+    def is_closing(self) -> bool:  # asked once per answer: not through __getattr__'s failed lookup first
+        return self._transport.is_closing()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
