@@ -31,11 +31,13 @@ class Hooks:
     def __init__(self, protocol: Any, fast: FastPath) -> None:
         self.protocol: Any = protocol  # a GatewayHttpProtocol; None once its connection is lost
         self.fast = fast
-        self.parser = HttpRequestParser(self)
+        parser = HttpRequestParser(self)
         try:  # as uvicorn sets its own parser (httptools >= 0.6.3)
-            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+            parser.set_dangerous_leniencies(lenient_data_after_close=True)
         except AttributeError:  # pragma: no cover
             pass
+        # It holds this object's callbacks, and this object holds it: `close` lets go.
+        self.parser: HttpRequestParser | None = parser
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
         self.expect_100_continue = False
@@ -44,9 +46,18 @@ class Hooks:
         # told when the connection closes, so no request needs a watcher task of its own.
         self.watched: list[Hangup] = []
 
+    def close(self) -> None:
+        """The connection is gone: let go of the protocol and of the parser, so that reference
+        counting frees all three (tests/e2e/test_connection_garbage.py)."""
+        self.protocol = None
+        self.parser = None
+
     def data_received(self, data: bytes) -> None:
+        parser = self.parser
+        if parser is None:
+            return
         try:
-            self.parser.feed_data(data)
+            parser.feed_data(data)
         except (HttpParserError, HttpParserUpgrade) as exc:
             protocol = self.protocol
             if protocol is not None:
@@ -70,7 +81,7 @@ class Hooks:
     def on_headers_complete(self) -> None:
         self.in_head = False
         protocol, parser = self.protocol, self.parser
-        if protocol is None:
+        if protocol is None or parser is None:
             return
         kind: str | None = None
         path = b""

@@ -125,12 +125,12 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             hangup.client_gone()
         watched.clear()
         # The request cycle (or exchange) holds this protocol's on_response_complete, and the
-        # protocol holds it; the hooks hold the protocol, and it holds them: let reference
-        # counting free them all (tests/e2e/test_connection_garbage.py).
+        # protocol holds it; the hooks hold the protocol and their parser, and both hold the
+        # hooks: let reference counting free them all (tests/e2e/test_connection_garbage.py).
         self.cycle = None  # type: ignore[assignment]
         self.pipeline.clear()
         if self.hooks is not None:
-            self.hooks.protocol = None
+            self.hooks.close()
 
     # -- requests (with hooks; without, uvicorn's callbacks run as they are) ---------------
     def begin_asgi(self, url: bytes, headers: list[tuple[bytes, bytes]], expect_100_continue: bool) -> None:
