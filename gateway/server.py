@@ -103,7 +103,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if (fast is not None and self.limit_concurrency is None and not self.root_path
                 and not self.config.reset_contextvars):
             self.hooks = hooks = Hooks(self, fast)
-            self.parser = hooks.parser
+            self.parser = hooks.parser  # type: ignore[assignment]  # (None only once closed)
             self.watched = hooks.watched
             # The transport looks this up once per connection: reads go straight to the parser.
             self.data_received = hooks.data_received  # type: ignore[method-assign]
