@@ -182,7 +182,8 @@ class _Conn(asyncio.Protocol):
         self.loop = loop
         self.key = key
         self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
+        # It holds this connection's callbacks, and the connection holds it: connection_lost lets go.
+        self.parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self.response: Response | None = None
         self.closed = False
         self.idle_since = 0.0
@@ -202,9 +203,12 @@ class _Conn(asyncio.Protocol):
         if self.response is None:  # nothing asked: an engine closing an idle connection says so
             self.abort()
             return
+        parser = self.parser
+        if parser is None:
+            return
         self.got_bytes = True
         try:
-            self.parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._deliver()
             self._lost(ConnectionError(f"malformed answer from the engine: {exc}"))
@@ -226,6 +230,7 @@ class _Conn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.transport = None
+        self.parser = None  # (reference counting frees both: tests/unit/test_engine_conn.py)
         if self.response is None:
             self.pool.discard(self)  # an idle connection the engine closed (or the engine went away)
         if self.draining is not None:
@@ -252,10 +257,10 @@ class _Conn(asyncio.Protocol):
             self.framed = True
 
     def on_headers_complete(self) -> None:
-        resp = self.response
-        if resp is not None:
-            resp.status = self.parser.get_status_code()
-            self.keep_alive = self.parser.should_keep_alive()
+        resp, parser = self.response, self.parser
+        if resp is not None and parser is not None:
+            resp.status = parser.get_status_code()
+            self.keep_alive = parser.should_keep_alive()
             resp._wake()
 
     def on_body(self, body: bytes) -> None:

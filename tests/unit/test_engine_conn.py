@@ -4,12 +4,13 @@ against small real servers on loopback that misbehave in the ways engines do."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from gateway.engine_conn import Target
+from gateway.engine_conn import Target, _Conn
 from gateway.errors import UpstreamError, UpstreamTimeout
 from gateway.upstream import Upstream
 
@@ -236,6 +237,35 @@ async def test_the_pool_forgets_an_engine_once_its_idle_connection_is_closed(ser
             break
         await asyncio.sleep(0.01)
     assert pool._idle == {}
+
+
+def _closed_conns() -> list[_Conn]:
+    return [o for o in gc.get_objects() if type(o) is _Conn and o.closed]
+
+
+async def test_a_connection_the_engine_closed_is_freed_without_the_cycle_collector(serve, upstream) -> None:
+    """A connection and its parser hold each other: once closed, it lets go, so that reference
+    counting frees both (the gateway runs the collector rarely: gateway/gctune.py)."""
+    async def answer(reader, writer, n):
+        writer.write(whole(extra=b"connection: close\r\n"))
+        await writer.drain()
+        return False  # the engine closes each connection after its answer, as it said
+
+    server = await serve(answer)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(5):
+            assert (await post(upstream, server.url))[0] == 200
+        for _ in range(200):
+            if not _closed_conns():
+                break
+            await asyncio.sleep(0.01)
+        left = len(_closed_conns())
+    finally:
+        gc.enable()
+    assert server.connections == 5
+    assert left == 0
 
 
 def test_a_header_value_holding_cr_or_lf_is_left_out_of_the_engine_request() -> None:
