@@ -11,7 +11,9 @@ proxied one with a query string, a %-escaped path, a root path, or under uvicorn
 limit_concurrency) is uvicorn's request cycle for the ASGI app, as before; both kinds may
 follow each other, pipelined too, on one connection.
 
-The keep-alive timer is armed once per idle spell, not once per request: when it fires it
+On a connection with hooks (every one where proxied routes are served off the connection;
+otherwise uvicorn's timer runs as it is), the keep-alive timer is armed once per idle spell,
+not once per request: when it fires it
 closes a connection idle for `timeout_keep_alive` since its last answer, re-arms for what is
 left of that, or leaves a connection with a request (or a request's head) in flight alone
 until its answer is out. uvicorn arms one per answer and cancels it at the next request.
