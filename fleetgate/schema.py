@@ -79,6 +79,9 @@ class Load(msgspec.Struct, kw_only=True, frozen=True):
     running: int = 0
     waiting: int = 0
     kv_cache_usage: float = 0.0
+    # True when kv_cache_usage is the engine's own gauge from this scrape (False: the engine
+    # exports none, or its metrics did not parse): only then does routing take it as the truth.
+    kv_measured: bool = False
     prefix_cache_queries: float = 0.0
     prefix_cache_hits: float = 0.0
     preemptions: float = 0.0

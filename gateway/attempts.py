@@ -44,7 +44,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.placement import Placement
 from gateway.priorities import Priority
 from gateway.routing import Choice, FullAt, Live, Policy, RequestFacts, decide
-from gateway.routing.table import Slot
+from gateway.routing.table import REPORT_GROWTH_TOKENS, Slot
 from gateway.settings import GatewaySettings
 from gateway.tracing import NO_TRACE, RequestTrace
 from gateway.upstream import RETRYABLE_STATUS, Response, Upstream, openai_error_body
@@ -122,8 +122,12 @@ class Attempt:
         # The KV tokens this request holds on its worker by the gateway's account: its own
         # prompt tokens and completion budget, and the prefix it shares with its key's others.
         self.prefix = facts.prefix_tokens
-        self.own_tokens = max(0, facts.prompt_tokens - self.prefix) + (
-            facts.max_tokens or _DEFAULT_COMPLETION_TOKENS)
+        own_prompt = max(0, facts.prompt_tokens - self.prefix)
+        budget = facts.max_tokens or _DEFAULT_COMPLETION_TOKENS
+        self.own_tokens = own_prompt + budget
+        # What it adds before its engine's next report, where the engine measures its KV use.
+        self.fresh = own_prompt + min(budget, REPORT_GROWTH_TOKENS)
+        self.epoch = 0
         self.key = facts.affinity_key
         self.headers = FORWARD_HEADERS
         self.trace: RequestTrace = NO_TRACE
@@ -136,13 +140,18 @@ class Attempt:
         # context too small, raise at once (no queueing, no engine 400) so the fallback gets it.
         self.falls_back = False
 
+    def kv_tokens(self, slot: Slot) -> int:
+        """The KV tokens this request counts for on `slot` when deciding whether it fits: until
+        the next report where its engine measures KV use, else its whole account."""
+        return self.fresh if slot.measured else self.own_tokens
+
     def hold(self, worker_id: str) -> None:
-        self.dispatch.inflight.add(worker_id, self.own_tokens, self.key, self.prefix)
+        self.epoch = self.dispatch.inflight.add(worker_id, self.own_tokens, self.key, self.prefix, self.fresh)
         if self.facts.adapter:  # never evicted while in flight; a busy adapter gets a replica
             self.dispatch.placer.started(worker_id, self.facts.model)
 
     def release(self, worker_id: str) -> None:
-        self.dispatch.inflight.done(worker_id, self.own_tokens, self.key, self.prefix)
+        self.dispatch.inflight.done(worker_id, self.own_tokens, self.key, self.prefix, self.fresh, self.epoch)
         if self.facts.adapter:
             self.dispatch.placer.finished(worker_id, self.facts.model)
 
@@ -248,9 +257,10 @@ class Attempt:
                           full_at=full_at)
         if decision.verdict == "saturated":
             raise Saturated
-        if full_at is not None and not self.held and decision.choices and full_at.holds(
-                decision.choices[0].slot, dispatch.live, self.own_tokens):
-            raise Held(decision.choices[0].slot)
+        if full_at is not None and not self.held and decision.choices:
+            slot = decision.choices[0].slot
+            if full_at.holds(slot, dispatch.live, self.kv_tokens(slot)):
+                raise Held(slot)
         if decision.verdict == "context_length" and self.floor + (self.facts.max_tokens or 0) < decision.limit:
             # Only an estimate says it does not fit: let the roomiest workers' engines decide.
             roomiest = replace(self.facts, prompt_tokens=decision.limit - 1, max_tokens=None)
@@ -331,7 +341,7 @@ async def _hold(attempt: Attempt, admission: Admission, slot: Slot) -> None:
     (a completion there wakes it), rather than have its engine preempt to admit it."""
     attempt.held = True
     settings = attempt.dispatch.settings
-    full_at, live, tokens = attempt.dispatch.full_at, attempt.dispatch.live, attempt.own_tokens
+    full_at, live, tokens = attempt.dispatch.full_at, attempt.dispatch.live, attempt.kv_tokens(slot)
     got = await admission.hold(slot.id, lambda: not full_at.holds(slot, live, tokens),
                                time.monotonic() + settings.hold_max_s)
     log.debug("gateway.hold", worker_id=slot.id, model=attempt.facts.model, room=got)

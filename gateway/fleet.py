@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -108,6 +108,14 @@ class FleetWatcher:
         self._read_at = 0.0  # monotonic time of the last successful read
         # Worker id -> (when its agent was last told its record is ignored, when it was logged).
         self._told: dict[str, tuple[float, float]] = {}
+        # Called with the workers of every new snapshot (the in-flight account resets what
+        # each new engine report covers).
+        self._listeners: list[Callable[[Sequence[WorkerView]], None]] = []
+
+    def on_refresh(self, listener: Callable[[Sequence[WorkerView]], None]) -> None:
+        """Call `listener` with the workers of each new snapshot, the current one first."""
+        self._listeners.append(listener)
+        listener(self.snapshot.workers)
 
     def current(self) -> FleetSnapshot:
         """The snapshot now (for those that hold the reader, not the watcher)."""
@@ -175,6 +183,8 @@ class FleetWatcher:
         self.degraded = False
         self.last_error = ""
         self._ready.set()
+        for listener in self._listeners:
+            listener(self.snapshot.workers)
         _log_changes(old, self.snapshot)
 
     async def _rejected(self, rejected: dict[str, str]) -> None:

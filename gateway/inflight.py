@@ -2,8 +2,15 @@
 
 Beside the count, the KV tokens those requests hold by the gateway's estimate (each
 request's own prompt tokens and completion budget, plus a shared prefix once per worker
-while any request using it is in flight there): the live account routing weighs load by
-and sheds on, instead of a second-old engine gauge.
+while any request using it is in flight there): routing's stand-in for an engine that does
+not measure its KV use.
+
+Where the engine does measure it, its report is the truth, and the gateway only predicts
+what the report does not cover yet: the KV tokens sent to each worker since its last report
+(`fresh`: each request's own prompt and the growth it can make before the next report, its
+shared prefix when no request in flight there holds it already). Each new report, seen in a
+new fleet snapshot (`reported`), starts the worker's count again; a request that ends
+before the next report takes its share back out.
 
 The request path only touches the local dicts (an increment and a decrement). A
 background task publishes the local counts about ten times a second under a lease
@@ -17,16 +24,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import structlog
 
 from fleetgate.registry import Registry
+from fleetgate.schema import WorkerView
 
 log = structlog.get_logger("gateway.inflight")
 
-# Token counts travel in the same Redis hash as the request counts, under this prefix.
+# Token counts travel in the same Redis hash as the request counts, under these prefixes.
 TOKENS_FIELD = "~t:"
+FRESH_FIELD = "~f:"
 
 
 class _Tokens(Mapping[str, int]):
@@ -65,6 +74,13 @@ class SharedInflight(Mapping[str, int]):
         # reads (`Live`), a C-level dict lookup per worker instead of a method call.
         self.total: dict[str, int] = {}
         self.total_tokens: dict[str, int] = {}
+        # KV tokens sent since each worker's last engine report (this gateway's, the others',
+        # the sum routing reads), and which report that is (its count, and its time).
+        self.local_fresh: dict[str, int] = {}
+        self.remote_fresh: dict[str, int] = {}
+        self.total_fresh: dict[str, int] = {}
+        self.epoch: dict[str, int] = {}
+        self._report_ts: dict[str, float] = {}
         # (worker, affinity key) -> requests in flight there that share that key's prefix.
         self._sharing: dict[tuple[str, int], int] = {}
         # Called after every completion (the admission queue re-checks for room).
@@ -74,9 +90,10 @@ class SharedInflight(Mapping[str, int]):
 
     # -- the request path ----------------------------------------------------------
 
-    def add(self, worker_id: str, tokens: int = 0, key: int | None = None, prefix: int = 0) -> None:
+    def add(self, worker_id: str, tokens: int = 0, key: int | None = None, prefix: int = 0, fresh: int = 0) -> int:
         """One request in flight on `worker_id`, holding `tokens` of its own and sharing the
-        `prefix` tokens of affinity `key` with the others in flight there."""
+        `prefix` tokens of affinity `key` with the others in flight there; of its own, `fresh`
+        until the engine's next report. Returns that report's number, for `done`."""
         n = self.local[worker_id] = self.local.get(worker_id, 0) + 1
         self.total[worker_id] = n + self.remote.get(worker_id, 0)
         if key is not None and prefix:
@@ -84,12 +101,31 @@ class SharedInflight(Mapping[str, int]):
             self._sharing[(worker_id, key)] = sharing + 1
             if sharing == 0:
                 tokens += prefix
+                fresh += prefix
         if tokens:
             held = self.local_tokens[worker_id] = self.local_tokens.get(worker_id, 0) + tokens
             self.total_tokens[worker_id] = held + self.remote_tokens.get(worker_id, 0)
+        if fresh:
+            sent = self.local_fresh[worker_id] = self.local_fresh.get(worker_id, 0) + fresh
+            self.total_fresh[worker_id] = sent + self.remote_fresh.get(worker_id, 0)
+        return self.epoch.get(worker_id, 0)
 
-    def done(self, worker_id: str, tokens: int = 0, key: int | None = None, prefix: int = 0) -> None:
-        """The request `add` counted (same arguments) has finished."""
+    def done(self, worker_id: str, tokens: int = 0, key: int | None = None, prefix: int = 0, fresh: int = 0,
+             epoch: int = -1) -> None:
+        """The request `add` counted (same arguments, and the report number it returned) has
+        finished. Ended before the engine's next report, its `fresh` tokens go: no report will
+        count them."""
+        if fresh and epoch == self.epoch.get(worker_id, 0) and worker_id in self.local_fresh:
+            sent = self.local_fresh[worker_id] - fresh
+            if sent > 0:
+                self.local_fresh[worker_id] = sent
+            else:
+                del self.local_fresh[worker_id]
+                sent = 0
+            if t := sent + self.remote_fresh.get(worker_id, 0):
+                self.total_fresh[worker_id] = t
+            else:
+                self.total_fresh.pop(worker_id, None)
         left = self.local.get(worker_id, 1) - 1
         if left > 0:
             self.local[worker_id] = left
@@ -133,6 +169,22 @@ class SharedInflight(Mapping[str, int]):
     def __len__(self) -> int:
         return len(self.local.keys() | self.remote.keys())
 
+    def reported(self, workers: Iterable[WorkerView]) -> None:
+        """The workers of a new fleet snapshot: one with a new engine report starts its `fresh`
+        count again (the report covers what was sent before it)."""
+        seen = self._report_ts
+        for view in workers:
+            worker_id, ts = view.info.id, view.load.ts
+            if seen.get(worker_id) == ts:
+                continue
+            seen[worker_id] = ts
+            self.epoch[worker_id] = self.epoch.get(worker_id, 0) + 1
+            if self.local_fresh.pop(worker_id, None) is not None:
+                if remote := self.remote_fresh.get(worker_id, 0):
+                    self.total_fresh[worker_id] = remote
+                else:
+                    self.total_fresh.pop(worker_id, None)
+
     # -- background sync --------------------------------------------------------------
 
     def start(self) -> None:
@@ -149,6 +201,7 @@ class SharedInflight(Mapping[str, int]):
     async def sync(self) -> None:
         counts: dict[str, int] = dict(self.local)
         counts.update({TOKENS_FIELD + w: t for w, t in self.local_tokens.items()})
+        counts.update({FRESH_FIELD + w: t for w, t in self.local_fresh.items()})
         await self.registry.publish_inflight(self.gateway_id, counts, self.lease_s)
         remote = await self.registry.read_inflight(exclude_gateway=self.gateway_id)
         self._set_remote(remote)
@@ -159,13 +212,17 @@ class SharedInflight(Mapping[str, int]):
         n = len(TOKENS_FIELD)
         self.remote.clear()
         self.remote_tokens.clear()
+        self.remote_fresh.clear()
         for field, value in remote.items():
             if field.startswith(TOKENS_FIELD):
                 self.remote_tokens[field[n:]] = value
+            elif field.startswith(FRESH_FIELD):
+                self.remote_fresh[field[len(FRESH_FIELD):]] = value
             else:
                 self.remote[field] = value
         _sum_into(self.total, self.local, self.remote)
         _sum_into(self.total_tokens, self.local_tokens, self.remote_tokens)
+        _sum_into(self.total_fresh, self.local_fresh, self.remote_fresh)
 
     async def _loop(self) -> None:
         failing = False

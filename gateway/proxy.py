@@ -160,7 +160,9 @@ class Proxy:
             static = Routes(self.settings.aliases, self.settings.fallbacks)
             self.routes = _constant(static)
         self.waits = FirstByteWaits(self.watcher.current)
-        self.live = self.placement.live(Live(self.inflight.total, self.inflight.total_tokens))
+        self.live = self.placement.live(Live(self.inflight.total, self.inflight.total_tokens,
+                                            fresh=self.inflight.total_fresh))
+        self.watcher.on_refresh(self.inflight.reported)
         self.inflight.on_done = self.admission.wake
         self.dispatch = Dispatch(self.settings, self.watcher, self.upstream, self.policy, self.live, self.inflight,
                                  self.placer, self.placement, self.breakers, self.waits, self.settings.full_at)

@@ -36,6 +36,7 @@ def _worker_json(w: WorkerView, inflight: int) -> dict[str, object]:
         "max_model_len": info.max_model_len,
         "pooling": info.pooling,
         "capacity": info.capacity,
+        "kv_tokens": info.kv_tokens,
         "speed": info.speed,
         "gpu": msgspec.to_builtins(info.gpu) if info.gpu else None,
         "host": info.host,
@@ -43,6 +44,8 @@ def _worker_json(w: WorkerView, inflight: int) -> dict[str, object]:
             "running": w.load.running,
             "waiting": w.load.waiting,
             "kv_cache_usage": w.load.kv_cache_usage,
+            # The engine measured it (routing takes it as the truth), or reports none.
+            "kv_measured": w.load.kv_measured,
             "inflight": inflight,
         },
         "circuit": {"state": "open", "reason": w.circuit} if w.circuit else {"state": "closed"},

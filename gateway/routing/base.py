@@ -41,40 +41,60 @@ class Live:
     # Where affinity keys live and the work placed on each worker (gateway/routing/homes.py);
     # None: no placement (a new key goes by load alone).
     homes: Homes | None = None
+    # KV tokens the engine's last report does not cover yet, per worker: the growth its running
+    # requests were expected to make until the next report, plus what the gateways sent there
+    # since (gateway/inflight.py). Added to the engine's measured KV use, it predicts between
+    # two reports; each report replaces the prediction.
+    fresh: Mapping[str, int] = field(default_factory=dict)
 
     @staticmethod
     def of(inflight: Mapping[str, int] | Live) -> Live:
         return inflight if type(inflight) is Live else Live(inflight)  # type: ignore[arg-type]
 
 
+def kv_in_use(slot: Slot, live: Live) -> float:
+    """The KV tokens `slot`'s engine holds now: its own measured figure plus what its last report
+    does not cover yet; where the engine measures none, the gateway's account of its requests
+    (each one's prompt and whole completion budget)."""
+    if slot.measured:
+        return slot.kv_held + live.fresh.get(slot.id, 0)
+    return live.tokens.get(slot.id, 0)
+
+
 @dataclass(frozen=True, slots=True)
 class FullAt:
-    """When a worker counts as full, for load shedding: by the gateway's own account only.
+    """When a worker counts as full, for load shedding and holding.
 
-    A second-old engine gauge never sheds on its own: a worker with free sequence slots and
-    free KV by the gateway's account is never full.
+    What the engine measures is the truth: where it reports its KV use, a worker is full by
+    that figure (plus the prediction since the report, and its own queue), never by the
+    completion budgets the gateway has sent it. A second-old gauge never sheds on its own
+    either: a worker with free sequence slots by the gateway's account and KV room by its
+    engine's report is never full. Where the engine reports no KV use, the gateway's
+    account (each request's prompt and whole completion budget) stands in.
     """
 
     # Requests in flight at or above capacity x (1 + queue_ratio), or (where the engine's
-    # KV size is known) the KV tokens they hold at or above its cache x (1 + queue_ratio).
+    # KV size is known) KV demand at or above its cache x (1 + queue_ratio): what the engine
+    # holds and what it queues.
     queue_ratio: float = 1.0
     # Where the KV size is unknown: at capacity by the account, and the engine reports a
     # queue with its cache this full.
     kv: float = 0.98
     # Hold a request in the gateway, briefly, rather than send it to a worker whose KV cache
-    # it would push past this share by the account (0: never): an engine that admits more
-    # than its cache holds preempts running requests to make room. 0 turns it off.
+    # it would push past this share (0: never): an engine that admits more than its cache
+    # holds preempts running requests to make room. 0 turns it off.
     hold_kv: float = 1.0
     # The share of that limit a request's priority class may fill (gateway/priorities.py):
     # below 1 its class counts a worker full earlier, leaving room for the classes above.
     share: float = 1.0
 
     def holds(self, slot: Slot, live: Live, tokens: int) -> bool:
-        """True when `tokens` more would take `slot` past `hold_kv` of its KV cache by the
-        account, while it has requests in flight (their completions make room)."""
+        """True when `tokens` more would take `slot` past `hold_kv` of its KV cache, while it
+        has requests in flight (their completions make room). `tokens`: what the request takes
+        until the next report where the engine measures its KV, else its whole account."""
         if not self.hold_kv or not slot.kv_tokens or not live.requests.get(slot.id, 0):
             return False
-        return live.tokens.get(slot.id, 0) + tokens > self.hold_kv * slot.kv_tokens
+        return kv_in_use(slot, live) + tokens > self.hold_kv * slot.kv_tokens
 
     def why(self, slot: Slot, live: Live) -> str | None:
         """The limit `slot` is at ("slots", "kv"), or None when it has room."""
@@ -82,6 +102,12 @@ class FullAt:
         share = self.share
         if requests >= slot.capacity * (1.0 + self.queue_ratio) * share:
             return "slots"
+        if slot.measured:
+            # What it holds, and its queue: each waiting request sized like its running ones
+            # (the engine's figures both; the completion budgets sent say nothing of either).
+            queued = slot.waiting * slot.kv_held / max(slot.running, 1) if slot.waiting else 0.0
+            demand = kv_in_use(slot, live) + queued
+            return "kv" if demand >= slot.kv_tokens * (1.0 + self.queue_ratio) * share else None
         if slot.kv_tokens:
             return "kv" if live.tokens.get(slot.id, 0) >= slot.kv_tokens * (1.0 + self.queue_ratio) * share else None
         if requests >= slot.capacity * share and slot.waiting > 0 and slot.kv >= self.kv:

@@ -2,10 +2,10 @@
 
 1. Load: each worker's cost is the larger of its sequence use (requests in flight by the
    gateways' own account, fresh, plus half of what the engine reports beyond that, which is
-   other clients' work) and its KV use (the KV tokens those requests hold by the gateway's
-   estimate, over the cache size the engine declared; the engine's own gauge only where
-   that size is unknown), divided by its card's speed. No decision flips on one second-old
-   gauge, and a jitter of a few percent (a hash of the request counter, so still pure)
+   other clients' work) and its KV use (what the engine measured in its last report plus
+   what its report does not cover yet, over the cache size it declared; where it measures
+   none, the KV tokens the gateway's requests hold by its estimate), divided by its card's
+   speed. A jitter of a few percent (a hash of the request counter, so still pure)
    breaks near-ties differently for each request, so concurrent decisions and replicas do
    not move together.
 2. Affinity: a key (system prompt, session, prompt head) is placed once on the worker with
@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Self
 
 import msgspec
 
-from gateway.routing.base import Choice, Live, RequestFacts, best
+from gateway.routing.base import Choice, Live, RequestFacts, best, kv_in_use
 from gateway.routing.records import FleetOptions
 from gateway.routing.table import ModelRoutes, Slot
 
@@ -48,11 +48,13 @@ class FleetPolicy:
         self.opts = options or FleetOptions()
 
     def saturated(self, s: Slot, live: Live) -> bool:
-        """At its sequence slots or `kv_high` of its KV cache, by the gateway's account."""
+        """At its sequence slots by the gateway's account, or at `kv_high` of its KV cache (the
+        engine's measured use and the prediction since its report; the account where it
+        measures none)."""
         if live.requests.get(s.id, 0) >= s.capacity:
             return True
         if s.kv_tokens:
-            return live.tokens.get(s.id, 0) >= self.opts.kv_high * s.kv_tokens
+            return kv_in_use(s, live) >= self.opts.kv_high * s.kv_tokens
         return s.waiting > 0 and s.kv >= self.opts.kv_high
 
     def rank(
@@ -61,6 +63,7 @@ class FleetPolicy:
         opts = self.opts
         requests = live.requests.get
         tokens = live.tokens.get
+        fresh = live.fresh.get
         foreign_weight = opts.foreign_weight
         # A cheap per-request spread: the slot's fixed 16 bits mixed with the request counter's.
         jitter = opts.jitter * _JITTER_SCALE
@@ -73,7 +76,10 @@ class FleetPolicy:
             r = requests(wid, 0)
             foreign = s.engine_busy - r
             seats = (r + foreign_weight * foreign if foreign > 0 else r) / s.capacity
-            kv = tokens(wid, 0) / s.kv_tokens if s.kv_tokens else s.kv
+            if s.measured:  # the engine's figure, and what its report does not cover yet
+                kv = (s.kv_held + fresh(wid, 0)) / s.kv_tokens
+            else:
+                kv = tokens(wid, 0) / s.kv_tokens if s.kv_tokens else s.kv
             x = (((seats if seats > kv else kv) / s.speed) * (1.0 + jitter * (((s.spin ^ spin) * 0x2545) & 0xFFFF)),
                  wid, s)
             scored.append(x)

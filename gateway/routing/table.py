@@ -19,14 +19,19 @@ from fleetgate.schema import WorkerView
 # MIN_VNODES): enough to spread keys evenly over a few workers.
 VNODES = 40
 MIN_VNODES = 4
+# The KV tokens a sequence can add before its engine's next report (a second or so of
+# decoding): between two reports, each running sequence is predicted to grow this much, and a
+# request sent since to take its prompt and this much of its completion budget.
+REPORT_GROWTH_TOKENS = 32
 
 
 class Slot:
     """One worker, as routing reads it (plain attributes: no property calls on the hot path)."""
 
     __slots__ = (
-        "adapters_fit", "capacity", "engine_busy", "id", "id_hash", "kv", "kv_tokens", "lora_active", "max_len",
-        "max_loras", "pooling", "routable", "speed", "spin", "view", "waiting", "weight",
+        "adapters_fit", "capacity", "engine_busy", "id", "id_hash", "kv", "kv_held", "kv_tokens", "lora_active",
+        "max_len", "max_loras", "measured", "pooling", "routable", "running", "speed", "spin", "view", "waiting",
+        "weight",
     )
 
     def __init__(self, view: WorkerView) -> None:
@@ -49,8 +54,15 @@ class Slot:
         self.pooling = view.info.pooling
         self.routable = view.routable
         self.engine_busy = load.running + load.waiting
+        self.running = load.running
         self.waiting = load.waiting
         self.kv = load.kv_cache_usage
+        # The engine measured its KV use in its last report (and the cache size is known): then
+        # what it holds is its figure, and the gateway's account only adds what was sent since
+        # (`Live.fresh`). An unhealthy engine's figures are an old scrape's: not the truth now.
+        self.measured = bool(load.kv_measured and self.kv_tokens and not load.unhealthy)
+        self.kv_held = (load.kv_cache_usage * self.kv_tokens + load.running * REPORT_GROWTH_TOKENS
+                        if self.measured else 0.0)
         self.lora_active = frozenset(load.lora_active)
         self.max_loras = view.info.max_loras
         # All its adapters fit in its slots at once: none is ever swapped out.

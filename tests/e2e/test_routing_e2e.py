@@ -91,3 +91,41 @@ def test_no_429_while_the_gateways_account_has_room(fleet_factory: Callable[[], 
     refused = [json.loads(text) for status, text in answers if status == 429]
     assert not refused, refused
     assert [status for status, _ in answers] == [200] * 6
+
+
+def test_no_429_and_no_queue_while_the_engine_reports_room_whatever_max_tokens_says(
+        fleet_factory: Callable[[], Fleet]) -> None:
+    """Issue 31: clients set max_tokens far above what they use. Sixteen concurrent streams, each
+    declaring 6,000 completion tokens on an engine whose whole KV cache is 8,192 tokens, end
+    by themselves after about 200 tokens: the engine never runs short of KV, so the gateway
+    forwards every one at once. By the old account (each request holding its whole budget)
+    the worker was full after three, and the rest queued until the 1 s queue timeout's 429."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway("--set", "queue_timeout_s=1.0")
+    fleet.worker("a", "--model", MODEL, "--max-model-len", "8192", "--option", "num_gpu_blocks=512",
+                 "--option", "block_size=16", "--option", "max_num_seqs=64", "--option", "time_scale=0.5")
+    fleet.wait_ready(url, "a")
+    kv_tokens = int(fleet.workers(url)["a"]["kv_tokens"])  # type: ignore[call-overload]
+    streams, budget = 16, 6_000
+    # The precondition: the budgets alone are far past the cache twice over (where the old account shed).
+    assert kv_tokens == 512 * 16 and streams * budget > 2 * kv_tokens
+
+    def one(n: int) -> tuple[int, str, int]:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "stream": True, "max_tokens": budget,
+            "messages": [{"role": "user", "content": f"question {n}: " + "word " * 40}],
+        }) as r:
+            if r.status_code != 200:
+                return r.status_code, r.read().decode(errors="replace"), 0
+            return 200, "", sum(1 for line in r.iter_lines() if line.startswith("data: {"))
+
+    with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+        answers = list(pool.map(one, range(streams)))
+    assert [status for status, _, _ in answers] == [200] * streams, [a[:2] for a in answers if a[0] != 200]
+    # The answers ended on their own, far short of their budget (the engine's natural stop).
+    assert all(0 < chunks < budget / 4 for _, _, chunks in answers), [c for _, _, c in answers]
+    with fleet.admin(url) as admin:
+        metrics = admin.get("/metrics").text
+    shed = [line for line in metrics.splitlines()
+            if line.startswith("fleetgate_shed_total{") and not line.endswith(" 0.0")]
+    assert not shed, shed

@@ -52,7 +52,7 @@ lmdeploy:time_to_first_token_seconds_count{engine="0",model_name="tiny"} 5.0
 lmdeploy:time_to_first_token_seconds_sum{engine="0",model_name="tiny"} 1.5
 """
 
-BUSY = Load(running=3, waiting=2, kv_cache_usage=0.4375, prefix_cache_queries=96000.0, prefix_cache_hits=60000.0)
+BUSY = Load(running=3, waiting=2, kv_cache_usage=0.4375, kv_measured=True, prefix_cache_queries=96000.0, prefix_cache_hits=60000.0)
 
 
 def _data_parallel(text: str) -> str:
@@ -73,7 +73,7 @@ def _data_parallel(text: str) -> str:
         pytest.param(LMDEPLOY_METRICS, BUSY, id="busy"),
         pytest.param(
             _data_parallel(LMDEPLOY_METRICS),
-            Load(running=7, waiting=3, kv_cache_usage=0.75, prefix_cache_queries=100000.0,
+            Load(running=7, waiting=3, kv_cache_usage=0.75, kv_measured=True, prefix_cache_queries=100000.0,
                  prefix_cache_hits=61000.0),
             id="two-ranks-sum-counts-max-kv",
         ),

@@ -238,6 +238,95 @@ def test_kv_hold_table(why: str, kv_tokens: int, account: tuple[int, int], token
     assert FullAt(hold_kv=hold_kv).holds(slot, live, tokens) is expected
 
 
+def measured(wid: str, *, kv_tokens: int = 33_696, running: int = 0, waiting: int = 0, kv: float = 0.0,
+             capacity: int = 1024, unhealthy: str = "") -> WorkerView:
+    """A worker whose engine reported its KV use in its last scrape (vLLM, the simulator, LMDeploy)."""
+    return WorkerView(
+        info=WorkerInfo(id=wid, url=f"http://{wid}", engine="vllm", model="base", capacity=capacity,
+                        kv_tokens=kv_tokens),
+        state="ready", id_hash=stable_hash(wid),
+        load=Load(running=running, waiting=waiting, kv_cache_usage=kv, kv_measured=True, unhealthy=unhealthy,
+                  ts=1.0),
+    )
+
+
+# Issue 31's fleet: 33,696 KV tokens an engine, 16 tenants with 1,500-token prompts.
+MEASURED_SHED_CASES = [
+    # (what it shows, engine (running, waiting, kv), account (requests, tokens), fresh tokens, full?)
+    ("the engine reports an empty queue and half its KV free: not full, whatever the budgets sent say",
+     (30, 0, 0.43), (30, 130_000), 0, None),
+    ("max_tokens 4096 on 64-token answers: the account's budgets (3x the cache) count for nothing",
+     (60, 0, 0.5), (60, 60 * 4_161), 2_000, None),
+    ("sent since the report fills a cache the engine half uses, and as much again: full",
+     (30, 0, 0.5), (200, 0), 52_000, "kv"),
+    ("a full cache and a queue as long as its batch: full",
+     (40, 40, 0.99), (80, 0), 0, "kv"),
+    ("a full cache with a short queue is the engine's to absorb: not full",
+     (40, 2, 0.99), (42, 0), 0, None),
+    ("sequence slots by the account still count",
+     (10, 0, 0.1), (2 * 1024, 0), 0, "slots"),
+]
+
+
+@pytest.mark.parametrize(("why", "engine", "account", "fresh", "expected"), MEASURED_SHED_CASES,
+                         ids=[c[0] for c in MEASURED_SHED_CASES])
+def test_load_shedding_on_the_engines_measured_kv(why: str, engine: tuple[int, int, float], account: tuple[int, int],
+                                                  fresh: int, expected: str | None) -> None:
+    slot = Slot(measured("a", running=engine[0], waiting=engine[1], kv=engine[2]))
+    assert slot.measured
+    live = Live({"a": account[0]}, {"a": account[1]}, fresh={"a": fresh})
+    assert FullAt().why(slot, live) == expected
+
+
+MEASURED_HOLD_CASES = [
+    # (what it shows, engine (running, kv), account (requests, tokens), fresh tokens, this request's, holds?)
+    ("room by the engine's report, however large the budgets in flight: no hold",
+     (30, 0.43), (30, 130_000), 0, 97, False),
+    ("room by the report, little sent since: no hold", (60, 0.5), (60, 250_000), 3_000, 97, False),
+    ("the report's use, its running sequences' growth and what was sent since leave no room: hold",
+     (100, 0.8), (150, 0), 3_500, 97, True),
+    ("a full cache by the report: hold", (40, 0.999), (40, 0), 0, 1_597, True),
+    ("nothing in flight from the gateways: never hold", (40, 0.999), (0, 0), 0, 1_597, False),
+]
+
+
+@pytest.mark.parametrize(("why", "engine", "account", "fresh", "tokens", "expected"), MEASURED_HOLD_CASES,
+                         ids=[c[0] for c in MEASURED_HOLD_CASES])
+def test_kv_hold_on_the_engines_measured_kv(why: str, engine: tuple[int, float], account: tuple[int, int],
+                                           fresh: int, tokens: int, expected: bool) -> None:
+    slot = Slot(measured("a", running=engine[0], kv=engine[1]))
+    live = Live({"a": account[0]}, {"a": account[1]}, fresh={"a": fresh})
+    assert FullAt().holds(slot, live, tokens) is expected
+
+
+def test_an_unmeasured_or_unhealthy_engine_falls_back_to_the_account() -> None:
+    """No KV gauge in the scrape, or an unhealthy engine's old figures: the gateway's account decides."""
+    account = Live({"a": 30}, {"a": 70_000}, fresh={"a": 0})
+    stale = Slot(measured("a", kv=0.1, unhealthy="hung"))
+    unparsed = Slot(kvw("a", kv_tokens=33_696, kv=0.1))
+    for slot in (stale, unparsed):
+        assert not slot.measured
+        assert FullAt().why(slot, account) == "kv"
+
+
+def test_the_engines_figure_ranks_workers_not_the_budgets_sent() -> None:
+    """Two engines, one holding more KV by its report but given fewer completion budgets: the
+    policy weighs the engine's figures (the emptier engine wins), not the budgets."""
+    fleet = (measured("a", running=20, kv=0.7), measured("b", running=20, kv=0.2))
+    live = Live({"a": 20, "b": 20}, {"a": 1_000, "b": 90_000}, fresh={})
+    assert decide(Routes.build(fleet), facts(None), live, POLICY).choices[0].worker.id == "b"
+
+
+def test_issue_31_a_fleet_with_room_sheds_nothing() -> None:
+    """Issue 31's refusals: both engines report an empty queue and KV to spare while the gateway's
+    account (whole max_tokens budgets) is past twice their caches: not saturated, no hold."""
+    fleet = (measured("a", running=30, kv=0.43), measured("b", running=30, kv=0.45))
+    live = Live({"a": 30, "b": 30}, {"a": 140_000, "b": 140_000}, fresh={"a": 1_500, "b": 900})
+    decision = decide(Routes.build(fleet), facts(None), live, POLICY, full_at=FullAt())
+    assert decision.verdict == "ok"
+    assert not FullAt().holds(decision.choices[0].slot, live, 97)
+
+
 def test_saturated_only_when_every_eligible_worker_is_full() -> None:
     """One worker with room means no shedding; the verdict names the limit."""
     fleet = (kvw("a"), kvw("b"))

@@ -56,6 +56,7 @@ def parse_lmdeploy_metrics(text: str) -> Load:
         running=int(total(s, "lmdeploy:num_requests_running")),
         waiting=int(total(s, "lmdeploy:num_requests_waiting")),
         kv_cache_usage=peak(s, "lmdeploy:gpu_cache_usage_perc"),
+        kv_measured="lmdeploy:gpu_cache_usage_perc" in s,
         prefix_cache_queries=total(s, "lmdeploy:prompt_tokens_total"),
         prefix_cache_hits=total(s, "lmdeploy:cached_tokens_total"),
     )

@@ -61,6 +61,7 @@ def parse_vllm_metrics(text: str) -> Load:
         running=int(total(s, "vllm:num_requests_running")),
         waiting=int(total(s, "vllm:num_requests_waiting")),
         kv_cache_usage=peak(s, "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        kv_measured="vllm:kv_cache_usage_perc" in s or "vllm:gpu_cache_usage_perc" in s,
         prefix_cache_queries=total(
             s, "vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"
         ),
