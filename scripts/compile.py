@@ -109,6 +109,9 @@ def main() -> int:
         return 1 if args.strict else 0
     started = time.monotonic()
     log(f"compiling {len(MODULES)} modules with mypyc (a minute or two)")
+    # The sources' digests are taken before compiling: a source edited while mypyc runs then
+    # no longer matches the manifest, and the guard runs it instead of the older compiled copy.
+    digests = {module_of(m): hashlib.sha256((ROOT / m).read_bytes()).hexdigest() for m in MODULES}
     try:
         compile_all(args.jobs)
         missing = [m for m in MODULES if not list((ROOT / m).parent.glob(Path(m).stem + ".*.so"))]
@@ -118,7 +121,6 @@ def main() -> int:
         clean()
         log(f"could not compile ({type(exc).__name__}: {exc}): the gateway runs pure Python")
         return 1 if args.strict else 0
-    digests = {module_of(m): hashlib.sha256((ROOT / m).read_bytes()).hexdigest() for m in MODULES}
     MANIFEST.write_text(json.dumps({"group": GROUP, "modules": digests}, indent=1) + "\n")
     log(f"compiled {len(MODULES)} modules in {time.monotonic() - started:.0f} s; FLEETGATE_PURE=1 runs the sources")
     return 0
