@@ -66,7 +66,8 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     # Where `speed` came from: "profile" (the card's timing profile), "declared"
     # (--speed), "measured" (a probe batch timed at start), "assumed" (1.0: nothing to
     # time, e.g. an embedding model; the agent warns); "" before the agent knows (while
-    # starting) and for records written before this field existed.
+    # starting) and for records written before this field existed. This is the start-up
+    # figure: it seeds the running measurement (Load.speed) and sizes the affinity ring.
     speed_source: str = ""
     agent_pid: int = 0
     started_at: float = 0.0
@@ -91,6 +92,14 @@ class Load(msgspec.Struct, kw_only=True, frozen=True):
     # healthy. The figures above are then the last good scrape's.
     unhealthy: str = ""
     ts: float = 0.0
+    # The worker's speed as the agent measures it while the engine serves (same scale as
+    # WorkerInfo.speed, workers/speedometer.py); the gateway weighs load by it. 0.0: not
+    # reported (an agent older than the field): WorkerInfo.speed stands.
+    speed: float = 0.0
+    # Where `speed` comes from: "engine" (measured from the engine's own counters), or,
+    # until the first measurement (or for an engine without counters, or a --speed the
+    # operator pinned), the start-up figure's WorkerInfo.speed_source.
+    speed_source: str = ""
 
 
 class WorkerView(msgspec.Struct, kw_only=True, frozen=True):
@@ -111,6 +120,16 @@ class WorkerView(msgspec.Struct, kw_only=True, frozen=True):
     @property
     def id(self) -> str:
         return self.info.id
+
+    @property
+    def speed(self) -> float:
+        """The speed routing weighs the worker by: the agent's running measurement, else
+        (an agent older than it) the start-up figure."""
+        return self.load.speed if self.load.speed > 0 else self.info.speed
+
+    @property
+    def speed_source(self) -> str:
+        return self.load.speed_source if self.load.speed > 0 else self.info.speed_source
 
     @property
     def draining(self) -> bool:

@@ -240,6 +240,12 @@ class FleetCollector(Collector):
                 ("kv_cache_usage", "Fraction of the engine's KV cache in use (0-1)."),
             )
         }
+        speed = GaugeMetricFamily(
+            "fleetgate_worker_speed", "The worker's speed relative to an H100 with a 7B model, as "
+            "routing weighs it; `source`: engine (measured from the engine's counters while it "
+            "serves) or the start-up figure's (profile, declared, measured, assumed).",
+            labels=["worker", "source"],
+        )
         for w in snapshot.workers:
             state = w.effective_state
             by_state[state] = by_state.get(state, 0) + 1
@@ -250,11 +256,13 @@ class FleetCollector(Collector):
             gauges["running"].add_metric([wid], w.load.running)
             gauges["waiting"].add_metric([wid], w.load.waiting)
             gauges["kv_cache_usage"].add_metric([wid], w.load.kv_cache_usage)
+            speed.add_metric([wid, w.speed_source], w.speed)
         for state, count in by_state.items():
             workers.add_metric([state], count)
         yield workers
         yield info
         yield from gauges.values()
+        yield speed
         yield GaugeMetricFamily(
             "fleetgate_registry_up", "1 while this gateway reads the Redis registry, 0 while it "
             "routes on its last snapshot.", value=0 if watcher.degraded else 1,

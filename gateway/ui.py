@@ -95,6 +95,18 @@ def _cell(text: object, cls: str = "") -> str:
     return f"<td{attr}>{html.escape(str(text))}</td>"
 
 
+def speed_text(speed: float, source: str) -> str:
+    return f"x{speed:.2f} {source}".rstrip()
+
+
+def _speed_cell(w: WorkerView) -> str:
+    """The speed routing weighs the worker by and where it came from; the start-up figure
+    that seeded it in the tooltip."""
+    start = html.escape(speed_text(w.info.speed, w.info.speed_source), quote=True)
+    return (f'<td class=num title="at start: {start}">'
+            f"{html.escape(speed_text(w.speed, w.speed_source))}</td>")
+
+
 def _row(w: WorkerView, inflight: int) -> str:
     info, load = w.info, w.load
     gpu = info.gpu
@@ -112,6 +124,7 @@ def _row(w: WorkerView, inflight: int) -> str:
         + _cell("-", "col-circuit")
         + _cell(f"{load.running} / {load.waiting}", "num")
         + _cell(f"{load.kv_cache_usage * 100:.0f}%", "num")
+        + _speed_cell(w)
         + _cell(inflight, "num") + _cell("-", "num") + _cell(age, "num")
         + f'<td class=actions><button type=button data-action="{toggle}" data-worker="{wid}">'
         f'{toggle.capitalize()}</button>'
@@ -122,7 +135,7 @@ def _row(w: WorkerView, inflight: int) -> str:
 
 _COLUMNS = (
     "Worker", "Host", "GPU", "Engine", "Model", "Adapters", "State", "Circuit", "Run / wait",
-    "KV", "In flight", "Req/s", "Heartbeat", "",
+    "KV", "Speed", "In flight", "Req/s", "Heartbeat", "",
 )
 
 
@@ -130,7 +143,7 @@ def _dashboard(gw: Gateway) -> Response:
     snapshot = gw.watcher.snapshot
     inflight = gw.proxy.inflight
     rows = "".join(_row(w, inflight.get(w.id, 0)) for w in snapshot.workers)
-    empty = "" if rows else '<tr class=empty><td colspan=14>No workers registered.</td></tr>'
+    empty = "" if rows else '<tr class=empty><td colspan=15>No workers registered.</td></tr>'
     head = "".join(
         f'<th class="{"col-circuit" if c == "Circuit" else ""}">{html.escape(c)}</th>' for c in _COLUMNS
     )

@@ -71,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-timeout", type=float, default=900.0)
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--speed", type=float, default=0.0,
-                   help="the card's speed relative to an H100 with a 7B model (1.0); default: the "
-                   "card's timing profile, else measured at start with a probe batch")
+                   help="pin the card's speed relative to an H100 with a 7B model (1.0); default: "
+                   "measured from the engine's counters while it serves, seeded by the card's timing "
+                   "profile, else by a probe batch timed at start")
     p.add_argument("--probe-timeout", type=float, default=1.0,
                    help="seconds each health/metrics probe of the engine may take (default 1)")
     p.add_argument("--unhealthy-after", type=int, default=3,

@@ -4,6 +4,8 @@
     -> read /v1/models -> warm-up (and, where no profile or --speed gives the card's
        speed, a timed probe batch) -> read the KV cache size -> register `ready`
     -> every second: probe the engine (metrics, short timeout), heartbeat (TTL) with the load
+       and the speed measured from the engine's counters (workers/speedometer.py; the
+       start-up figure seeds it, an operator's --speed pins it)
     -> SIGTERM: `draining`, wait until the engine is idle (or the grace period ends),
        stop the engine's whole group, deregister.
 
@@ -45,6 +47,7 @@ from workers.engines.base import pooling
 from workers.options import AgentOptions
 from workers.probes import EngineProbe
 from workers.speed import card_speed, known_profile
+from workers.speedometer import Speedometer
 from workers.tokenizer import tokenizer_path
 from workers.warmup import StartFailed, log_tail, probe_speed, retrying, warm_up
 
@@ -63,6 +66,8 @@ class Rejected(Exception):
 # clears the key; a gateway writes it again within ~2 s). Only then: a gateway that turns up
 # later with the wrong secret must not take down workers that the others route to.
 REJECTION_WATCH_S = 5.0
+# A measured speed this far (relative) from the one last logged is logged again.
+SPEED_LOG_STEP = 0.2
 
 
 class Agent:
@@ -74,6 +79,9 @@ class Agent:
         self.state: WorkerState = "starting"
         self.info: WorkerInfo | None = None
         self.load = Load()
+        # The running speed measurement, from the warm-up on (the start-up figure seeds it).
+        self.speedometer: Speedometer | None = None
+        self._logged_speed = (0.0, "")
         # What the registry last told this agent an operator wants: re-asserted if Redis
         # loses the record.
         self.admin_drain = False
@@ -109,11 +117,12 @@ class Agent:
                 return 0 if self.stopping.is_set() else 1
             self.info = await self.probe.discover(self.info, self.opts.spec.served_name)
             await self._warm_up()
+            self._start_speedometer()
             kv = await self.probe.kv_cache()
             self.info = msgspec.structs.replace(
                 self.info, kv_tokens=kv.tokens, block_size=kv.block_size or self.info.block_size
             )
-            self.load = await self.probe.scrape() or Load(ts=time.time())
+            self.load = self._with_speed(await self.probe.scrape() or Load(ts=time.time()))
             await self._become_ready()
             await self._heartbeat_until_stopped()
             await self._drain()
@@ -237,6 +246,28 @@ class Agent:
         self.info = msgspec.structs.replace(info, speed=speed, speed_source="measured")
         self.log.info("agent.speed", speed=speed, source="measured", **figures)
 
+    def _start_speedometer(self) -> None:
+        """The running measurement, seeded by the start-up figure; a declared --speed is the
+        operator's word and stays as declared."""
+        assert self.info is not None
+        info = self.info
+        self.speedometer = Speedometer(info.speed, info.speed_source, pinned=info.speed_source == "declared")
+        self._logged_speed = (self.speedometer.speed, self.speedometer.source)
+
+    def _with_speed(self, load: Load) -> Load:
+        """`load` with the speed measured so far, after taking the scrape's work counters."""
+        meter = self.speedometer
+        if meter is None:
+            return load
+        if self.probe.work is not None:
+            meter.observe(self.probe.work, time.monotonic())
+        speed, source = meter.speed, meter.source
+        logged, logged_source = self._logged_speed
+        if source != logged_source or abs(speed - logged) > SPEED_LOG_STEP * logged:
+            self.log.info("agent.speed_changed", speed=speed, source=source, was=logged, was_source=logged_source)
+            self._logged_speed = (speed, source)
+        return msgspec.structs.replace(load, speed=speed, speed_source=source)
+
     async def _become_ready(self) -> None:
         assert self.info is not None
         if await self._was_removed():
@@ -329,7 +360,7 @@ class Agent:
         load = await self.probe.scrape()
         self._check_alive()
         if load is not None:
-            self.load = load
+            self.load = self._with_speed(load)
         unhealthy = self.probe.unhealthy
         if (self.state == "ready" and not unhealthy
                 and time.monotonic() - self._discovered_at >= self.opts.rediscover_s):

@@ -27,7 +27,8 @@ class AgentOptions(msgspec.Struct, kw_only=True):
     warmup: bool = True
     warmup_attempts: int = 3
     engine_log: str | None = None
-    # The card's speed as declared (--speed); 0: from its profile, else measured at start.
+    # The card's speed as declared (--speed), pinned; 0: measured while the engine serves,
+    # seeded by its profile, else by a probe batch timed at start.
     speed: float = 0.0
     # Each probe of the engine (metrics or health) gives up after this long; this many
     # failures in a row make the engine unhealthy (out of routing) until one passes.

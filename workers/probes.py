@@ -8,6 +8,9 @@ it); one probe that passes makes it healthy again.
 A probe fails when the engine does not answer in time, refuses the connection, or
 answers 5xx. A metrics page it cannot parse, while /health answers, is a parser
 problem, not a sick engine: logged, not counted.
+
+Each scrape also reads the engine's work counters from the same page (`work`), which the
+agent's speed measurement takes (`workers/speedometer.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import msgspec
 
 from fleetgate.schema import Load, WorkerInfo
 from workers.engines import Engine
-from workers.engines.base import KvCache
+from workers.engines.base import EngineWork, KvCache
 
 
 class EngineProbe:
@@ -37,6 +40,8 @@ class EngineProbe:
         self.failures = 0
         self.last_error = ""
         self._failing_since = 0.0
+        # The work counters of the last scrape that read them; None when it did not.
+        self.work: EngineWork | None = None
 
     @property
     def unhealthy(self) -> str:
@@ -75,6 +80,7 @@ class EngineProbe:
         return load
 
     async def _scrape(self) -> Load | None:
+        self.work = None
         path = self.engine.metrics_path
         if path is None or not self.engine.reports_load:
             resp = await self.get(self.engine.health_path)
@@ -86,7 +92,9 @@ class EngineProbe:
             raise _Refused(f"{path} answered {resp.status_code}")
         try:
             resp.raise_for_status()
-            return msgspec.structs.replace(self.engine.parse_metrics(resp.text), ts=time.time())
+            load = msgspec.structs.replace(self.engine.parse_metrics(resp.text), ts=time.time())
+            self.work = self.engine.parse_work(resp.text)
+            return load
         except (httpx.HTTPStatusError, ValueError) as exc:
             # The engine answers, its metrics do not parse: not a sick engine.
             self.log.warning("agent.scrape_failed", error=repr(exc))

@@ -2,13 +2,18 @@
 
 Speed is how fast a sequence runs relative to the reference: an H100 with a 7B model, the
 `h100-7b` timing profile (a T4 is ~0.25). The gateway weighs a worker's batch by
-capacity x speed. It comes from one of three sources, never from a silent default:
+capacity x speed. The start-up figure comes from one of three sources, never from a
+silent default:
 
     "profile"   the card's timing profile: a card nvidia-smi names and the profiles know,
                 or a simulator's own profile (its time_scale divides the speed)
     "declared"  `--speed X` on the agent's command line
     "measured"  a probe batch timed at start (`workers/warmup.py`), against what the
                 reference profile predicts for the same batch
+
+The start-up figure only seeds the running measurement: while the engine serves, the
+agent times its steps from the engine's own counters against `reference_step`
+(`workers/speedometer.py`) and publishes that with the load.
 
 Everything here is pure; the agent and the simulator engine (`workers/engines/sim.py`)
 both take the profile choice from this module. The profiles themselves are the cards'
@@ -92,3 +97,17 @@ def measured_speed(seconds: float, prompt_tokens: Sequence[int], output_tokens: 
     if seconds <= 0:
         return high
     return round(min(high, max(low, reference_seconds(prompt_tokens, output_tokens) / seconds)), 3)
+
+
+def reference_step(decoding: float, prefill: float) -> float:
+    """How long one engine step takes on the reference card with `decoding` sequences each
+    sampling a token and `prefill` prompt tokens computed beside them: the same cost model
+    as `reference_seconds`, one step at a time, so a speed measured from an engine's step
+    times means what a probe's does."""
+    p = PROFILES[REFERENCE]
+    return p.base_step_s + decoding * p.decode_per_seq_s + prefill * p.prefill_per_token_s
+
+
+def clamp_speed(value: float) -> float:
+    low, high = MEASURED_RANGE
+    return min(high, max(low, value))

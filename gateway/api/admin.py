@@ -37,7 +37,11 @@ def _worker_json(w: WorkerView, inflight: int) -> dict[str, object]:
         "pooling": info.pooling,
         "capacity": info.capacity,
         "kv_tokens": info.kv_tokens,
-        "speed": info.speed,
+        # What routing weighs the worker by now (measured while it serves), where that
+        # came from, and the start-up figure that seeded it (and sizes the affinity ring).
+        "speed": w.speed,
+        "speed_source": w.speed_source,
+        "start_speed": {"value": info.speed, "source": info.speed_source},
         "gpu": msgspec.to_builtins(info.gpu) if info.gpu else None,
         "host": info.host,
         "load": {

@@ -47,8 +47,10 @@ class Slot:
         capacity = max(view.info.capacity, 1)
         self.capacity = capacity
         self.kv_tokens = view.info.kv_tokens
-        # What the worker can carry, in reference-card sequences: its batch times its speed.
-        self.speed = view.info.speed if view.info.speed > 0 else 1.0
+        # What the worker can carry, in reference-card sequences: its batch times its speed,
+        # as its agent measures it while the engine serves (published with the load), else
+        # the start-up figure it registered.
+        self.speed = load.speed if load.speed > 0 else view.info.speed if view.info.speed > 0 else 1.0
         self.weight = capacity * self.speed
         self.max_len = view.info.max_model_len
         self.pooling = view.info.pooling
@@ -87,9 +89,9 @@ class ModelRoutes:
     def build(cls, slots: Sequence[Slot]) -> ModelRoutes:
         ordered = tuple(sorted(slots, key=lambda s: s.id))
         # A worker's share of the keys follows its size (its configured batch times its
-        # card's speed, neither of which moves between snapshots, so neither do the keys):
-        # a small or slow card is home to fewer.
-        size = {s.id: max(s.view.info.capacity, 1) * s.speed for s in ordered}
+        # registered start-up speed, not the measured one, which moves every second: the
+        # keys must not): a small or slow card is home to fewer.
+        size = {s.id: max(s.view.info.capacity, 1) * (s.view.info.speed or 1.0) for s in ordered}
         largest = max(size.values(), default=1.0)
         points: list[tuple[int, int]] = []
         for index, slot in enumerate(ordered):

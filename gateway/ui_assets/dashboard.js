@@ -43,6 +43,14 @@
     return typeof c === "object" ? String(c.state ?? JSON.stringify(c)) : String(c);
   };
 
+  const speedText = (speed, source) => (speed == null ? "-" : `x${Number(speed).toFixed(2)} ${source || ""}`.trim());
+  function speedCell(w) {
+    // What routing weighs the worker by now; the start-up figure that seeded it on hover.
+    const start = w.start_speed || {};
+    return el("td", {class: "num", title: `at start: ${speedText(start.value, start.source)}`},
+      speedText(w.speed, w.speed_source));
+  }
+
   function workerRow(w) {
     const load = w.load || {};
     const toggle = w.admin_drain ? "undrain" : "drain";
@@ -61,6 +69,7 @@
       el("td", {class: `col-circuit${circuit ? ` circuit-${circuit}` : ""}`}, circuit || "-"),
       el("td", {class: "num"}, `${load.running ?? 0} / ${load.waiting ?? 0}`),
       kv,
+      speedCell(w),
       el("td", {class: "num"}, load.inflight ?? 0),
       el("td", {class: "num"}, rates ? rate.toFixed(1) : "-"),
       el("td", {class: "num"}, w.heartbeat_age_s == null ? "-" : `${w.heartbeat_age_s.toFixed(1)} s`),
@@ -74,7 +83,7 @@
   function renderWorkers(workers) {
     const table = $("#workers");
     const rows = workers.map(workerRow);
-    if (!rows.length) rows.push(el("tr", {class: "empty"}, el("td", {colSpan: 14}, "No workers registered.")));
+    if (!rows.length) rows.push(el("tr", {class: "empty"}, el("td", {colSpan: 15}, "No workers registered.")));
     table.tBodies[0].replaceChildren(...rows);
     table.classList.toggle("no-circuit", !workers.some((w) => circuitOf(w) !== null));
     const by = {};

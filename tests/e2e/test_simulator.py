@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -516,7 +516,7 @@ class _Hooks:
     def on_first_token(self, seq: SimSeq, now: float) -> None:
         self.first.append(seq.id)
 
-    def on_tokens(self, n: int) -> None:
+    def on_step(self, scheduled: int, sampled: int, gaps: Mapping[float, int]) -> None:
         pass
 
     def on_finished(self, seq: SimSeq, reason: str, now: float) -> None:

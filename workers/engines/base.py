@@ -8,6 +8,7 @@ interface only.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Iterable, Mapping
@@ -41,6 +42,22 @@ class KvCache(msgspec.Struct, kw_only=True, frozen=True):
 
     tokens: int = 0
     block_size: int = 0
+
+
+class EngineWork(msgspec.Struct, kw_only=True, frozen=True):
+    """What the engine has done since it started, from its own counters (cumulative, as
+    Prometheus counts): the agent's speed measurement reads the differences between two
+    scrapes (`workers/speedometer.py`). Zero where the engine does not count it.
+
+    `latency_sum / latency_count` is the time between a sequence's consecutive tokens: one
+    observation per token, each one engine step (vLLM's inter-token latency), or one per
+    finished request, its mean time per output token (LMDeploy)."""
+
+    generated: float = 0.0  # output tokens sampled
+    prefilled: float = 0.0  # prompt tokens computed (prefix-cache hits not counted)
+    steps: float = 0.0  # engine steps (0: the engine does not count them)
+    latency_sum: float = 0.0
+    latency_count: float = 0.0
 
 
 class AdapterError(Exception):
@@ -93,6 +110,10 @@ class Engine(Protocol):
         """The KV cache's size from the engine's Prometheus text (KvCache() when it says none)."""
         ...
 
+    def parse_work(self, text: str) -> EngineWork:
+        """The engine's work counters from its Prometheus text (EngineWork() when it has none)."""
+        ...
+
     async def load_adapter(
         self, client: httpx.AsyncClient, base_url: str, name: str, path: str
     ) -> None: ...
@@ -100,8 +121,12 @@ class Engine(Protocol):
     async def unload_adapter(self, client: httpx.AsyncClient, base_url: str, name: str) -> None: ...
 
 
+@functools.lru_cache(maxsize=1)
 def metric_samples(text: str) -> dict[str, list[tuple[Mapping[str, str], float]]]:
-    """Prometheus text as {sample name: [(labels, value), ...]} via prometheus_client's parser."""
+    """Prometheus text as {sample name: [(labels, value), ...]} via prometheus_client's parser.
+
+    The last page's answer is kept (read it, never change it): a scrape is parsed for its
+    load and for its work counters, and parsing vLLM's page costs ~30 ms on a small CPU."""
     out: dict[str, list[tuple[Mapping[str, str], float]]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -115,6 +140,16 @@ def total(samples: Mapping[str, list[tuple[Mapping[str, str], float]]], *names: 
         if name in samples:
             return sum(value for _, value in samples[name])
     return 0.0
+
+
+def histogram(
+    samples: Mapping[str, list[tuple[Mapping[str, str], float]]], *names: str
+) -> tuple[float, float]:
+    """(sum, count) of the first histogram of `names` present, over all its series."""
+    for name in names:
+        if f"{name}_count" in samples:
+            return total(samples, f"{name}_sum"), total(samples, f"{name}_count")
+    return 0.0, 0.0
 
 
 def peak(samples: Mapping[str, list[tuple[Mapping[str, str], float]]], *names: str) -> float:

@@ -18,10 +18,12 @@ from fleetgate.schema import Load
 from workers.engines.base import (
     AdapterError,
     EngineSpec,
+    EngineWork,
     KvCache,
     engine_environment,
     engine_python,
     flag_args,
+    histogram,
     metric_samples,
     peak,
     start_adapter_args,
@@ -59,6 +61,21 @@ def parse_lmdeploy_metrics(text: str) -> Load:
         kv_measured="lmdeploy:gpu_cache_usage_perc" in s,
         prefix_cache_queries=total(s, "lmdeploy:prompt_tokens_total"),
         prefix_cache_hits=total(s, "lmdeploy:cached_tokens_total"),
+    )
+
+
+def parse_lmdeploy_work(text: str) -> EngineWork:
+    """LMDeploy's work counters: tokens generated, prompt tokens less cached ones, and its
+    time per output token, observed once per finished request (its mean). It counts no
+    engine steps. Its counters, unlike its gauges, are live."""
+    s = metric_samples(text)
+    latency_sum, latency_count = histogram(s, "lmdeploy:time_per_output_token_seconds")
+    prefilled = total(s, "lmdeploy:prompt_tokens_total") - total(s, "lmdeploy:cached_tokens_total")
+    return EngineWork(
+        generated=total(s, "lmdeploy:generation_tokens_total"),
+        prefilled=max(0.0, prefilled),
+        latency_sum=latency_sum,
+        latency_count=latency_count,
     )
 
 
@@ -124,6 +141,9 @@ class LmdeployEngine:
     def parse_kv_cache(self, text: str) -> KvCache:
         # LMDeploy publishes only the cache's usage fraction, not its size.
         return KvCache()
+
+    def parse_work(self, text: str) -> EngineWork:
+        return parse_lmdeploy_work(text)
 
     async def load_adapter(self, client: httpx.AsyncClient, base_url: str, name: str, path: str) -> None:
         raise AdapterError(f"cannot load {name!r}: LMDeploy's adapters are fixed at start", 501)

@@ -16,9 +16,22 @@ from typing import Any, ClassVar
 import httpx
 
 from fleetgate.schema import Load
-from workers.engines.base import EngineSpec, KvCache, engine_environment, flag_args, lora_enabled
-from workers.engines.lmdeploy import parse_lmdeploy_metrics
-from workers.engines.vllm import load_lora, parse_vllm_kv_cache, parse_vllm_metrics, unload_lora
+from workers.engines.base import (
+    EngineSpec,
+    EngineWork,
+    KvCache,
+    engine_environment,
+    flag_args,
+    lora_enabled,
+)
+from workers.engines.lmdeploy import parse_lmdeploy_metrics, parse_lmdeploy_work
+from workers.engines.vllm import (
+    load_lora,
+    parse_vllm_kv_cache,
+    parse_vllm_metrics,
+    parse_vllm_work,
+    unload_lora,
+)
 from workers.speed import sim_profile
 from workers.timing import PROFILES
 
@@ -100,6 +113,9 @@ class SimEngine:
     def parse_kv_cache(self, text: str) -> KvCache:
         # In LMDeploy's dialect, as LMDeploy itself: no cache size is published.
         return KvCache() if "lmdeploy:" in text else parse_vllm_kv_cache(text)
+
+    def parse_work(self, text: str) -> EngineWork:
+        return parse_lmdeploy_work(text) if "lmdeploy:" in text else parse_vllm_work(text)
 
     async def load_adapter(
         self, client: httpx.AsyncClient, base_url: str, name: str, path: str

@@ -24,6 +24,7 @@ from fleetgate.schema import Load
 from workers.engines.base import (
     AdapterError,
     EngineSpec,
+    EngineWork,
     KvCache,
     engine_environment,
     engine_python,
@@ -141,6 +142,10 @@ class SwiftEngine:
 
     def parse_kv_cache(self, text: str) -> KvCache:
         return KvCache()
+
+    def parse_work(self, text: str) -> EngineWork:
+        # Nothing to count from: the speed stays the start-up figure.
+        return EngineWork()
 
     async def load_adapter(self, client: httpx.AsyncClient, base_url: str, name: str, path: str) -> None:
         raise AdapterError(f"cannot load {name!r}: swift's adapters are fixed at start", 501)

@@ -12,10 +12,12 @@ from fleetgate.schema import Load
 from workers.engines.base import (
     AdapterError,
     EngineSpec,
+    EngineWork,
     KvCache,
     engine_environment,
     engine_python,
     flag_args,
+    histogram,
     lora_enabled,
     metric_samples,
     peak,
@@ -68,6 +70,31 @@ def parse_vllm_metrics(text: str) -> Load:
         prefix_cache_hits=total(s, "vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
         preemptions=total(s, "vllm:num_preemptions_total"),
         lora_active=_active_loras(s.get("vllm:lora_requests_info", [])),
+    )
+
+
+def parse_vllm_work(text: str) -> EngineWork:
+    """vLLM's work counters. Tokens generated; prompt tokens computed (0.32 splits them by
+    source; older engines count every prompt token, so prefix-cache hits are taken off);
+    engine steps (`iteration_tokens_total` observes once per step: its count); and the
+    time between a sequence's tokens (`inter_token_latency_seconds`, called
+    `time_per_output_token_seconds` before 0.11), one observation per token."""
+    s = metric_samples(text)
+    computed = [v for labels, v in s.get("vllm:prompt_tokens_by_source_total", ())
+                if labels.get("source") == "local_compute"]
+    if computed:
+        prefilled = sum(computed)
+    else:
+        prefilled = total(s, "vllm:prompt_tokens_total") - total(
+            s, "vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
+    latency_sum, latency_count = histogram(
+        s, "vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
+    return EngineWork(
+        generated=total(s, "vllm:generation_tokens_total"),
+        prefilled=max(0.0, prefilled),
+        steps=histogram(s, "vllm:iteration_tokens_total")[1],
+        latency_sum=latency_sum,
+        latency_count=latency_count,
     )
 
 
@@ -178,6 +205,9 @@ class VllmEngine:
 
     def parse_kv_cache(self, text: str) -> KvCache:
         return parse_vllm_kv_cache(text)
+
+    def parse_work(self, text: str) -> EngineWork:
+        return parse_vllm_work(text)
 
     async def load_adapter(self, client: httpx.AsyncClient, base_url: str, name: str, path: str) -> None:
         await load_lora(client, base_url, name, path)

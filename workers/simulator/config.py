@@ -23,6 +23,9 @@ class Faults:
     hang_before_headers: 1 makes streams hold the connection open before any response
     header (an engine hung between taking a request and answering it).
     die_at: the process exits hard that many (real) seconds after the fault is set.
+    slow: every engine step takes this many times its profile's time (2: half speed; 1 or
+    null: the profile's): a throttled card, a neighbour on the same GPU. The profile, and
+    so the speed the worker registered, stay; only the engine's counters show it.
     """
 
     die_after: int | None = None
@@ -30,6 +33,7 @@ class Faults:
     stall_after_chunks: int | None = None
     hang_before_headers: int | None = None
     die_at: float | None = None
+    slow: float = 1.0
 
     def update(self, values: dict[str, Any]) -> None:
         """Set faults from a JSON object or KEY=VALUE pairs; null clears one."""
@@ -38,7 +42,7 @@ class Faults:
             if key not in types:
                 raise ValueError(f"unknown fault {key!r}; known: {', '.join(types)}")
             if raw is None or raw == "":
-                setattr(self, key, 0.0 if key == "error_rate" else None)
+                setattr(self, key, {"error_rate": 0.0, "slow": 1.0}.get(key))
             elif key == "error_rate":
                 rate = float(raw)
                 if not 0.0 <= rate <= 1.0:
@@ -46,6 +50,11 @@ class Faults:
                 self.error_rate = rate
             elif key == "die_at":
                 self.die_at = float(raw)
+            elif key == "slow":
+                factor = float(raw)
+                if not 0.0 < factor <= 1000.0:
+                    raise ValueError("slow must be a factor above 0 (2: steps take twice as long)")
+                self.slow = factor
             else:
                 setattr(self, key, int(raw))
 

@@ -47,6 +47,7 @@ class Simulator:
             pinned_loras=pinned,
         )
         self.scheduler = Scheduler(limits, config.timing, self.metrics)
+        self.scheduler.slowdown = config.faults.slow
         self.adapters: dict[str, str] = dict(config.lora_modules)
         self.faults = config.faults
         self.context = Context(

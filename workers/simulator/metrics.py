@@ -5,10 +5,15 @@ The load gauges show the stats the scheduler published at the end of its last st
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from workers.simulator.seqs import Seq, StepStats
 
@@ -17,6 +22,36 @@ _LATENCY_BUCKETS = (
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
 )  # fmt: skip
 _LABELS = ("model_name", "engine")
+# vLLM's own buckets for these two.
+_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class _Tally(Collector):
+    """A histogram of one series that takes n observations of a value at once (the
+    sequences of one step share their inter-token latency), exposed as a Histogram is."""
+
+    def __init__(self, name: str, doc: str, labels: Mapping[str, str], buckets: tuple[float, ...]) -> None:
+        self.name, self.doc, self.labels = name, doc, dict(labels)
+        self.bounds = (*buckets, math.inf)
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+
+    def observe(self, value: float, n: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += n
+        self.sum += value * n
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.doc, labels=list(self.labels))
+        running, buckets = 0, []
+        for bound, count in zip(self.bounds, self.counts, strict=True):
+            running += count
+            buckets.append((floatToGoString(bound), float(running)))
+        family.add_metric(list(self.labels.values()), buckets, self.sum)
+        yield family
 
 
 class _Base:
@@ -60,6 +95,11 @@ class _Base:
 
     def _histogram(self, name: str, doc: str) -> Histogram:
         return Histogram(name, doc, _LABELS, buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+    def _tally(self, name: str, doc: str, buckets: tuple[float, ...]) -> _Tally:
+        tally = _Tally(name, doc, self._labels, buckets)
+        self.registry.register(tally)
+        return tally
 
 
 def vllm_cache_config(
@@ -149,6 +189,10 @@ class VllmMetrics(_Base):
         )
         self._ttft = self._histogram("vllm:time_to_first_token_seconds", "TTFT").labels(**lab)
         self._e2e = self._histogram("vllm:e2e_request_latency_seconds", "End to end").labels(**lab)
+        # Per step and per token, as vLLM's: what the agent measures the engine's speed by.
+        self._iteration = self._tally("vllm:iteration_tokens_total", "Tokens per engine step",
+                                      _ITERATION_BUCKETS)
+        self._itl = self._tally("vllm:inter_token_latency_seconds", "Inter-token latency", _ITL_BUCKETS)
         self._queue = self._histogram("vllm:request_queue_time_seconds", "Time waiting").labels(
             **lab
         )
@@ -191,9 +235,12 @@ class VllmMetrics(_Base):
         self._cache_hit.inc(seq.cached_tokens)
         self._ttft.observe(now - seq.arrival)
 
-    def on_tokens(self, n: int) -> None:
-        if n:
-            self._gen.inc(n)
+    def on_step(self, scheduled: int, sampled: int, gaps: Mapping[float, int]) -> None:
+        if sampled:
+            self._gen.inc(sampled)
+        self._iteration.observe(scheduled)
+        for gap, n in gaps.items():
+            self._itl.observe(gap, n)
 
     def on_finished(self, seq: Seq, reason: str, now: float) -> None:
         self._success.labels(**self._labels, finished_reason=reason).inc()
@@ -258,9 +305,10 @@ class LmdeployMetrics(_Base):
         self._prompt.inc(seq.num_prompt)
         self._ttft.observe(now - seq.arrival)
 
-    def on_tokens(self, n: int) -> None:
-        if n:
-            self._gen.inc(n)
+    def on_step(self, scheduled: int, sampled: int, gaps: Mapping[float, int]) -> None:
+        # LMDeploy counts no steps and times tokens per request (on_finished).
+        if sampled:
+            self._gen.inc(sampled)
 
     def on_finished(self, seq: Seq, reason: str, now: float) -> None:
         self._succeeded += 1

@@ -10,8 +10,8 @@ blocks those behind it. A running sequence takes a new block every block_size to
 none is free it preempts the most recently admitted running one (recompute: its blocks
 freed, back to the head of the queue, counted; its cached blocks may still hit when it is
 admitted again). Full blocks, prompt or generated, enter the prefix cache (kvcache.py).
-The step then "runs" for a time taken from the profile, and each sequence that caught up
-with its tokens samples one more, which its request handler streams at once. What the
+The step then "runs" for a time taken from the profile (times `slowdown`, the `slow`
+fault), and each sequence that caught up with its tokens samples one more, which its request handler streams at once. What the
 step changed (load, admissions, preemptions) is published when it ends (`StepStats`).
 
 The API front-end shares the machine with the engine when the profile says so
@@ -76,6 +76,9 @@ class Scheduler:
         self._late: set[Seq] = set()
         self.deferred: set[Seq] = set()  # waiting, skipped for want of a LoRA slot
         self.published = StepStats()
+        # Every step takes this many times its profile's time (the `slow` fault: a throttled
+        # card, a neighbour on the same GPU); the engine's counters show it, the profile not.
+        self.slowdown = 1.0
 
     @staticmethod
     def _now() -> float:
@@ -181,7 +184,7 @@ class Scheduler:
                     pass
                 deadline = self._now()
                 continue
-            deadline += self._step_seconds(plan) + self._take_frontend_debt()
+            deadline += (self._step_seconds(plan) + self._take_frontend_debt()) * self.slowdown
             now = self._now()
             if deadline < now:  # we fell behind: do not try to catch up in a burst
                 deadline = now
@@ -301,10 +304,12 @@ class Scheduler:
 
     def _complete(self, plan: _Plan, now: float) -> None:
         self.steps += 1
-        sampled = outputs = 0
+        sampled = outputs = scheduled = 0
+        gaps: dict[float, int] = {}
         for seq, n in plan.work:
             if seq.status != "running":
                 continue
+            scheduled += n
             seq.num_computed += n
             if seq.num_computed == seq.num_tokens:
                 outputs += 1
@@ -312,11 +317,15 @@ class Scheduler:
                     self._pooled(seq, now)
                 else:
                     sampled += 1
+                    if seq.last_token_at is not None:
+                        gap = now - seq.last_token_at
+                        gaps[gap] = gaps.get(gap, 0) + 1
+                    seq.last_token_at = now
                     self._sample(seq, now)
         # Detokenizing and streaming these tokens (or writing out a pooled vector) runs
         # during the next step, on its CPU.
         self._frontend_debt += outputs * self.profile.frontend_per_token_s * self.limits.time_scale
-        self.hooks.on_tokens(sampled)
+        self.hooks.on_step(scheduled, sampled, gaps)
         self._end_step(plan)
 
     def _end_step(self, plan: _Plan) -> None:

@@ -4,6 +4,7 @@ the engine's limits, the hooks the metrics implement, and the stats published pe
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -48,6 +49,7 @@ class Seq:
     cached_tokens: int = 0
     admitted_at: float | None = None
     first_token_at: float | None = None
+    last_token_at: float | None = None
     tail: str = ""
 
     @property
@@ -64,7 +66,12 @@ class SchedulerHooks(Protocol):
 
     def on_admitted(self, seq: Seq, now: float) -> None: ...
     def on_first_token(self, seq: Seq, now: float) -> None: ...
-    def on_tokens(self, n: int) -> None: ...
+    def on_step(self, scheduled: int, sampled: int, gaps: Mapping[float, int]) -> None:
+        """A step ran: `scheduled` tokens computed, `sampled` tokens sampled; `gaps`: for
+        the sequences that had sampled before, seconds since their last token -> how many
+        (vLLM's inter-token latency, one observation per token)."""
+        ...
+
     def on_finished(self, seq: Seq, reason: str, now: float) -> None: ...
     def on_preempted(self) -> None: ...
     def on_lora_loads(self, n: int) -> None: ...

@@ -208,6 +208,7 @@ async def set_faults(request: web.Request) -> web.Response:
         raise SimError(400, "bad_request", str(exc)) from exc
     if "die_at" in body:
         sim.arm_die_timer()
+    sim.scheduler.slowdown = sim.faults.slow
     return _json(sim.faults.as_dict())
 
 
