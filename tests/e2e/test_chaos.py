@@ -4,6 +4,7 @@ resumed, p99) and asserts that nothing was lost."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -14,11 +15,15 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 
 import httpx
 import pytest
 
+from fleetgate.keys import LEASE_FIELD
+from fleetgate.registry import Registry, connect
+from fleetgate.schema import Load
 from fleetgate_tools.redis_server import EmbeddedRedis
 from tests.conftest import Fleet, children, wait_until
 
@@ -338,69 +343,113 @@ def test_redis_restart_keeps_an_operators_drain(fleet_factory, tmp_path: Path) -
         server.stop()
 
 
-class AdapterLoad(SteadyLoad):
-    """Long streams of two adapters beside whole requests rotating over six others, so that
-    workers with two LoRA slots load and evict adapters all along. Each stream's worker and
-    wall-clock span is recorded, to check that no adapter was evicted under one."""
+# Two slots held by the long streams, one for the whole requests that take turns in it.
+ADAPTER_SLOTS = 3
+STREAM_TOKENS = 1000
+# The engine's base step while the evictions run: x time_scale 0.1 (and the LoRA factor), a
+# step of ~0.23 s, so that a stream of STREAM_TOKENS lasts over 200 s. The simulator sleeps
+# out each step and never catches up when it falls behind, so a slower machine only makes a
+# stream last longer; the evictions take ~6 s. Afterwards the streams finish at full speed.
+SLOW_STEP_S = 2.0
+WHOLE_ADAPTERS = [f"adp{i}" for i in range(3, 9)]
 
-    STREAM_TOKENS = 300
 
-    def __init__(self, url: str, clients: int = 5) -> None:
-        super().__init__(url, clients)
-        self.spans: list[tuple[str, str, float, float]] = []  # (worker, adapter, start, end)
+class HeldStream(threading.Thread):
+    """One long adapter stream read to its end in a thread. Records the worker it ran on and
+    (unix times, as the gateways' logs) when its first token came and when it ended."""
 
-    def _run(self, index: int) -> None:
-        n = 0
-        with httpx.Client(base_url=self.url, timeout=60) as client:
-            while not self._stop.is_set():
-                n += 1
-                started = time.monotonic()
-                stream = index < 2
-                try:
-                    ok, why = self._adapter_stream(client, index) if stream else self._adapter_plain(client, index, n)
-                except httpx.HTTPError as exc:
-                    ok, why = False, repr(exc)
-                with self._lock:
-                    self.figures.sent += 1
-                    self.figures.latencies.append(time.monotonic() - started)
-                    if stream:
-                        self.figures.streams += 1
-                        self.figures.streams_complete += ok
-                    if not ok:
-                        self.figures.failed.append(why)
+    def __init__(self, url: str, adapter: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.adapter = adapter
+        self.worker = ""
+        self.first_at = 0.0
+        self.end_at = 0.0
+        self.pieces = 0
+        self.finishes = 0
+        self.done = False
+        self.error = ""
 
-    def _adapter_plain(self, client: httpx.Client, index: int, n: int) -> tuple[bool, str]:
-        body = {"model": f"adp{3 + (index * 7 + n) % 6}", "max_tokens": 8, "ignore_eos": True,
-                "messages": [{"role": "user", "content": f"client {index} request {n}"}]}
-        resp = client.post("/v1/chat/completions", json=body)
-        return resp.status_code == 200, f"{resp.status_code} {resp.text[:200]}"
-
-    def _adapter_stream(self, client: httpx.Client, index: int) -> tuple[bool, str]:
-        adapter = f"adp{1 + index}"
-        body = {"model": adapter, "max_tokens": self.STREAM_TOKENS, "ignore_eos": True, "stream": True,
+    def run(self) -> None:
+        body = {"model": self.adapter, "max_tokens": STREAM_TOKENS, "ignore_eos": True, "stream": True,
                 "messages": [{"role": "user", "content": "a long answer"}]}
-        pieces, done = 0, False
-        start = time.time()
-        with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                return False, f"{resp.status_code}"
-            worker = resp.headers["x-fleetgate-worker"]
-            for line in resp.iter_lines():
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: "):
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        return False, f"error event {event}"
-                    pieces += sum(bool(c["delta"].get("content")) for c in event["choices"])
-        with self._lock:
-            self.spans.append((worker, adapter, start, time.time()))
-        return done and pieces == self.STREAM_TOKENS, f"stream pieces={pieces} done={done}"
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body, timeout=60) as resp:
+                if resp.status_code != 200:
+                    self.error = f"{resp.status_code} {resp.read()[:200]!r}"
+                    return
+                self.worker = resp.headers["x-fleetgate-worker"]
+                for line in resp.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            self.error = f"error event {event}"
+                            return
+                        for choice in event["choices"]:
+                            self.pieces += bool(choice["delta"].get("content"))
+                            self.finishes += bool(choice.get("finish_reason"))
+                        if self.pieces and not self.first_at:
+                            self.first_at = time.time()
+        except httpx.HTTPError as exc:
+            self.error = repr(exc)
+        finally:
+            self.end_at = time.time()
+
+    def under_way(self) -> bool:
+        """Its first token came (or it failed before one)."""
+        return bool(self.first_at or self.error)
+
+    @property
+    def whole(self) -> bool:
+        return not self.error and self.done and self.finishes == 1 and self.pieces == STREAM_TOKENS
+
+
+def _text(raw: object) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+async def _eviction_inputs(fleet: Fleet, worker_id: str) -> tuple[Load | None, dict[str, tuple[float, set[str]]]]:
+    """What a gateway about to evict from `worker_id` reads in Redis: the worker's last
+    published load (the adapters its engine runs, as scraped at `load.ts`), and per gateway
+    the adapters it has requests in flight for there, with the time it took that count."""
+    redis = connect(fleet.redis_url)
+    try:
+        registry = Registry(redis, fleet.prefix)
+        view = await registry.read(worker_id)
+        published: dict[str, tuple[float, set[str]]] = {}
+        for member in await redis.smembers(registry.keys.gateways):  # type: ignore[misc]
+            gateway_id = _text(member)
+            row = {_text(k): _text(v) for k, v in (await redis.hgetall(registry.keys.lora(gateway_id))).items()}  # type: ignore[misc]
+            at = float(row.pop(LEASE_FIELD, 0.0))
+            published[gateway_id] = (at, {key.partition("\t")[2] for key in row if key.partition("\t")[0] == worker_id})
+        return (view.load if view else None), published
+    finally:
+        await redis.aclose()
+
+
+def _streams_seen(fleet: Fleet, worker_id: str, adapters: set[str]) -> bool:
+    """Every gateway can see that `adapters` are in use on the worker: its engine reports them
+    running, and the gateways' published in-flight counts hold them."""
+    load, published = asyncio.run(_eviction_inputs(fleet, worker_id))
+    in_flight = set().union(*(held for _, held in published.values()))
+    return load is not None and adapters <= set(load.lora_active) and adapters <= in_flight
+
+
+def _idle_everywhere(fleet: Fleet, worker_id: str, adapter: str, after: float, gateways: int) -> bool:
+    """`adapter`, whose last request was answered at `after`, is idle by everything a gateway's
+    eviction reads: a load scraped since shows it not running, and each gateway has published
+    its in-flight counts since (the count and its time are taken together), without it."""
+    load, published = asyncio.run(_eviction_inputs(fleet, worker_id))
+    return (load is not None and load.ts > after and adapter not in load.lora_active
+            and len(published) == gateways
+            and all(at > after and adapter not in held for at, held in published.values()))
 
 
 def _evictions(log: str) -> list[tuple[str, str, float]]:
     """(worker, evicted adapter, unix time) of every eviction a gateway logged."""
-    out = []
+    out: list[tuple[str, str, float]] = []
     for line in log.splitlines():
         if '"gateway.adapter_loaded"' not in line:
             continue
@@ -412,10 +461,12 @@ def _evictions(log: str) -> list[tuple[str, str, float]]:
 
 
 def test_adapter_eviction_under_streams_loses_nothing(fleet_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """Two workers with two LoRA slots each, eight adapters: two long adapter streams run while whole
-    requests rotate over six other adapters, so adapters are loaded and evicted all along. No
-    request fails, every stream is whole, and no adapter is ever evicted from a worker while a
-    stream of it runs there (through either of two gateways)."""
+    """One worker with three LoRA slots, two gateways, eight adapters. A long stream of adp1
+    (through one gateway) and one of adp2 (through the other) hold two slots; whole requests for
+    adp3..adp8, one at a time and through the gateways in turn, each need the third slot, so from
+    adp4 on each load must evict the adapter before it: five evictions, each by the gateway that
+    did not serve the victim, all while both streams run. No adapter of a live stream is evicted,
+    no load is oversubscribed, every request is answered and both streams arrive whole."""
     adapters = {}
     for i in range(1, 9):
         (tmp_path / f"adp{i}").mkdir()
@@ -423,25 +474,65 @@ def test_adapter_eviction_under_streams_loses_nothing(fleet_factory, tmp_path: P
     cfg = tmp_path / "gateway.yaml"
     cfg.write_text(json.dumps({"gateway": {"adapters": adapters}}))
     fleet = fleet_factory()
-    _, url = fleet.gateway("--config", str(cfg))
-    _, url2 = fleet.gateway("--config", str(cfg))
-    for wid in ("a", "b"):
-        fleet.worker(wid, "--model", MODEL, "--option", "time_scale=0.3", "--option", "enable_lora=true",
-                     "--option", "max_loras=2")
-    fleet.wait_ready(url, "a", "b")
-    fleet.wait_ready(url2, "a", "b")
-    with AdapterLoad(url) as load, AdapterLoad(url2, clients=3):  # the second: whole requests only
-        time.sleep(8)
-    logs = "".join(p.output() for p in fleet.procs if "gateway" in p.log_path.name)
-    evictions = _evictions(logs)
-    under = [(w, a, at) for w, a, at in evictions for sw, sa, start, end in load.spans
-             if (w, a) == (sw, sa) and start < at < end]
-    figures = load.figures
+    gateways = [fleet.gateway("--config", str(cfg)) for _ in range(2)]
+    urls = [url for _, url in gateways]
+    fleet.worker("w", "--model", MODEL, "--option", "time_scale=0.1", "--option", "enable_lora=true",
+                 "--option", f"max_loras={ADAPTER_SLOTS}")
+    for url in urls:
+        fleet.wait_ready(url, "w")
+    engine = fleet.workers(urls[0])["w"]["url"]
+    assert httpx.post(f"{engine}/sim/profile", json={"base_step_s": SLOW_STEP_S}).status_code == 200
+
+    streams = [HeldStream(urls[0], "adp1"), HeldStream(urls[1], "adp2")]
+    for stream in streams:  # one at a time: each placed, and running, before the next is sent
+        stream.start()
+        wait_until(stream.under_way, timeout=60)
+        assert stream.worker == "w" and not stream.error, stream.error
+    wait_until(lambda: _streams_seen(fleet, "w", {"adp1", "adp2"}), timeout=30)
+
+    figures = Figures(streams=len(streams))
+    evicting = time.monotonic()
+    with httpx.Client(timeout=60) as client:
+        for i, adapter in enumerate(WHOLE_ADAPTERS):
+            body = {"model": adapter, "max_tokens": 1, "ignore_eos": True,
+                    "messages": [{"role": "user", "content": f"request {i}"}]}
+            started = time.monotonic()
+            resp = client.post(f"{urls[i % 2]}/v1/chat/completions", json=body)
+            answered = time.time()
+            figures.sent += 1
+            figures.latencies.append(time.monotonic() - started)
+            assert resp.status_code == 200 and resp.headers["x-fleetgate-worker"] == "w", resp.text
+            assert resp.json()["usage"]["completion_tokens"] == 1
+            placed = set(fleet.workers(urls[0])["w"]["adapters"])
+            assert placed == {"adp1", "adp2", adapter}, f"after {adapter} the worker holds {sorted(placed)}"
+            # The next load evicts this adapter only if every gateway can tell it is idle.
+            wait_until(partial(_idle_everywhere, fleet, "w", adapter, answered, len(urls)), timeout=30)
+    evicting_s = time.monotonic() - evicting
+    # The precondition, checked: both streams still run on the engine after the last eviction.
+    assert httpx.get(f"{engine}/sim/state").json()["running_lora_adapters"] == ["adp1", "adp2"]
+    assert not any(s.end_at for s in streams), [(s.adapter, s.pieces, s.error) for s in streams]
+    assert httpx.post(f"{engine}/sim/profile", json={"base_step_s": 0.0}).status_code == 200
+    for stream in streams:
+        stream.join(120)
+        assert not stream.is_alive()
+    figures.streams_complete = sum(s.whole for s in streams)
+
+    logs = [proc.output() for proc, _ in gateways]
+    by_gateway = [[a for _, a, _ in _evictions(log)] for log in logs]
+    evictions = [e for log in logs for e in _evictions(log)]
+    under = [(w, a, at) for w, a, at in evictions for s in streams
+             if (w, a) == (s.worker, s.adapter) and s.first_at < at < s.end_at]
+    oversubscribed = sum(log.count("gateway.adapter_oversubscribed") for log in logs)
     print(f"chaos[eviction-under-stream]: evictions={len(evictions)} under_a_stream={len(under)} "
-          f"oversubscribed={logs.count('gateway.adapter_oversubscribed')}")
+          f"oversubscribed={oversubscribed} evicting_s={evicting_s:.1f} (streams last > 200 s)")
     figures.report("eviction-under-stream", resumed_count(fleet))
-    assert figures.streams >= 2 and figures.failed == [], figures.failed
-    assert evictions and under == [], under
+    # Each eviction by the gateway that did not serve the victim (the first gateway served
+    # adp3, adp5, adp7), all from the worker and all while both streams ran.
+    assert by_gateway == [["adp4", "adp6"], ["adp3", "adp5", "adp7"]], by_gateway
+    assert {w for w, _, _ in evictions} == {"w"}
+    assert all(s.first_at < at < s.end_at for _, _, at in evictions for s in streams)
+    assert under == [] and oversubscribed == 0
+    assert figures.streams_complete == 2, [(s.adapter, s.pieces, s.finishes, s.done, s.error) for s in streams]
 
 
 def test_slow_engine_under_load_loses_nothing(fleet_factory) -> None:  # type: ignore[no-untyped-def]
