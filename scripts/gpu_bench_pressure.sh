@@ -1,62 +1,93 @@
-# Issue 14's benchmark on the GPU: sourced by scripts/gpu_bench.sh (its helpers: log, fg,
-# spawn, wait_http, sampler, setup; its settings: MODE, W, OUT, T0, DEADLINE_S, TOKEN, ports).
+# Issue 14's and issue 31's benchmark on the GPU: sourced by scripts/gpu_bench.sh (its helpers:
+# log, fg, spawn, wait_http, setup; its settings: MODE, W, OUT, T0, DEADLINE_S, TOKEN, ports).
 #
-# Two vLLM 0.26 servers sharing the H200 (7B shape, --load-format dummy, --max-num-seqs 1024)
-# with the KV cache cut to 2106 blocks of 16 tokens each (P_KV_PRESSURE bytes), one
-# `--engine external` agent each; the `pressure` workload (16 tenants x ~1.5k-token system
-# prompts, Poisson) at the capacity rate under every strategy in P_STRATEGIES, P_REPS rounds
-# with the order rotated; then `skew` (one tenant at 40%), then `ample` (the engines
-# restarted with P_KV_AMPLE bytes of KV, the pressure workload). Client-side strategies
-# (tenant_affinity, direct_round_robin) send to the engines directly; gateway policies go
-# through a fresh gateway per run. Every run starts with the engines idle and their prefix
-# caches reset (scripts/bench_fleet.py --attach: POST /reset_prefix_cache,
-# VLLM_SERVER_DEV_MODE=1).
+# vLLM 0.26 servers sharing the GPU (7B shape, --load-format dummy, --max-num-seqs 1024) with
+# the KV cache cut to 2106 blocks of 16 tokens each (P_KV_PRESSURE bytes), each attached the
+# way README tells users: `python -m workers --engine external --url http://...` (no --option:
+# external agents take none since 7e0ea44), and a gateway with config/gateway.yaml's settings
+# (only --port, --redis-url, --redis-prefix and --policy are given). Scenarios (P_SCENARIOS),
+# each under every strategy in P_STRATEGIES on the same request sequence (same seed):
+#
+#   pressure    the `pressure` workload (16 tenants x ~1,500-token system prompt + ~65-token
+#               question, max_tokens 64, ignore_eos, streamed, Poisson) at P_RATE (GPU 128/s),
+#               two engines
+#   long        issue 31: `pressure_long`, the same but max_tokens 4096 and answers of ~64
+#               tokens, ended as P_LONG_END says: `engine` (vLLM ends the answer itself:
+#               min_tokens 63 + logit_bias {eos: +100}; the GPU default) or `client` (the load
+#               generator reads 64 tokens and closes the stream, the gateway cancels the
+#               engine's request; the sim default, as the simulator ignores those fields);
+#               fleetgate_tools/bench/workloads.py tenant_contents has the details
+#   longcut     `pressure_long` ended by the client on any engine (P_LONG_END=client): the
+#               same mechanism on the simulator and on vLLM
+#   half        `pressure` at P_RATE_HALF (GPU 64/s)
+#   skew        `skew` (tenant 0 sends 40%) at P_RATE
+#   three       three engines, `pressure` with 24 tenants, at P_RATE_THREE (GPU 176/s)
+#   ample       `pressure` at P_RATE with P_KV_AMPLE bytes of KV (8x)
+#
+# Client-side strategies (tenant_affinity pins tenant i to engine i % N, direct_round_robin)
+# send to the engines directly; gateway policies go through a fresh gateway per run. Every run
+# starts with the engines idle and their prefix caches reset (POST /reset_prefix_cache,
+# VLLM_SERVER_DEV_MODE=1), and records beside what the client saw the engines' own gauges,
+# read twice a second during the run (fleetgate_tools/bench/engines.py LoadSampler: requests
+# waiting, max; running, mean and max; KV use, mean) and their preemptions.
 #
 # Token counts: the workload is sized for the simulator's byte estimate (a prompt of ~1,589
 # tokens). The GPU model's tokenizer (make_config_model.py: byte-level BPE trained on Python's
-# stdlib) makes ~1,640 of it (system prompt ~1,560, question ~70; measured with the same
-# script under Python 3.11 here); the tables print the engines' own mean `prompt_tokens`.
+# stdlib) makes ~1,640 of it; the tables print the engines' own mean `prompt_tokens`.
 #
-# The capacity rate (P_RATE unset): the highest rate at which tenant_affinity keeps TTFT p50
-# under CAP_TTFT (0.2 s), searched once with short runs (bench_fleet.py --find-capacity) and
-# kept in $W/pres/capacity.json.
+# P_RATE=auto: the rate is the capacity search's instead (the highest rate at which
+# tenant_affinity keeps TTFT p50 under CAP_TTFT, bench_fleet.py --find-capacity), kept in
+# $W/pres/capacity.json.
 #
 # Resumable: a finished run leaves $W/pres/<scenario>-<strategy>-r<round>.json and is not
 # run again; no run starts that would end past T0 + DEADLINE_S. So the same command, called
 # again while the machine is warm, carries on where the last call stopped; each call writes
 # the tables of everything done so far to $OUT (results-pressure.md / .json).
+# GPU time (H100 or H200, P_DURATION 35): ~50 s a run, 15 runs with the defaults, plus
+# ~4 min of setup and ~1.5 min to start the third engine.
 
-P_STRATEGIES=${P_STRATEGIES:-tenant_affinity,round_robin,least_outstanding,fleet}
-P_SCENARIOS=${P_SCENARIOS:-pressure,skew,ample}
-P_RATE=${P_RATE:-}                             # req/s for every scenario; empty: the capacity rate
-P_DURATION=${P_DURATION:-15}                   # seconds of arrivals per run
-P_DRAIN=${P_DRAIN:-10}                         # seconds allowed for stragglers (E2E ~1 s at ease)
-P_REPS=${P_REPS:-2}
+P_STRATEGIES=${P_STRATEGIES:-tenant_affinity,direct_round_robin,fleet}
+P_SCENARIOS=${P_SCENARIOS:-pressure,long,half,skew,three}
+P_DURATION=${P_DURATION:-35}                   # seconds of arrivals per run (the gateway's queue
+                                               # timeout is 10 s: runs must be well longer)
+P_REPS=${P_REPS:-1}
 P_SEED=${P_SEED:-0}
 # 2106 blocks x 16 tokens x 57344 bytes a token (28 layers x 4 KV heads x 128 x K+V x bf16):
-# 33,696 tokens. 16 tenants x ~1.5k tokens fit two such caches, not one.
+# 33,696 tokens. 16 tenants x ~1.5k tokens fit two such caches, not one (24 tenants, three).
 P_KV_PRESSURE=${P_KV_PRESSURE:-1932263424}
 P_KV_AMPLE=${P_KV_AMPLE:-$((8 * P_KV_PRESSURE))}
 P_MAX_NUM_SEQS=${P_MAX_NUM_SEQS:-1024}
+# Each vLLM's share of the card: only vLLM's start-up check (free memory >= share x total)
+# reads it, as --kv-cache-memory-bytes sizes the cache; 3 x 0.28 fits an 80 GB H100.
+P_GPU_UTIL=${P_GPU_UTIL:-0.28}
+P_PORTS=(8001 8002 8003)
 P_DIR=$W/pres
 P_PREFIX=gpup                                  # Redis prefix of the pressure fleet
 KV_BYTES_PER_BLOCK=$((16 * 57344))
 SIM_TIME_SCALE=${SIM_TIME_SCALE:-4}            # sim mode: simulated engines 4x slower (2 cores)
-# A capacity step passes when TTFT p50 < CAP_TTFT and <= 1% of its requests failed or were
-# still unfinished CAP_DRAIN s after the last arrival (so CAP_DRAIN must exceed a request's
-# E2E: ~1 s on the H200, ~8 s on the simulator at time scale 4).
 if [ "$MODE" = sim ]; then
+  # The simulator at time scale 4 does a quarter of the GPU's work a second: the GPU's
+  # rates / 4, its latencies x 4.
+  P_RATE=${P_RATE:-32}
+  P_RATE_THREE=${P_RATE_THREE:-44}
+  P_DRAIN=${P_DRAIN:-25}                       # stragglers: E2E ~4x the GPU's, queue timeout 10 s
+  P_LONG_END=${P_LONG_END:-client}
   CAP_TTFT=${CAP_TTFT:-$(awk "BEGIN{print 0.2 * $SIM_TIME_SCALE}")}
   CAP_START=${CAP_START:-16}
   CAP_DRAIN=${CAP_DRAIN:-20}
 else
+  P_RATE=${P_RATE:-128}
+  P_RATE_THREE=${P_RATE_THREE:-176}
+  P_DRAIN=${P_DRAIN:-15}                       # the gateway's 10 s queue timeout + E2E (~1-2 s)
+  P_LONG_END=${P_LONG_END:-engine}
   CAP_TTFT=${CAP_TTFT:-0.2}
   CAP_START=${CAP_START:-128}                  # issue 14: the oracle's p50 was 0.08-0.11 s at 128/s
   CAP_DRAIN=${CAP_DRAIN:-10}
 fi
+P_RATE_HALF=${P_RATE_HALF:-}                   # empty: half the pressure rate
 CAP_DURATION=${CAP_DURATION:-10}
 CAP_STEPS=${CAP_STEPS:-7}                      # steps the deadline check budgets for
-ENGINE_START_S=${ENGINE_START_S:-150}          # budgeted for a restart of both engines
+ENGINE_START_S=${ENGINE_START_S:-150}          # budgeted for a (re)start of the engines
 
 p_client_side() { case $1 in tenant_affinity|direct_round_robin) return 0;; esac; return 1; }
 p_left() { echo $(( T0 + DEADLINE_S - $(date +%s) )); }
@@ -89,73 +120,110 @@ p_redis() {
   sleep 1
 }
 
-p_engines() {  # kv_bytes: two engines with that KV cache (restarted if they run another), their agents
-  local kv=$1 k port blocks=$(( $1 / KV_BYTES_PER_BLOCK ))
-  if [ "$(cat "$P_DIR/engines.kv" 2>/dev/null)" = "$kv" ] && p_alive agent-vl0 && p_alive agent-vl1; then
-    return 0
+p_engine_up() {  # k kv_bytes: engine k (a vLLM server; in sim mode the simulator) on P_PORTS[k]
+  local k=$1 port=${P_PORTS[$1]} blocks=$(( $2 / KV_BYTES_PER_BLOCK ))
+  if [ "$MODE" = sim ]; then
+    # The simulator run standalone, like a vLLM server, with the GPU run's KV size and batch limit.
+    spawn "vllm$k" env PYTHONPATH="$FG_PATH" "$FG_PY" -m workers.simulator --served-model-name m7 \
+      --profile h200-7b --max-model-len 8192 --num-gpu-blocks "$blocks" --block-size 16 \
+      --max-num-seqs "$P_MAX_NUM_SEQS" --time-scale "$SIM_TIME_SCALE" --seed $((k + 1)) \
+      --host 127.0.0.1 --port "$port"
+  else
+    spawn "vllm$k" env "${VL_ENV[@]}" python3 -m vllm.entrypoints.cli.main serve /tmp/vl/m7 --served-model-name m7 \
+      --load-format dummy --max-model-len 8192 --enforce-eager --gpu-memory-utilization "$P_GPU_UTIL" \
+      --kv-cache-memory-bytes "$2" --max-num-seqs "$P_MAX_NUM_SEQS" --host 127.0.0.1 --port "$port"
   fi
-  p_fits "$ENGINE_START_S" || { log "pressure: no time left to (re)start the engines with $blocks blocks"; return 1; }
-  for k in 0 1; do p_stop "agent-vl$k"; p_stop "vllm$k" 60; done
-  rm -f "$P_DIR/engines.kv"
-  for k in 0 1; do p_port_free "${VL_PORTS[$k]}" "engine $k" || return 1; done
-  log "pressure: starting two engines with $blocks KV blocks of 16 tokens each ($kv bytes)"
-  for k in 0 1; do
-    port=${VL_PORTS[$k]}
-    if [ "$MODE" = sim ]; then
-      spawn "agent-vl$k" env PYTHONPATH="$FG_PATH" "$FG_PY" -m workers --engine sim --sim-profile h200-7b \
-        --model m7 --port "$port" --max-model-len 8192 --id "vl$k" --option num_gpu_blocks="$blocks" \
-        --option block_size=16 --option max_num_seqs="$P_MAX_NUM_SEQS" --option seed=$((k + 1)) \
-        --option time_scale="$SIM_TIME_SCALE" --redis-url "$REDIS_URL" --redis-prefix "$P_PREFIX"
-    else
-      spawn "vllm$k" env "${VL_ENV[@]}" python3 -m vllm.entrypoints.cli.main serve /tmp/vl/m7 --served-model-name m7 \
-        --load-format dummy --max-model-len 8192 --enforce-eager --gpu-memory-utilization 0.35 \
-        --kv-cache-memory-bytes "$kv" --max-num-seqs "$P_MAX_NUM_SEQS" --host 127.0.0.1 --port "$port"
-    fi
-  done
-  for k in 0 1; do
-    wait_http "http://127.0.0.1:${VL_PORTS[$k]}/health" 600 "$W/pids/vllm$k" \
-      || { log "pressure: engine $k NOT healthy"; tail -20 "$W/logs/vllm$k.log" "$W/logs/agent-vl$k.log" 2>/dev/null; return 1; }
-  done
-  if [ "$MODE" != sim ]; then
-    grep -h "GPU KV cache size\|Maximum concurrency" "$W"/logs/vllm*.log 2>/dev/null | tail -2
-    for k in 0 1; do
-      spawn "agent-vl$k" env PYTHONPATH="$FG_PATH" "$FG_PY" -m workers --engine external \
-        --url "http://127.0.0.1:${VL_PORTS[$k]}" --flavor vllm --id "vl$k" --option max_num_seqs="$P_MAX_NUM_SEQS" \
-        --redis-url "$REDIS_URL" --redis-prefix "$P_PREFIX"
-    done
-  fi
-  echo "$kv" > "$P_DIR/engines.kv"
-  log "pressure: engines healthy"
 }
 
-p_gateway() {  # policy name [gateway flags...]: a fresh gateway on GW_PORT that sees both workers ready
+p_agent_up() {  # k: attach engine k as README says (`--engine external --url`, no --option)
+  spawn "agent-vl$1" env PYTHONPATH="$FG_PATH" "$FG_PY" -m workers --engine external \
+    --url "http://127.0.0.1:${P_PORTS[$1]}" --flavor vllm --id "vl$1" \
+    --redis-url "$REDIS_URL" --redis-prefix "$P_PREFIX"
+}
+
+p_engines() {  # kv_bytes count: `count` engines with that KV cache and their agents; others stopped
+  local kv=$1 n=$2 k blocks=$(( $1 / KV_BYTES_PER_BLOCK )) missing=()
+  if [ "$(cat "$P_DIR/engines.kv" 2>/dev/null)" != "$kv" ]; then
+    for k in "${!P_PORTS[@]}"; do p_stop "agent-vl$k"; p_stop "vllm$k" 60; done
+    rm -f "$P_DIR/engines.kv"
+  fi
+  for ((k = n; k < ${#P_PORTS[@]}; k++)); do p_stop "agent-vl$k"; p_stop "vllm$k" 60; done
+  for ((k = 0; k < n; k++)); do
+    { p_alive "vllm$k" && p_alive "agent-vl$k"; } || missing+=("$k")
+  done
+  if [ "${#missing[@]}" = 0 ]; then echo "$kv" > "$P_DIR/engines.kv"; return 0; fi
+  p_fits "$ENGINE_START_S" || { log "pressure: no time left to start engine(s) ${missing[*]} with $blocks blocks"; return 1; }
+  for k in "${missing[@]}"; do
+    p_stop "agent-vl$k"; p_stop "vllm$k" 60
+    p_port_free "${P_PORTS[$k]}" "engine $k" || return 1
+  done
+  log "pressure: starting engine(s) ${missing[*]} with $blocks KV blocks of 16 tokens each ($kv bytes)"
+  for k in "${missing[@]}"; do p_engine_up "$k" "$kv"; done
+  for k in "${missing[@]}"; do
+    wait_http "http://127.0.0.1:${P_PORTS[$k]}/health" 600 "$W/pids/vllm$k" \
+      || { log "pressure: engine $k NOT healthy"; tail -20 "$W/logs/vllm$k.log" 2>/dev/null; return 1; }
+  done
+  [ "$MODE" = sim ] || grep -h "GPU KV cache size\|Maximum concurrency" "$W"/logs/vllm*.log 2>/dev/null | tail -3
+  for k in "${missing[@]}"; do p_agent_up "$k"; done
+  echo "$kv" > "$P_DIR/engines.kv"
+  log "pressure: $n engines healthy"
+}
+
+p_gateway() {  # policy name workers [gateway flags...]: a fresh gateway on GW_PORT that sees `workers` ready
   spawn "$2" env PYTHONPATH="$FG_PATH" "$FG_PY" -m gateway --port "$GW_PORT" \
-    --redis-url "$REDIS_URL" --redis-prefix "$P_PREFIX" --policy "$1" "${@:3}"
+    --redis-url "$REDIS_URL" --redis-prefix "$P_PREFIX" --policy "$1" "${@:4}"
   wait_http "http://127.0.0.1:$GW_PORT/health" 30 "$W/pids/$2" || { log "pressure: gateway $1 did not start"; return 1; }
-  # Both workers ready, or no run: a client strategy would pin every tenant to the one it sees.
+  # Exactly the engines ready (no stopped one still listed), or no run: a client strategy
+  # pins tenants by the list it reads.
   local t=0
-  until [ "$(curl -s "http://127.0.0.1:$GW_PORT/health" | grep -o '"ready_workers":[0-9]*' | cut -d: -f2)" = 2 ]; do
-    [ $t -ge 120 ] && { log "pressure: gateway $1 does not see 2 ready workers after 60 s"; p_stop "$2" 10; return 1; }
+  until [ "$(curl -s "http://127.0.0.1:$GW_PORT/health" | grep -o '"ready_workers":[0-9]*' | cut -d: -f2)" = "$3" ]; do
+    [ $t -ge 120 ] && { log "pressure: gateway $1 does not see $3 ready workers after 60 s"; p_stop "$2" 10; return 1; }
     sleep 0.5; t=$((t + 1))
   done
 }
 
+p_eos() {  # the GPU model's EOS token id (what `long` biases); the simulator ignores it
+  if [ "$MODE" != sim ] && [ -f /tmp/vl/m7/config.json ]; then
+    python3 -c "import json; print(json.load(open('/tmp/vl/m7/config.json'))['eos_token_id'])" 2>/dev/null && return
+  fi
+  echo 1
+}
+
 p_fleet_yaml() {  # the workloads' parameters (no workers: the engines are attached)
-  cat > "$P_DIR/fleet.yaml" <<EOF
-model: m7
-workers: []
-workloads:
-  pressure: {tenants: 16, system_tokens: 1500, user_tokens: 65, max_tokens: 64}
-  skew: {tenants: 16, system_tokens: 1500, user_tokens: 65, max_tokens: 64, hot_share: 0.4}
-EOF
+  local eos t16="tenants: 16, system_tokens: 1500, user_tokens: 65"
+  eos=$(p_eos)
+  printf '%s\n' "model: m7" "workers: []" "workloads:" \
+    "  pressure: {$t16, max_tokens: 64}" \
+    "  skew: {$t16, max_tokens: 64, hot_share: 0.4}" \
+    "  pressure_long: {$t16, max_tokens: 4096, answer_tokens: 64, answer_end: $P_LONG_END, eos_token_id: $eos}" \
+    > "$P_DIR/fleet.yaml"
+  sed -e "s/answer_end: [a-z]*/answer_end: client/" "$P_DIR/fleet.yaml" > "$P_DIR/fleet-cut.yaml"
+  printf '%s\n' "model: m7" "workers: []" "workloads:" \
+    "  pressure: {tenants: 24, system_tokens: 1500, user_tokens: 65, max_tokens: 64}" > "$P_DIR/fleet3.yaml"
+}
+
+p_scenario() {  # scenario -> "workload rate engines kv_bytes fleet_file"; 1 for an unknown one
+  local rate half
+  rate=$(p_rate) || return 1
+  half=${P_RATE_HALF:-$(awk "BEGIN{print $rate / 2}")}
+  case $1 in
+    pressure) echo "pressure $rate 2 $P_KV_PRESSURE $P_DIR/fleet.yaml" ;;
+    long)     echo "pressure_long $rate 2 $P_KV_PRESSURE $P_DIR/fleet.yaml" ;;
+    longcut)  echo "pressure_long $rate 2 $P_KV_PRESSURE $P_DIR/fleet-cut.yaml" ;;
+    half)     echo "pressure $half 2 $P_KV_PRESSURE $P_DIR/fleet.yaml" ;;
+    skew)     echo "skew $rate 2 $P_KV_PRESSURE $P_DIR/fleet.yaml" ;;
+    three)    echo "pressure $P_RATE_THREE 3 $P_KV_PRESSURE $P_DIR/fleet3.yaml" ;;
+    ample)    echo "pressure $rate 2 $P_KV_AMPLE $P_DIR/fleet.yaml" ;;
+    *) return 1 ;;
+  esac
 }
 
 p_capacity() {
-  [ -n "$P_RATE" ] && return 0
+  [ "$P_RATE" = auto ] || return 0
   [ -f "$P_DIR/capacity.json" ] && return 0
   p_fits $(( CAP_STEPS * (CAP_DURATION + 15) )) || { log "pressure: no time left for the capacity search"; return 1; }
-  p_engines "$P_KV_PRESSURE" || return 1
-  p_gateway round_robin gateway-capacity || return 1
+  p_engines "$P_KV_PRESSURE" 2 || return 1
+  p_gateway round_robin gateway-capacity 2 || return 1
   log "pressure: capacity search from $CAP_START req/s (tenant_affinity TTFT p50 < $CAP_TTFT s, ${CAP_DURATION}s steps)"
   fg scripts/bench_fleet.py --attach "http://127.0.0.1:$GW_PORT" --admin-token "$TOKEN" --fleet "$P_DIR/fleet.yaml" \
     --workloads pressure --find-capacity --capacity-start "$CAP_START" --capacity-ttft "$CAP_TTFT" \
@@ -168,34 +236,34 @@ p_capacity() {
 }
 
 p_rate() {
-  if [ -n "$P_RATE" ]; then echo "$P_RATE"; return; fi
+  if [ "$P_RATE" != auto ]; then echo "$P_RATE"; return; fi
   fg -c "import json,sys; print(json.load(open(sys.argv[1]))['capacity_rps'])" "$P_DIR/capacity.json"
 }
 
-p_run() {  # scenario strategy round rate
-  local scenario=$1 strategy=$2 round=$3 rate=$4 name="$1-$2-r$3" wl=pressure policy=$2
+p_run() {  # scenario strategy round
+  local scenario=$1 strategy=$2 round=$3 name="$1-$2-r$3" policy=$2 wl rate n kv fleet
   [ -f "$P_DIR/$name.json" ] && return 0
+  read -r wl rate n kv fleet <<< "$(p_scenario "$scenario")"
   p_fits $(( P_DURATION + P_DRAIN + 30 )) || { log "pressure: deadline: $name and the rest left for the next call"; return 1; }
-  [ "$scenario" = skew ] && wl=skew
-  local extra=() bench=$strategy
+  p_engines "$kv" "$n" || return 1
+  # (starting an engine may have taken the time the run needed)
+  p_fits $(( P_DURATION + P_DRAIN + 30 )) || { log "pressure: deadline: $name and the rest left for the next call"; return 1; }
+  local extra=() bench=$strategy rc
   p_client_side "$strategy" && policy=round_robin   # that gateway only lists the engines
-  # fleet_nohold: the fleet policy without the KV hold (gateway.settings hold_kv 0), side by side.
+  # fleet_nohold: the fleet policy without the KV hold (gateway.settings hold_kv 0), side by
+  # side: bench-specific gateway tuning, so not among the default strategies.
   [ "$strategy" = fleet_nohold ] && { policy=fleet bench=fleet extra=(--set hold_kv=0); }
-  p_gateway "$policy" "gateway-$name" "${extra[@]}" || return 1
-  rm -f "$P_DIR/$name.peaks.json.stop"
-  sampler "$P_DIR/$name.peaks.json" &
-  local spid=$! rc
-  log "pressure: $name, $wl at $rate req/s (${P_DURATION}s + up to ${P_DRAIN}s drain)"
-  fg scripts/bench_fleet.py --attach "http://127.0.0.1:$GW_PORT" --admin-token "$TOKEN" --fleet "$P_DIR/fleet.yaml" \
+  p_gateway "$policy" "gateway-$name" "$n" "${extra[@]}" || return 1
+  log "pressure: $name, $wl at $rate req/s on $n engines (${P_DURATION}s + up to ${P_DRAIN}s drain)"
+  fg scripts/bench_fleet.py --attach "http://127.0.0.1:$GW_PORT" --admin-token "$TOKEN" --fleet "$fleet" \
     --workloads "$wl" --policies "$bench" --rate "$rate" --duration "$P_DURATION" --drain "$P_DRAIN" \
     --seed "$P_SEED" --pool 4096 --out "$P_DIR/$name.tmp.json" --png "$P_DIR/$name.png" \
     > "$W/logs/pressure-$name.txt" 2>&1
   rc=$?
-  touch "$P_DIR/$name.peaks.json.stop"; wait "$spid" 2>/dev/null
   p_stop "gateway-$name" 10
   if [ $rc = 0 ]; then
     mv "$P_DIR/$name.tmp.json" "$P_DIR/$name.json"
-    grep -E "^$wl " "$W/logs/pressure-$name.txt" | head -2
+    grep -A2 -E "^workload +policy +ok/sent" "$W/logs/pressure-$name.txt" | sed -n '1p;3p'   # header + row
   else
     log "pressure: $name FAILED (rc $rc)"; tail -5 "$W/logs/pressure-$name.txt"
   fi
@@ -215,17 +283,18 @@ pressure() {
   p_redis || return 1
   p_capacity || return 1
   local rate; rate=$(p_rate) || return 1
-  log "pressure: rate $rate req/s"
+  log "pressure: rate $rate req/s (half: ${P_RATE_HALF:-rate / 2}, three: $P_RATE_THREE), long ended by: $P_LONG_END; scenarios $P_SCENARIOS"
   IFS=, read -r -a scenarios <<< "$P_SCENARIOS"
   IFS=, read -r -a strats <<< "$P_STRATEGIES"
-  local n=${#strats[@]} scenario r i kv
+  local n=${#strats[@]} scenario r i
+  for scenario in "${scenarios[@]}"; do
+    p_scenario "$scenario" > /dev/null || { log "pressure: unknown scenario $scenario"; return 1; }
+  done
   for scenario in "${scenarios[@]}"; do
     p_scenario_done "$scenario" && continue
-    kv=$P_KV_PRESSURE; [ "$scenario" = ample ] && kv=$P_KV_AMPLE
-    p_engines "$kv" || return 1
     for ((r = 1; r <= P_REPS; r++)); do
       for ((i = 0; i < n; i++)); do
-        p_run "$scenario" "${strats[$(( (i + r - 1) % n ))]}" "$r" "$rate" || return 1
+        p_run "$scenario" "${strats[$(( (i + r - 1) % n ))]}" "$r" || return 1
       done
     done
   done

@@ -7,6 +7,10 @@ simulator's `fleetgate_sim:lora_loads_total` (adapter weights entering a LoRA sl
 first use or swap-in after an eviction) and `fleetgate_sim:lora_api_loads_total`
 (runtime loads through /v1/load_lora_adapter), and preemptions.
 
+While a run is in flight, `LoadSampler` reads every engine's own gauges twice a second
+(requests running and waiting, KV cache use) and `load_stats` sums them up: the engines'
+view of the run beside what the client saw.
+
 Before a run every engine is made cold: a simulator by `POST /sim/reset`, a real vLLM by
 `POST /reset_prefix_cache` (served with VLLM_SERVER_DEV_MODE=1) once its /metrics show
 nothing running or waiting (vLLM leaves blocks that are still in use cached).
@@ -15,7 +19,11 @@ nothing running or waiting (vLLM leaves blocks that are still in use cached).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import re
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import httpx
 import msgspec
@@ -151,3 +159,120 @@ async def wait_idle(client: httpx.AsyncClient, gateway: str, admin_token: str, w
             pass
         await asyncio.sleep(0.2)
     return False
+
+
+# ---------------------------------------------------------------- load during a run
+
+# Gauge -> the sample names that carry it (summed over their label sets), first found wins.
+GAUGES: Mapping[str, tuple[str, ...]] = {
+    "running": ("vllm:num_requests_running", "lmdeploy:num_requests_running"),
+    "waiting": ("vllm:num_requests_waiting", "lmdeploy:num_requests_waiting"),
+    "kv": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+}
+_GAUGE_LINE = re.compile(
+    r"^(" + "|".join(re.escape(n) for names in GAUGES.values() for n in names) + r")(?:\{[^}]*\})? (\S+)$",
+    re.M,
+)
+
+
+def parse_gauges(text: str) -> dict[str, float]:
+    """running / waiting / kv (0..1) from one /metrics text; absent ones left out. A regex
+    over the text, not a full parse: this runs twice a second per engine during a run."""
+    sums: dict[str, float] = {}
+    for m in _GAUGE_LINE.finditer(text):
+        try:
+            value = float(m[2])
+        except ValueError:
+            continue
+        if value == value:  # not NaN
+            sums[m[1]] = sums.get(m[1], 0.0) + value
+    out = {}
+    for key, names in GAUGES.items():
+        for name in names:
+            if name in sums:
+                out[key] = sums[name]
+                break
+    return out
+
+
+# One sample: seconds since the sampler started, and each engine's gauges at that time.
+Sample = tuple[float, dict[str, dict[str, float]]]
+
+
+class LoadSampler:
+    """Reads every engine's gauges every `interval_s` until stopped (`async with`)."""
+
+    def __init__(self, client: httpx.AsyncClient, workers: Sequence[WorkerRef], interval_s: float = 0.5) -> None:
+        self.client, self.workers, self.interval_s = client, list(workers), interval_s
+        self.samples: list[Sample] = []
+        self._task: asyncio.Task[None] | None = None
+        self._t0 = 0.0
+
+    async def __aenter__(self) -> LoadSampler:
+        self._t0 = time.perf_counter()
+        if self.workers:
+            self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _one(self, w: WorkerRef) -> tuple[str, dict[str, float]]:
+        try:
+            resp = await self.client.get(w.url + "/metrics", timeout=2)
+            return w.id, parse_gauges(resp.text) if resp.status_code == 200 else {}
+        except httpx.HTTPError:
+            return w.id, {}
+
+    async def _run(self) -> None:
+        while True:
+            t = time.perf_counter() - self._t0
+            got = dict(await asyncio.gather(*(self._one(w) for w in self.workers)))
+            self.samples.append((round(t, 3), {k: v for k, v in got.items() if v}))
+            await asyncio.sleep(max(0.0, self.interval_s - (time.perf_counter() - self._t0 - t)))
+
+
+def load_stats(samples: Sequence[Sample], window_s: float | None = None) -> dict[str, Any]:
+    """The engines' own figures over a run's samples: the fleet's requests waiting (max) and
+    running (mean, max), summed over its engines; KV use (mean over the engines; its mean
+    and the highest any engine reached). Means are over the samples taken while requests
+    still arrived (t <= window_s, when given), maxima over all. Per engine too."""
+    seen = [(t, s) for t, s in samples if s]
+    keys = ("eng_waiting_max", "eng_waiting_mean", "eng_running_mean", "eng_running_max", "eng_kv_mean", "eng_kv_max")
+    if not seen:
+        return {k: None for k in keys} | {"eng_samples": 0, "eng_load": {}}
+    inside = [(t, s) for t, s in seen if window_s is None or t <= window_s] or seen
+
+    def fleet(sample: dict[str, dict[str, float]], key: str) -> float:
+        return sum(g.get(key, 0.0) for g in sample.values())
+
+    def kv_mean(sample: dict[str, dict[str, float]]) -> float | None:
+        vals = [g["kv"] for g in sample.values() if "kv" in g]
+        return statistics.fmean(vals) if vals else None
+
+    kv_in = [v for _, s in inside if (v := kv_mean(s)) is not None]
+    kv_all = [g["kv"] for _, s in seen for g in s.values() if "kv" in g]
+    per: dict[str, dict[str, float | None]] = {}
+    for wid in sorted({w for _, s in seen for w in s}):
+        mine = [s[wid] for _, s in inside if wid in s]
+        every = [s[wid] for _, s in seen if wid in s]
+        kvs = [g["kv"] for g in mine if "kv" in g]
+        per[wid] = {
+            "running_mean": round(statistics.fmean(g.get("running", 0.0) for g in mine), 2) if mine else None,
+            "running_max": max(g.get("running", 0.0) for g in every),
+            "waiting_max": max(g.get("waiting", 0.0) for g in every),
+            "kv_mean": round(statistics.fmean(kvs), 4) if kvs else None,
+            "kv_max": max((g["kv"] for g in every if "kv" in g), default=None),
+        }
+    return {
+        "eng_waiting_max": max(fleet(s, "waiting") for _, s in seen),
+        "eng_waiting_mean": round(statistics.fmean(fleet(s, "waiting") for _, s in inside), 2),
+        "eng_running_mean": round(statistics.fmean(fleet(s, "running") for _, s in inside), 2),
+        "eng_running_max": max(fleet(s, "running") for _, s in seen),
+        "eng_kv_mean": round(statistics.fmean(kv_in), 4) if kv_in else None,
+        "eng_kv_max": max(kv_all) if kv_all else None,
+        "eng_samples": len(seen),
+        "eng_load": per,
+    }

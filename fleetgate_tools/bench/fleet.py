@@ -138,7 +138,8 @@ def worker_capacity(w: WorkerSpec, requests: Sequence[BenchRequest | Draft], tim
     if not fitting:
         return 0.0
     prompt = sum(_tokens(r) for r in fitting) / len(fitting)
-    out = sum(r.max_tokens for r in fitting) / len(fitting)
+    # Answers cut short (BenchRequest.answer_tokens) generate that many, not max_tokens.
+    out = sum(min(r.max_tokens, r.answer_tokens or r.max_tokens) for r in fitting) / len(fitting)
     kv_tokens = w.option("num_gpu_blocks") * w.option("block_size")
     batch = max(1, min(w.option("max_num_seqs"), int(kv_tokens // (prompt + out))))
     lora = sum(1 for r in fitting if r.model in w.adapters) / len(fitting)

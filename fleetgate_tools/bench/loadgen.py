@@ -6,6 +6,11 @@ pool caps open connections; a request waiting for a connection is already late, 
 latencies count from its arrival time. TTFT is the time to the first chunk that carries
 generated text, not to the headers or the role-only chunk.
 
+A request with `answer_tokens` is read for that many generated tokens (content chunks), then
+its stream is closed: the gateway (or engine) sees the client go and cancels the request.
+Each outcome says how its answer ended (`finish`): the engine's finish_reason ("stop",
+"length", ...), or "cut" where the client closed it.
+
 The target is a gateway's URL, or a route (fleetgate_tools/bench/strategies.py) that names the
 engine each request goes to directly.
 """
@@ -41,6 +46,9 @@ class Outcome(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     message: str = ""
+    # How the answer ended: the engine's finish_reason, "cut" (the client closed the
+    # stream after the request's answer_tokens), or "" (no answer, or none seen).
+    finish: str = ""
 
 
 ERROR_KINDS = (
@@ -112,12 +120,20 @@ async def _one(
                         chunks += 1
                         if out.ttft is None:
                             out.ttft = time.perf_counter() - t0
+                    if choice.get("finish_reason"):
+                        out.finish = str(choice["finish_reason"])
                 usage = obj.get("usage")
                 if usage:
                     out.out_tokens = int(usage.get("completion_tokens") or 0)
                     out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                     details = usage.get("prompt_tokens_details") or {}
                     out.cached_tokens = int(details.get("cached_tokens") or 0)
+                if req.answer_tokens and chunks >= req.answer_tokens and not out.finish:
+                    # The answer is long enough: hang up (the connection is dropped, not
+                    # pooled, so the other end sees the client go).
+                    out.finish = "cut"
+                    resp.close()
+                    break
             out.out_tokens = out.out_tokens or chunks
             out.e2e = time.perf_counter() - t0
     except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:

@@ -62,6 +62,9 @@ def summarise(
     # The engines' own count of prompt tokens (usage), where they reported it: the real
     # tokenizer's, which differs from the workload's byte estimate on a real vLLM.
     prompts = [o.prompt_tokens for o in outcomes if o.prompt_tokens]
+    # How the answers ended: the engine's finish_reason, or "cut" by the client
+    # (BenchRequest.answer_tokens); "-" where none was seen.
+    finish = Counter(o.finish or "-" for o in ok)
     return {
         "workload": workload,
         "policy": policy,
@@ -93,6 +96,8 @@ def summarise(
         "windows": herd.windows,
         "off_majority": None if away is None else round(away, 4),
         "prompt_tokens_mean": round(sum(prompts) / len(prompts), 1) if prompts else None,
+        "out_tokens_mean": round(sum(o.out_tokens for o in ok) / len(ok), 1) if ok else None,
+        "finish": dict(sorted(finish.items())),
         "engines": {w: dict(d) for w, d in sorted(engine_deltas.items())},
         "ttft_sorted": [round(t, 4) for t in sorted(ttfts)],
         "error_samples": sorted({o.message for o in outcomes if o.error and o.message})[:3],
@@ -156,9 +161,25 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
+def engine_cells(r: Mapping[str, Any]) -> list[str]:
+    """The engines' own figures of a run (engines.load_stats), as table cells: requests
+    waiting (max, summed over the engines), running (mean/max, summed), KV use (mean)."""
+    run_mean, run_max = r.get("eng_running_mean"), r.get("eng_running_max")
+    running = "-" if run_mean is None else f"{run_mean:.0f}/{run_max:.0f}"
+    return [_count(r.get("eng_waiting_max")), running, _fmt(r.get("eng_kv_mean"), "%")]
+
+
+ENGINE_HEADER = ["eng wait max", "eng run mean/max", "eng KV mean"]
+
+
+def _count(v: Any) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
 def format_table(runs: Sequence[Mapping[str, Any]]) -> str:
-    header = ["workload", "policy", "req", "req/s", "tok/s", "TTFT p50", "p90", "p99",
-              "E2E p50", "p99", "err", "429", "ctx400", "hit%", "LoRA ld", "preempt", "share"]  # fmt: skip
+    header = ["workload", "policy", "ok/sent", "req/s", "tok/s", "TTFT p50", "p90", "p99",
+              "E2E p50", "p99", "err", "429", "ctx400", "hit%", "LoRA ld", "preempt",
+              *ENGINE_HEADER, "share"]  # fmt: skip
     rows = []
     for r in runs:
         share = " ".join(f"{v:.0%}" for v in r["worker_share"].values())
@@ -166,12 +187,12 @@ def format_table(runs: Sequence[Mapping[str, Any]]) -> str:
         if loads is not None and r.get("lora_api_loads"):
             loads = f"{loads:.0f}+{r['lora_api_loads']:.0f}"
         rows.append([
-            r["workload"], r["policy"], str(r["requests"]), _fmt(r["rps"]), _fmt(r["out_tok_s"]),
-            _fmt(r["ttft_p50"], "s"), _fmt(r["ttft_p90"], "s"), _fmt(r["ttft_p99"], "s"),
+            r["workload"], r["policy"], f"{r.get('ok', '-')}/{r['requests']}", _fmt(r["rps"]),
+            _fmt(r["out_tok_s"]), _fmt(r["ttft_p50"], "s"), _fmt(r["ttft_p90"], "s"), _fmt(r["ttft_p99"], "s"),
             _fmt(r["e2e_p50"], "s"), _fmt(r["e2e_p99"], "s"), str(r["errors"]),
             str(r["http_429"]), str(r["engine_ctx_400"]), _fmt(r["prefix_hit_rate"], "%"),
             _fmt(loads if not isinstance(loads, float) else int(loads)),
-            _fmt(None if r["preemptions"] is None else int(r["preemptions"])), share,
+            _fmt(None if r["preemptions"] is None else int(r["preemptions"])), *engine_cells(r), share,
         ])  # fmt: skip
     return _table(header, rows)
 
@@ -181,7 +202,7 @@ def format_routing(runs: Sequence[Mapping[str, Any]]) -> str:
     errors, preemptions, herded 1-s windows, requests off their tenant's majority worker,
     and the engines' mean prompt length in their own tokens."""
     header = ["workload", "policy", "429 by code", "other err", "preempt", "herded/windows",
-              "off-home", "prompt tok"]  # fmt: skip
+              "off-home", "prompt tok", "out tok", "answers ended"]  # fmt: skip
     rows = []
     for r in runs:
         codes = ", ".join(f"{c} {n}" for c, n in (r.get("http_429_codes") or {}).items()) or "0"
@@ -191,8 +212,14 @@ def format_routing(runs: Sequence[Mapping[str, Any]]) -> str:
             _fmt(None if r["preemptions"] is None else int(r["preemptions"])),
             f"{r.get('herded_windows', 0)}/{r.get('windows', 0)}",
             _fmt(r.get("off_majority"), "%"), _fmt(r.get("prompt_tokens_mean")),
+            _fmt(r.get("out_tokens_mean")), format_finish(r.get("finish")),
         ])  # fmt: skip
     return _table(header, rows)
+
+
+def format_finish(finish: Mapping[str, int] | None) -> str:
+    """How a run's answers ended: "stop 61, cut 1800" (cut: the client closed the stream)."""
+    return ", ".join(f"{k} {n}" for k, n in (finish or {}).items()) or "-"
 
 
 def format_ratios(rows: Sequence[Mapping[str, Any]], baseline: str = BASELINE) -> str:

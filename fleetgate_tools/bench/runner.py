@@ -62,6 +62,7 @@ class BenchOptions:
     dump_trace: Path | None = None
     api_key: str | None = None
     rounds: int = 1
+    sample_s: float = 0.5  # how often the engines' gauges are read during a run
 
 
 def known_policies(requested: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -126,8 +127,10 @@ async def measure(
     progress: Progress | None,
     admin_token: str | None = None,
     policy: str | None = None,
-) -> tuple[list[Any], float, dict[str, dict[str, float]], list[str]]:
-    """One run through `gateway`, or, for a client-side `policy`, straight to `workers`."""
+) -> tuple[list[Any], float, dict[str, dict[str, float]], list[str], dict[str, Any]]:
+    """One run through `gateway`, or, for a client-side `policy`, straight to `workers`:
+    outcomes, wall time, engine counter deltas, engines not reset, and the engines' own
+    load during the run (engines.load_stats)."""
     target: Any = gateway
     if policy in CLIENT_STRATEGIES:
         target = make_route(policy, workers)
@@ -137,12 +140,15 @@ async def measure(
         if admin_token:
             await engines.wait_idle(client, gateway, admin_token)
         before = await engines.scrape(client, workers)
-        outcomes, wall = await run_requests(
-            target, requests, pool=opts.pool, drain_s=opts.drain_s, api_key=opts.api_key,
-            on_progress=(lambda s, d, t: progress.update(s, d, t)) if progress else None,
-        )  # fmt: skip
+        async with engines.LoadSampler(client, workers, opts.sample_s) as sampler:
+            outcomes, wall = await run_requests(
+                target, requests, pool=opts.pool, drain_s=opts.drain_s, api_key=opts.api_key,
+                on_progress=(lambda s, d, t: progress.update(s, d, t)) if progress else None,
+            )  # fmt: skip
         after = await engines.scrape(client, workers)
-    return outcomes, wall, engines.deltas(before, after), not_reset
+    window = max((r.at for r in requests), default=None)
+    load = engines.load_stats(sampler.samples, window)
+    return outcomes, wall, engines.deltas(before, after), not_reset, load
 
 
 def _plan_once(spec: FleetSpec, workload: str, opts: BenchOptions, plans: dict[str, Any],
@@ -189,11 +195,11 @@ def _run_one(cluster: Cluster, wl: str, policy: str, requests: Sequence[BenchReq
     try:
         gw = gateways[0]
         workers = asyncio.run(_workers(gw.url, cluster.admin_token))
-        outcomes, wall, deltas, not_reset = asyncio.run(
+        outcomes, wall, deltas, not_reset, load = asyncio.run(
             measure(gw.url, workers, requests, opts, progress, cluster.admin_token, policy)
         )
         return summarise(wl, policy, outcomes, wall, deltas, not_reset=not_reset,
-                         all_workers=[w.id for w in workers])  # fmt: skip
+                         all_workers=[w.id for w in workers], **load)  # fmt: skip
     finally:
         cluster.stop_gateways(gateways)
 
@@ -223,14 +229,14 @@ def run_attached(url: str, admin_token: str | None, spec: FleetSpec, opts: Bench
         requests = _plan_once(spec, wl, opts, plans, many=len(workloads) > 1)
         for name in policies:
             progress.start_run(f"{wl}/{name}", len(requests))
-            outcomes, wall, deltas, not_reset = asyncio.run(
+            outcomes, wall, deltas, not_reset, load = asyncio.run(
                 measure(url, workers, requests, opts, progress, admin_token, name)
             )
             policy = name
             if name == "attached":
                 policy = next((o.route.split(":")[0] for o in outcomes if o.route), "attached")
             runs.append(summarise(wl, policy, outcomes, wall, deltas, not_reset=not_reset,
-                                  all_workers=[w.id for w in workers]))  # fmt: skip
+                                  all_workers=[w.id for w in workers], **load))  # fmt: skip
     return {"runs": runs, "plans": plans, "skipped_policies": []}
 
 
@@ -266,11 +272,11 @@ def run_capacity(
             requests = plan(spec, wl, at)["requests"]
             progress.runs = progress.index + 1  # open-ended: one step at a time
             progress.start_run(f"capacity {wl}/{strategy} at {rate:g}/s", len(requests))
-            outcomes, wall, deltas, not_reset = asyncio.run(
+            outcomes, wall, deltas, not_reset, load = asyncio.run(
                 measure(url, workers, requests, at, progress, token, strategy)
             )
             run = summarise(wl, strategy, outcomes, wall, deltas, not_reset=not_reset,
-                            all_workers=[w.id for w in workers], rate=rate)  # fmt: skip
+                            all_workers=[w.id for w in workers], rate=rate, **load)  # fmt: skip
             runs.append(run)
             return run
 

@@ -1,15 +1,19 @@
-"""Tables over many runs of issue 14's scenarios (scripts/gpu_bench.sh `pressure`).
+"""Tables over many runs of issue 14's and issue 31's scenarios (scripts/gpu_bench.sh `pressure`).
 
 Each run is one `scripts/bench_fleet.py --attach` result named `<scenario>-<strategy>-r<round>.json`
-(scenario: pressure, skew or ample; a `<name>.peaks.json` beside it holds the engines' peak
-running / waiting / KV use). The markdown has every run, the mean per scenario and strategy,
-those means against the tenant_affinity client's, and issue 14's "Done when" checks of the
-gateway's `fleet` policy:
+(scenario: pressure, long, longcut, half, skew, three, ample: scripts/gpu_bench_pressure.sh
+has their meaning). Every row carries, beside what the client saw (ok/sent, 429s, TTFT,
+output tok/s), the engines' own figures sampled during the run (engines.load_stats: requests
+waiting, max; running, mean and max; KV use, mean; preemptions); older runs without them
+fall back to the `<name>.peaks.json` beside them (the engines' peak waiting / KV use). The
+markdown has every run, the mean per scenario and strategy, those means against the
+tenant_affinity client's, and the "Done when" checks of the gateway's `fleet` policy:
 
 * pressure: TTFT p50 <= 1.3x and p99 <= 1.5x tenant_affinity's, output tok/s >= 0.97x,
   preemptions <= 5% of round-robin's (direct_round_robin's where it ran), zero 429s;
 * ample: TTFT p99 <= 1.3x tenant_affinity's;
-* skew: TTFT p99 below tenant_affinity's.
+* skew: TTFT p99 below tenant_affinity's;
+* long, longcut, half, three (issue 31): zero 429s, TTFT p50 <= 1.3x tenant_affinity's.
 
     python -m fleetgate_tools.bench.tables RESULTS_DIR OUT_DIR      # results-pressure.md + .json
 """
@@ -30,10 +34,11 @@ from fleetgate_tools.bench.report import AFFINITY
 SUBJECT = "fleet"
 # Rows in this order (others after them, by name).
 STRATEGY_ORDER = ("tenant_affinity", "direct_round_robin", "round_robin", "least_outstanding", "fleet")
-SCENARIO_ORDER = ("pressure", "skew", "ample")
-_NAME = re.compile(r"(?P<scenario>[a-z]+)-(?P<strategy>[a-z_]+)-r(?P<round>\d+)")
-MEAN_KEYS = ("ttft_p50", "ttft_p99", "e2e_p99", "out_tok_s", "http_429", "other_errors", "preemptions",
-             "prefix_hit_rate", "herded_windows", "off_majority", "peak_waiting")  # fmt: skip
+SCENARIO_ORDER = ("pressure", "long", "longcut", "half", "skew", "three", "ample")
+_NAME = re.compile(r"(?P<scenario>[a-z][a-z0-9]*)-(?P<strategy>[a-z_]+)-r(?P<round>\d+)")
+MEAN_KEYS = ("requests", "ok", "ttft_p50", "ttft_p99", "e2e_p99", "out_tok_s", "http_429", "other_errors",
+             "preemptions", "prefix_hit_rate", "herded_windows", "off_majority", "eng_waiting_max",
+             "eng_running_mean", "eng_running_max", "eng_kv_mean", "out_tokens_mean")  # fmt: skip
 
 
 def load_runs(folder: Path) -> list[dict[str, Any]]:
@@ -50,6 +55,8 @@ def load_runs(folder: Path) -> list[dict[str, Any]]:
                    rate=(data.get("meta") or {}).get("rate"), peaks=peaks,
                    peak_waiting=sum(p.get("waiting", 0) for p in peaks.values()) if peaks else None,
                    peak_kv=max((p.get("kv_cache_usage", 0) for p in peaks.values()), default=None))  # fmt: skip
+        if run.get("eng_waiting_max") is None and run["peak_waiting"] is not None:
+            run["eng_waiting_max"] = run["peak_waiting"]  # a run from before the in-run sampler
         runs.append(run)
     return sorted(runs, key=lambda r: (*_order(r["scenario"], r["strategy"]), r["round"]))
 
@@ -109,6 +116,11 @@ def checks(m: Mapping[tuple[str, str], Mapping[str, Any]], subject: str = SUBJEC
     check("pressure", "zero 429s (mean per run)", "http_429", lambda v: v == 0, of_base=False)
     check("ample", "TTFT p99 <= 1.3x tenant_affinity", "ttft_p99", lambda v: v <= 1.3)
     check("skew", "TTFT p99 below tenant_affinity", "ttft_p99", lambda v: v < 1.0)
+    # Issue 31: no refusals where the engines have room, however much max_tokens declares.
+    for scenario in ("long", "longcut", "half", "three"):
+        if any(k[0] == scenario for k in m):
+            check(scenario, "zero 429s (mean per run)", "http_429", lambda v: v == 0, of_base=False)
+            check(scenario, "TTFT p50 <= 1.3x tenant_affinity", "ttft_p50", lambda v: v <= 1.3)
     return out
 
 
@@ -130,41 +142,70 @@ def _md(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 
 
+def _running(mean: Any, peak: Any) -> str:
+    return "-" if mean is None else f"{mean:.0f} / {_f(peak)}"
+
+
+def _scenarios(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per scenario: its workload, rate(s) and number of engines."""
+    seen: dict[str, tuple[set[str], set[float], set[int]]] = {}
+    for r in runs:
+        wl, rates, engines = seen.setdefault(r["scenario"], (set(), set(), set()))
+        wl.add(str(r.get("workload", "-")))
+        if r.get("rate"):
+            rates.add(float(r["rate"]))
+        engines.add(len(r.get("worker_share") or {}))
+    return [f"- {sc}: workload {', '.join(sorted(wl))} at {', '.join(f'{x:g}' for x in sorted(rates)) or '-'} req/s, "
+            f"{'/'.join(str(n) for n in sorted(engines))} engines" for sc, (wl, rates, engines) in seen.items()]  # fmt: skip
+
+
 def markdown(runs: Sequence[Mapping[str, Any]], capacity: Mapping[str, Any] | None = None) -> str:
-    lines = ["# Fleet benchmark under KV pressure (issue 14)", ""]
+    lines = ["# Fleet benchmark under KV pressure (issues 14 and 31)", ""]
     if capacity:
         lines += [f"capacity rate: {capacity.get('capacity_rps')} req/s ({capacity.get('strategy')} TTFT p50 < "
                   f"{capacity.get('target_ttft_p50')} s, {len(capacity.get('steps') or [])} steps)", ""]  # fmt: skip
-    rates = sorted({r["rate"] for r in runs if r.get("rate")})
-    lines += [f"rate: {', '.join(f'{x:g}' for x in rates) or '-'} req/s; prompt tokens (engine's count): "
+    lines += [*_scenarios(runs), ""]
+    lines += ["prompt tokens (engine's count): "
               + (_f(statistics.mean([r["prompt_tokens_mean"] for r in runs if r.get("prompt_tokens_mean")]))
-                 if any(r.get("prompt_tokens_mean") for r in runs) else "-"), "", "## Per run", ""]  # fmt: skip
+                 if any(r.get("prompt_tokens_mean") for r in runs) else "-"),
+              "", "Engine columns: the engines' own gauges, read twice a second during the run "
+              "(waiting: max of the sum over the engines; running: mean while requests arrive / max, "
+              "summed; KV: mean use over the engines while requests arrive; preemptions: counter delta).",
+              "", "## Per run", ""]  # fmt: skip
     rows = []
     for r in runs:
         codes = ", ".join(f"{c} {n}" for c, n in (r.get("http_429_codes") or {}).items()) or "0"
         share = " / ".join(f"{v:.0%}" for v in (r.get("worker_share") or {}).values())
         other = ", ".join(f"{k} {n}" for k, n in (r.get("error_kinds") or {}).items() if k != "http_429") or "0"
-        rows.append([r["scenario"], r["strategy"], str(r["round"]), str(r["requests"]), _f(r["ttft_p50"], "s"),
-                     _f(r["ttft_p99"], "s"), _f(r["e2e_p99"], "s"), _f(r["out_tok_s"]), codes, other,
-                     _f(r.get("preemptions")), _f(r.get("prefix_hit_rate"), "%"), share, f"{r.get('herded_windows', 0)}/{r.get('windows', 0)}", _f(r.get("off_majority"), "%"),
-                     _f(r.get("peak_waiting"))])  # fmt: skip
-    lines += _md(["scenario", "strategy", "round", "requests", "TTFT p50 s", "TTFT p99 s", "E2E p99 s", "out tok/s",
-                  "429s by code", "other errors", "preemptions", "hit rate", "share", "herded s", "off-home",
-                  "peak waiting"], rows)  # fmt: skip
+        ends = ", ".join(f"{k} {n}" for k, n in (r.get("finish") or {}).items()) or "-"
+        rows.append([r["scenario"], r["strategy"], str(r["round"]), _f(r.get("rate")),
+                     f"{r.get('ok', '-')}/{r['requests']}", codes, other, _f(r["ttft_p50"], "s"),
+                     _f(r["ttft_p99"], "s"), _f(r["e2e_p99"], "s"), _f(r["out_tok_s"]),
+                     _f(r.get("eng_waiting_max")), _running(r.get("eng_running_mean"), r.get("eng_running_max")),
+                     _f(r.get("eng_kv_mean"), "%"), _f(r.get("preemptions")), _f(r.get("prefix_hit_rate"), "%"),
+                     _f(r.get("out_tokens_mean")), ends, share,
+                     f"{r.get('herded_windows', 0)}/{r.get('windows', 0)}", _f(r.get("off_majority"), "%")])  # fmt: skip
+    lines += _md(["scenario", "strategy", "round", "req/s", "ok/sent", "429s by code", "other errors",
+                  "TTFT p50 s", "TTFT p99 s", "E2E p99 s", "out tok/s", "eng waiting max",
+                  "eng running mean / max", "eng KV mean", "preemptions", "hit rate", "out tok/answer",
+                  "answers ended", "share", "herded s", "off-home"], rows)  # fmt: skip
     m = means(runs)
     lines += ["", "## Mean per scenario and strategy, and against tenant_affinity", ""]
     rows = []
     for (scenario, strategy), row in sorted(m.items(), key=lambda kv: _order(*kv[0])):
         base = m.get((scenario, AFFINITY), {})
-        rows.append([scenario, strategy, str(row["runs"]), _f(row["ttft_p50"], "s"), _f(row["ttft_p99"], "s"),
-                     _f(row["e2e_p99"], "s"), _f(row["out_tok_s"]), _f(row["http_429"]), _f(row["other_errors"]),
+        rows.append([scenario, strategy, str(row["runs"]), f"{_f(row['ok'])}/{_f(row['requests'])}",
+                     _f(row["http_429"]), _f(row["other_errors"]), _f(row["ttft_p50"], "s"), _f(row["ttft_p99"], "s"),
+                     _f(row["e2e_p99"], "s"), _f(row["out_tok_s"]), _f(row["eng_waiting_max"]),
+                     _running(row["eng_running_mean"], row["eng_running_max"]), _f(row["eng_kv_mean"], "%"),
                      _f(row["preemptions"]), _f(row["prefix_hit_rate"], "%"), _f(row["herded_windows"]),
                      _f(row["off_majority"], "%"),
                      *(_f(_ratio(row[k], base.get(k)), "x") for k in ("ttft_p50", "ttft_p99", "out_tok_s"))])  # fmt: skip
-    lines += _md(["scenario", "strategy", "runs", "TTFT p50 s", "TTFT p99 s", "E2E p99 s", "out tok/s", "429s",
-                  "other errors", "preemptions", "hit rate", "herded s", "off-home", "p50 / affinity",
-                  "p99 / affinity", "tok/s / affinity"], rows)  # fmt: skip
-    lines += ["", f"## Done when (issue 14), `{SUBJECT}` policy", ""]
+    lines += _md(["scenario", "strategy", "runs", "ok/sent", "429s", "other errors", "TTFT p50 s", "TTFT p99 s",
+                  "E2E p99 s", "out tok/s", "eng waiting max", "eng running mean / max", "eng KV mean",
+                  "preemptions", "hit rate", "herded s", "off-home", "p50 / affinity", "p99 / affinity",
+                  "tok/s / affinity"], rows)  # fmt: skip
+    lines += ["", f"## Done when (issues 14 and 31), `{SUBJECT}` policy", ""]
     mark = {True: "PASS", False: "FAIL", None: "-"}
     lines += _md(["check", "result", "measured"], [[w, mark[ok], v] for w, ok, v in checks(m)])
     return "\n".join(lines) + "\n"

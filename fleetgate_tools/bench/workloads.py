@@ -2,8 +2,9 @@
 
 A workload is two independent streams drawn from one seed:
 
-* contents (`prefix`, `adapters`, `mixed`, `pressure`, `skew`): an endless, deterministic
-  sequence of chat requests (model, messages, max_tokens, session, tag);
+* contents (`prefix`, `adapters`, `mixed`, `pressure`, `skew`, `pressure_long`): an endless,
+  deterministic sequence of chat requests (model, messages, max_tokens, session, tag, and
+  how the answer ends);
 * arrivals: a bursty Poisson process (a Markov-modulated one: bursts at `burst` times the
   mean rate alternate with calm spells, so the mean stays at the target rate), or a plain
   Poisson process for the tenant workloads (`arrivals: poisson|bursty` in their params).
@@ -22,7 +23,7 @@ import itertools
 import math
 import random
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,16 +43,24 @@ class BenchRequest(msgspec.Struct, kw_only=True, frozen=True):
     session: str | None = None
     # Free-form label for breakdowns: "turn-3", "long", "lora-07", ...
     tag: str = ""
+    # Exact token counts (the engine generates max_tokens): the same work for every policy.
+    # False for workloads whose answers end before max_tokens (`pressure_long`).
+    ignore_eos: bool = True
+    # > 0: the client reads this many generated tokens, then closes the stream (the gateway
+    # cancels the engine's request); 0: it reads to the end. See `tenant_contents`.
+    answer_tokens: int = 0
+    # More body fields (e.g. vLLM's min_tokens and logit_bias), sent as they are.
+    extra: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.model,
             "messages": self.messages,
             "max_tokens": self.max_tokens,
-            # Exact token counts: the same work for every policy.
-            "ignore_eos": True,
+            "ignore_eos": self.ignore_eos,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **self.extra,
         }
         if self.session:
             body["user"] = self.session
@@ -122,6 +131,9 @@ class Draft:
     max_tokens: int
     session: str | None = None
     tag: str = ""
+    ignore_eos: bool = True
+    answer_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 ContentGen = Callable[[random.Random, FleetFacts, dict[str, Any]], Iterator[Draft]]
@@ -214,6 +226,25 @@ def tenant_contents(rng: random.Random, fleet: FleetFacts, p: dict[str, Any]) ->
     The defaults (16 x ~1,500 tokens of system prompt, ~65-token questions, 64 output
     tokens) are issue 14's KV-pressure workload: the prefixes fill ~70% of a 33.7k-token
     cache, so they fit two such workers but not one.
+
+    `answer_tokens` > 0 (issue 31's `pressure_long`: max_tokens 4096, answers of 64) makes
+    the requests declare far more than they use, as real clients do: no ignore_eos, and the
+    answer ends after `answer_tokens` tokens by `answer_end`:
+
+    * `client` (the default; the same on the simulator and on vLLM): the load generator
+      reads `answer_tokens` tokens, then closes the stream, and the gateway cancels the
+      engine's request. Neither engine can be told to stop at a given length in a way the
+      other honours: the simulator's natural stop is a seeded geometric draw (mean 200
+      tokens; workers/simulator/engine.py `eos_after`) and it ignores `min_tokens`,
+      `logit_bias` and `stop_token_ids`; vLLM with random weights almost never samples EOS
+      (1 in ~8,000 a token). Answers the simulator ends earlier by its natural stop count
+      as engine stops (about 27% of them end before 64 tokens).
+    * `engine` (vLLM only): the engine ends the answer itself: `min_tokens` =
+      answer_tokens - 1 keeps EOS (and stop tokens) masked until then, and `logit_bias`
+      {eos_token_id: 100} makes EOS the next token, so vLLM finishes with reason "stop"
+      after exactly answer_tokens tokens (the EOS counted). The client still cuts at
+      answer_tokens + `guard_tokens` (16) should an engine ignore those fields (the
+      simulator does), and the report counts how each answer ended.
     """
     n = int(p.get("tenants", 16))
     sys_tokens = int(p.get("system_tokens", 1500))
@@ -222,6 +253,7 @@ def tenant_contents(rng: random.Random, fleet: FleetFacts, p: dict[str, Any]) ->
     hot = float(p.get("hot_share", 0.0))
     if n < 1 or not 0.0 <= hot < 1.0:
         raise ValueError("tenant workloads need tenants >= 1 and 0 <= hot_share < 1")
+    answer = answer_shape(p, max_tokens)
     prompts = [
         f"[tenant {i}] " + words(random.Random(rng.random()), sys_tokens) for i in range(n)
     ]
@@ -237,7 +269,29 @@ def tenant_contents(rng: random.Random, fleet: FleetFacts, p: dict[str, Any]) ->
         head = f"question {k}: "
         question = head + words(rng, max(1, user_tokens - len(head) // BYTES_PER_TOKEN))
         messages = [{"role": "system", "content": prompts[t]}, {"role": "user", "content": question}]
-        yield Draft(model=fleet.model, messages=messages, max_tokens=max_tokens, tag=f"tenant-{t}")
+        yield Draft(model=fleet.model, messages=messages, max_tokens=max_tokens, tag=f"tenant-{t}", **answer)
+
+
+ANSWER_ENDS = ("client", "engine")
+
+
+def answer_shape(p: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """Draft fields for an answer shorter than max_tokens (`answer_tokens` in the params),
+    ended as `answer_end` says (tenant_contents has the meaning); {} for exact answers."""
+    answer = int(p.get("answer_tokens", 0))
+    if answer <= 0:
+        return {}
+    end = str(p.get("answer_end", "client"))
+    if end not in ANSWER_ENDS:
+        raise ValueError(f"unknown answer_end {end!r}; known: {', '.join(ANSWER_ENDS)}")
+    if answer >= max_tokens:
+        raise ValueError("answer_tokens must be below max_tokens")
+    if end == "client":
+        return {"ignore_eos": False, "answer_tokens": answer}
+    eos = int(p.get("eos_token_id", 1))  # <|eos|> of ../shared/gpu/make_config_model.py's tokenizer
+    guard = int(p.get("guard_tokens", 16))
+    return {"ignore_eos": False, "answer_tokens": min(max_tokens, answer + guard),
+            "extra": {"min_tokens": answer - 1, "logit_bias": {str(eos): 100}}}
 
 
 def _with_defaults(gen: ContentGen, **defaults: Any) -> ContentGen:
@@ -254,12 +308,16 @@ WORKLOADS: dict[str, ContentGen] = {
     "mixed": mixed_contents,
     "pressure": _with_defaults(tenant_contents, hot_share=0.0),
     "skew": _with_defaults(tenant_contents, hot_share=0.4),
+    # Issue 31: the pressure workload, but each request declares max_tokens 4096 and the
+    # answer ends after ~64 tokens (a gateway that holds max_tokens of KV per request
+    # counts 64x what the engines use).
+    "pressure_long": _with_defaults(tenant_contents, hot_share=0.0, max_tokens=4096, answer_tokens=64),
 }
 # What `scripts/bench_fleet.py` runs when no --workloads are given: the tenant workloads
 # are sized for their own fleets (config/bench/pressure.yaml, ample.yaml).
 DEFAULT_WORKLOADS = ("prefix", "adapters", "mixed")
 # Workloads whose arrivals are plain Poisson unless their params say `arrivals: bursty`.
-POISSON_WORKLOADS = frozenset({"pressure", "skew"})
+POISSON_WORKLOADS = frozenset({"pressure", "skew", "pressure_long"})
 
 
 def contents(
@@ -331,7 +389,8 @@ def arrivals(
 def build(drafts: Iterator[Draft], times: Sequence[float]) -> list[BenchRequest]:
     return [
         BenchRequest(id=i, at=round(at, 6), model=d.model, messages=d.messages,
-                     max_tokens=d.max_tokens, session=d.session, tag=d.tag)
+                     max_tokens=d.max_tokens, session=d.session, tag=d.tag, ignore_eos=d.ignore_eos,
+                     answer_tokens=d.answer_tokens, extra=d.extra)
         for i, (at, d) in enumerate(zip(times, drafts, strict=False))
     ]
 

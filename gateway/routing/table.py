@@ -19,9 +19,10 @@ from fleetgate.schema import WorkerView
 # MIN_VNODES): enough to spread keys evenly over a few workers.
 VNODES = 40
 MIN_VNODES = 4
-# The KV tokens a sequence can add before its engine's next report (a second or so of
-# decoding): between two reports, each running sequence is predicted to grow this much, and a
-# request sent since to take its prompt and this much of its completion budget.
+# The KV tokens a request sent since its engine's last report is predicted to take of its
+# completion budget before the next report (a second or so of decoding), beside its prompt.
+# The running ones' growth is not added: in steady state their completions free as much, and
+# the report shows the level (adding it held every request on a busy engine with KV to spare).
 REPORT_GROWTH_TOKENS = 32
 
 
@@ -63,8 +64,7 @@ class Slot:
         # what it holds is its figure, and the gateway's account only adds what was sent since
         # (`Live.fresh`). An unhealthy engine's figures are an old scrape's: not the truth now.
         self.measured = bool(load.kv_measured and self.kv_tokens and not load.unhealthy)
-        self.kv_held = (load.kv_cache_usage * self.kv_tokens + load.running * REPORT_GROWTH_TOKENS
-                        if self.measured else 0.0)
+        self.kv_held = load.kv_cache_usage * self.kv_tokens if self.measured else 0.0
         self.lora_active = frozenset(load.lora_active)
         self.max_loras = view.info.max_loras
         # All its adapters fit in its slots at once: none is ever swapped out.
