@@ -260,6 +260,9 @@ p_run() {  # scenario strategy round
     --seed "$P_SEED" --pool 4096 --out "$P_DIR/$name.tmp.json" --png "$P_DIR/$name.png" \
     > "$W/logs/pressure-$name.txt" 2>&1
   rc=$?
+  # The registry's view at the run's end: each worker's measured speed and its source (issue 37).
+  curl -s -m 5 -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$GW_PORT/admin/workers" \
+    > "$W/logs/workers-$name.json" 2>/dev/null
   p_stop "gateway-$name" 10
   if [ $rc = 0 ]; then
     mv "$P_DIR/$name.tmp.json" "$P_DIR/$name.json"
