@@ -252,7 +252,7 @@ def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None)
                       second_hold_s=getattr(opts, "second_hold_s", 10.0),
                       imbalance=getattr(opts, "balance", 0.25))
         placement = Placement(homes, lambda: watcher.snapshot.routes, inflight.tokens,
-                              heavy_share=getattr(opts, "heavy_share", 0.3))
+                              heavy_share=getattr(opts, "heavy_share", 0.3), fresh=inflight.total_fresh)
         # The queue is as long as the fleet is wide (every worker's batch once), at least queue_max.
         admission = Admission(lambda: max(settings.queue_max, sum(
             w.info.capacity for w in watcher.snapshot.workers if w.routable)), weights=priorities.weights)

@@ -127,6 +127,9 @@ class Attempt:
         self.own_tokens = own_prompt + budget
         # What it adds before its engine's next report, where the engine measures its KV use.
         self.fresh = own_prompt + min(budget, REPORT_GROWTH_TOKENS)
+        # The work it adds to its affinity key's placement: its prompt and what a completion
+        # typically takes (a budget of thousands is an upper bound, not a prediction).
+        self.work = own_prompt + min(budget, _DEFAULT_COMPLETION_TOKENS)
         self.epoch = 0
         self.key = facts.affinity_key
         self.headers = FORWARD_HEADERS
@@ -184,7 +187,7 @@ class Attempt:
         choice = self._choose()
         worker = choice.worker
         if self.count == 0:
-            dispatch.placement.record(self.facts, choice, self.own_tokens)
+            dispatch.placement.record(self.facts, choice, self.work)
         self.tried.append(worker.id)
         self.count += 1
         self.hold(worker.id)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 import structlog
 
 from gateway.routing import Choice, Live, RequestFacts, Routes
+from gateway.routing.base import kv_in_use
 from gateway.routing.homes import Homes
 
 log = structlog.get_logger("gateway.placement")
@@ -23,9 +24,11 @@ log = structlog.get_logger("gateway.placement")
 
 class Placement:
     def __init__(self, homes: Homes, routes: Callable[[], Routes], tokens: Mapping[str, int],
-                 interval_s: float = 1.0, heavy_share: float = 0.3) -> None:
+                 interval_s: float = 1.0, heavy_share: float = 0.3, fresh: Mapping[str, int] | None = None) -> None:
         self.homes = homes
+        # The in-flight account, and what engines' last reports do not cover yet (`Live.fresh`).
         self.tokens = tokens
+        self.fresh: Mapping[str, int] = fresh if fresh is not None else {}
         self.heavy_share = heavy_share
         self.routes = routes
         self.interval_s = interval_s
@@ -63,7 +66,11 @@ class Placement:
 
     def rebalance(self) -> None:
         by_model = self.routes().by_model
-        moved = self.homes.rebalance(by_model, time.monotonic(), self.tokens)
+        # The KV each worker holds: its engine's measured figure where it reports one (the
+        # account's completion budgets would drown the prefixes the placement is for).
+        live = Live({}, self.tokens, None, self.fresh)
+        held = {s.id: int(kv_in_use(s, live)) for routes in by_model.values() for s in routes.routable}
+        moved = self.homes.rebalance(by_model, time.monotonic(), held)
         if log.is_enabled_for(logging.DEBUG):
             for model, routes in by_model.items():
                 log.debug("gateway.affinity_pressures", model=model, pressures=self.homes.pressures(routes.routable),

@@ -126,7 +126,7 @@ class FleetPolicy:
         homes = live.homes
         by_id = {x[1]: x for x in scored}
         need = facts.prefix_tokens
-        work = max(1, facts.prompt_tokens - need) + (facts.max_tokens or 256)
+        work = max(1, facts.prompt_tokens - need) + min(facts.max_tokens or 256, 256)  # as Attempt.work
         # Without a placement table (a bare decision), the key's ring order alone decides.
         costs = homes.placement_costs([x[2] for x in scored], work, need) if homes is not None else {}
         chosen: tuple[float, str, Slot] | None = None
