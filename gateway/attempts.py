@@ -130,7 +130,6 @@ class Attempt:
         # The work it adds to its affinity key's placement: its prompt and what a completion
         # typically takes (a budget of thousands is an upper bound, not a prediction).
         self.work = own_prompt + min(budget, _DEFAULT_COMPLETION_TOKENS)
-        self.epoch = 0
         self.key = facts.affinity_key
         self.headers = FORWARD_HEADERS
         self.trace: RequestTrace = NO_TRACE
@@ -149,12 +148,12 @@ class Attempt:
         return self.fresh if slot.measured else self.own_tokens
 
     def hold(self, worker_id: str) -> None:
-        self.epoch = self.dispatch.inflight.add(worker_id, self.own_tokens, self.key, self.prefix, self.fresh)
+        self.dispatch.inflight.add(worker_id, self.own_tokens, self.key, self.prefix, self.fresh)
         if self.facts.adapter:  # never evicted while in flight; a busy adapter gets a replica
             self.dispatch.placer.started(worker_id, self.facts.model)
 
     def release(self, worker_id: str) -> None:
-        self.dispatch.inflight.done(worker_id, self.own_tokens, self.key, self.prefix, self.fresh, self.epoch)
+        self.dispatch.inflight.done(worker_id, self.own_tokens, self.key, self.prefix, self.fresh)
         if self.facts.adapter:
             self.dispatch.placer.finished(worker_id, self.facts.model)
 

@@ -6,11 +6,12 @@ while any request using it is in flight there): routing's stand-in for an engine
 not measure its KV use.
 
 Where the engine does measure it, its report is the truth, and the gateway only predicts
-what the report does not cover yet: the KV tokens sent to each worker since its last report
-(`fresh`: each request's own prompt and the growth it can make before the next report, its
-shared prefix when no request in flight there holds it already). Each new report, seen in a
-new fleet snapshot (`reported`), starts the worker's count again; a request that ends
-before the next report takes its share back out.
+how it changed since (`fresh`, per worker): each request sent adds its own prompt and the
+growth it can make before the next report (its shared prefix too when no request in flight
+there holds it already), and each that ends takes as much back out, whether the report
+counted it or not (an ended request frees at least that). Each new report, seen in a new
+fleet snapshot (`reported`), starts the count again. It can go below zero: completions freed
+more than arrivals took.
 
 The request path only touches the local dicts (an increment and a decrement). A
 background task publishes the local counts about ten times a second under a lease
@@ -74,12 +75,11 @@ class SharedInflight(Mapping[str, int]):
         # reads (`Live`), a C-level dict lookup per worker instead of a method call.
         self.total: dict[str, int] = {}
         self.total_tokens: dict[str, int] = {}
-        # KV tokens sent since each worker's last engine report (this gateway's, the others',
-        # the sum routing reads), and which report that is (its count, and its time).
+        # KV tokens taken (+) and freed (-) by requests since each worker's last engine report
+        # (this gateway's, the others', the sum routing reads), and that report's time.
         self.local_fresh: dict[str, int] = {}
         self.remote_fresh: dict[str, int] = {}
         self.total_fresh: dict[str, int] = {}
-        self.epoch: dict[str, int] = {}
         self._report_ts: dict[str, float] = {}
         # (worker, affinity key) -> requests in flight there that share that key's prefix.
         self._sharing: dict[tuple[str, int], int] = {}
@@ -90,10 +90,10 @@ class SharedInflight(Mapping[str, int]):
 
     # -- the request path ----------------------------------------------------------
 
-    def add(self, worker_id: str, tokens: int = 0, key: int | None = None, prefix: int = 0, fresh: int = 0) -> int:
+    def add(self, worker_id: str, tokens: int = 0, key: int | None = None, prefix: int = 0, fresh: int = 0) -> None:
         """One request in flight on `worker_id`, holding `tokens` of its own and sharing the
         `prefix` tokens of affinity `key` with the others in flight there; of its own, `fresh`
-        until the engine's next report. Returns that report's number, for `done`."""
+        before the engine's next report."""
         n = self.local[worker_id] = self.local.get(worker_id, 0) + 1
         self.total[worker_id] = n + self.remote.get(worker_id, 0)
         if key is not None and prefix:
@@ -106,26 +106,12 @@ class SharedInflight(Mapping[str, int]):
             held = self.local_tokens[worker_id] = self.local_tokens.get(worker_id, 0) + tokens
             self.total_tokens[worker_id] = held + self.remote_tokens.get(worker_id, 0)
         if fresh:
-            sent = self.local_fresh[worker_id] = self.local_fresh.get(worker_id, 0) + fresh
-            self.total_fresh[worker_id] = sent + self.remote_fresh.get(worker_id, 0)
-        return self.epoch.get(worker_id, 0)
+            self._fresh(worker_id, fresh)
 
-    def done(self, worker_id: str, tokens: int = 0, key: int | None = None, prefix: int = 0, fresh: int = 0,
-             epoch: int = -1) -> None:
-        """The request `add` counted (same arguments, and the report number it returned) has
-        finished. Ended before the engine's next report, its `fresh` tokens go: no report will
-        count them."""
-        if fresh and epoch == self.epoch.get(worker_id, 0) and worker_id in self.local_fresh:
-            sent = self.local_fresh[worker_id] - fresh
-            if sent > 0:
-                self.local_fresh[worker_id] = sent
-            else:
-                del self.local_fresh[worker_id]
-                sent = 0
-            if t := sent + self.remote_fresh.get(worker_id, 0):
-                self.total_fresh[worker_id] = t
-            else:
-                self.total_fresh.pop(worker_id, None)
+    def done(self, worker_id: str, tokens: int = 0, key: int | None = None, prefix: int = 0,
+             fresh: int = 0) -> None:
+        """The request `add` counted (same arguments) has finished: its engine frees at least
+        its `fresh` tokens (and the prefix, were it the last to share it there)."""
         left = self.local.get(worker_id, 1) - 1
         if left > 0:
             self.local[worker_id] = left
@@ -143,6 +129,9 @@ class SharedInflight(Mapping[str, int]):
             else:
                 self._sharing.pop((worker_id, key), None)
                 tokens += prefix
+                fresh += prefix if fresh else 0
+        if fresh:
+            self._fresh(worker_id, -fresh)
         if tokens:
             held = self.local_tokens.get(worker_id, 0) - tokens
             if held > 0 and worker_id in self.local:
@@ -169,6 +158,16 @@ class SharedInflight(Mapping[str, int]):
     def __len__(self) -> int:
         return len(self.local.keys() | self.remote.keys())
 
+    def _fresh(self, worker_id: str, change: int) -> None:
+        if n := self.local_fresh.get(worker_id, 0) + change:
+            self.local_fresh[worker_id] = n
+        else:
+            self.local_fresh.pop(worker_id, None)
+        if t := n + self.remote_fresh.get(worker_id, 0):
+            self.total_fresh[worker_id] = t
+        else:
+            self.total_fresh.pop(worker_id, None)
+
     def reported(self, workers: Iterable[WorkerView]) -> None:
         """The workers of a new fleet snapshot: one with a new engine report starts its `fresh`
         count again (the report covers what was sent before it)."""
@@ -178,7 +177,6 @@ class SharedInflight(Mapping[str, int]):
             if seen.get(worker_id) == ts:
                 continue
             seen[worker_id] = ts
-            self.epoch[worker_id] = self.epoch.get(worker_id, 0) + 1
             if self.local_fresh.pop(worker_id, None) is not None:
                 if remote := self.remote_fresh.get(worker_id, 0):
                     self.total_fresh[worker_id] = remote

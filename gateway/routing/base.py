@@ -41,10 +41,10 @@ class Live:
     # Where affinity keys live and the work placed on each worker (gateway/routing/homes.py);
     # None: no placement (a new key goes by load alone).
     homes: Homes | None = None
-    # KV tokens the engine's last report does not cover yet, per worker: the growth its running
-    # requests were expected to make until the next report, plus what the gateways sent there
-    # since (gateway/inflight.py). Added to the engine's measured KV use, it predicts between
-    # two reports; each report replaces the prediction.
+    # How the KV each engine holds changed since its last report, by the gateways' estimate:
+    # what the requests sent since take, less what those that ended since free
+    # (gateway/inflight.py). Added to the engine's measured KV use, it predicts between two
+    # reports; each report replaces the prediction.
     fresh: Mapping[str, int] = field(default_factory=dict)
 
     @staticmethod
@@ -57,7 +57,8 @@ def kv_in_use(slot: Slot, live: Live) -> float:
     does not cover yet; where the engine measures none, the gateway's account of its requests
     (each one's prompt and whole completion budget)."""
     if slot.measured:
-        return slot.kv_held + live.fresh.get(slot.id, 0)
+        held = slot.kv_held + live.fresh.get(slot.id, 0)
+        return held if held > 0.0 else 0.0
     return live.tokens.get(slot.id, 0)
 
 

@@ -47,24 +47,24 @@ def _view(worker_id: str, ts: float) -> WorkerView:
                       load=Load(ts=ts))
 
 
-def test_fresh_tokens_count_what_the_last_engine_report_does_not_cover() -> None:
-    """`fresh` holds what was sent since a worker's last report: a new report starts it again, a
-    request that ends before the next report takes its share back, one that ends after does not
-    (the report covered it), and the other replicas' counts add to it."""
+def test_fresh_tokens_count_how_kv_changed_since_the_last_engine_report() -> None:
+    """`fresh` is what requests took since a worker's last report, less what those that ended
+    since freed (whether the report counted them or not): a new report starts it again, it
+    may go below zero, and the other replicas' counts add to it."""
     inflight = SharedInflight(None, "g1")  # type: ignore[arg-type]  # no sync runs here: no Redis
     inflight.reported([_view("w1", 1.0), _view("w2", 1.0)])
-    first = inflight.add("w1", 4_000, key=7, prefix=1_500, fresh=100)
+    inflight.add("w1", 4_000, key=7, prefix=1_500, fresh=100)
     assert inflight.total_fresh == {"w1": 1_600}  # its prefix too: no request there shared it yet
-    second = inflight.add("w1", 4_000, key=7, prefix=1_500, fresh=100)
+    inflight.add("w1", 4_000, key=7, prefix=1_500, fresh=100)
     assert inflight.total_fresh == {"w1": 1_700}  # the prefix is held already
-    inflight.done("w1", 4_000, key=7, prefix=1_500, fresh=100, epoch=second)
-    assert inflight.total_fresh == {"w1": 1_600}  # ended before the next report: never counted
+    inflight.done("w1", 4_000, key=7, prefix=1_500, fresh=100)
+    assert inflight.total_fresh == {"w1": 1_600}
     inflight.reported([_view("w1", 2.0), _view("w2", 1.0)])  # w1's engine reported again
     assert inflight.total_fresh == {}
-    inflight.done("w1", 4_000, key=7, prefix=1_500, fresh=100, epoch=first)
-    assert inflight.total_fresh == {}  # the report counted it; its end is the next report's news
+    inflight.done("w1", 4_000, key=7, prefix=1_500, fresh=100)  # the last sharer: its prefix goes too
+    assert inflight.total_fresh == {"w1": -1_600}
     inflight.add("w2", 300, fresh=120)
     inflight._set_remote({FRESH_FIELD + "w2": 50, FRESH_FIELD + "w1": 10})
-    assert inflight.total_fresh == {"w1": 10, "w2": 170}
+    assert inflight.total_fresh == {"w1": -1_590, "w2": 170}
     inflight.reported([_view("w1", 2.0), _view("w2", 3.0)])
-    assert inflight.total_fresh == {"w1": 10, "w2": 50}  # the other replica resets its own
+    assert inflight.total_fresh == {"w1": -1_590, "w2": 50}  # the other replica resets its own

@@ -288,6 +288,8 @@ MEASURED_HOLD_CASES = [
     ("a busy engine with KV to spare: its running sequences' completions free what they grow, no hold",
      (224, 0.76), (224, 0), 1_600, 97, False),
     ("a full cache by the report: hold", (40, 0.999), (40, 0), 0, 1_597, True),
+    ("a full cache by the report, and completions since freed room: no hold", (40, 0.999), (40, 0), -2_000,
+     1_597, False),
     ("nothing in flight from the gateways: never hold", (40, 0.999), (0, 0), 0, 1_597, False),
 ]
 
