@@ -6,14 +6,37 @@ reuses them instead of recomputing. Allocation takes never-hashed blocks first, 
 the least recently freed cached block, so the prefix cache holds exactly the free blocks.
 Block hashes chain (each depends on the previous one), and the chain starts from the
 adapter's name, so every adapter has its own namespace.
+
+With an event sink attached (`events`, the simulator's publisher of vLLM's KV cache events,
+workers/simulator/kv_events.py) the pool reports what vLLM's block pool reports, with the
+hashes its own lookups use: `cache_full_blocks` one BlockStored per run of newly cached
+blocks (chained to the block before the run), an eviction one BlockRemoved per block, `reset`
+AllBlocksCleared. Without one it behaves exactly as before.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 from fleetgate.hashing import stable_hash
+
+# The token id reported for a generated token: the simulator samples text, not token ids, and
+# a negative id matches no prompt (nor does the block's hash, see Scheduler._cache_blocks).
+GENERATED_TOKEN = -1
+
+
+class KvEventSink(Protocol):
+    """Where the pool reports cache changes (vLLM's BlockStored / BlockRemoved /
+    AllBlocksCleared); the sink batches them."""
+
+    def stored(
+        self, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int],
+        block_size: int, lora_name: str | None,
+    ) -> None: ...  # fmt: skip
+    def removed(self, block_hash: int) -> None: ...
+    def cleared(self) -> None: ...
 
 
 def block_hashes(ids: Sequence[int], block_size: int, namespace: str) -> list[int]:
@@ -28,13 +51,25 @@ def block_hashes(ids: Sequence[int], block_size: int, namespace: str) -> list[in
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: KvEventSink | None = None) -> None:
         self.num_blocks = num_blocks
+        self.events = events
         self._refs = [0] * num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._hash_of: dict[int, int] = {}
         self._block_of: dict[int, int] = {}
+
+    def reset(self) -> None:
+        """Forget every cached block, as vLLM's reset_prefix_cache (only when none is in use)."""
+        if any(self._refs):
+            raise RuntimeError("blocks are in use")
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._evictable.clear()
+        self._hash_of.clear()
+        self._block_of.clear()
+        if self.events is not None:
+            self.events.cleared()
 
     @property
     def num_free(self) -> int:
@@ -77,16 +112,52 @@ class BlockPool:
                 block = self._free.pop()
             else:
                 block, _ = self._evictable.popitem(last=False)
-                del self._block_of[self._hash_of.pop(block)]
+                h = self._hash_of.pop(block)
+                del self._block_of[h]
+                if self.events is not None:
+                    self.events.removed(h)
             self._refs[block] = 1
             out.append(block)
         return out
 
-    def register(self, block: int, h: int) -> None:
-        """Record that `block` holds the content hashed `h` (first holder wins)."""
+    def register(self, block: int, h: int) -> bool:
+        """Record that `block` holds the content hashed `h` (first holder wins): whether it did."""
         if h not in self._block_of and block not in self._hash_of:
             self._block_of[h] = block
             self._hash_of[block] = h
+            return True
+        return False
+
+    def cache_full_blocks(
+        self, blocks: Sequence[int], hashes: Sequence[int], num_cached: int, num_full: int,
+        token_ids: Sequence[int], block_size: int, lora_name: str | None = None,
+    ) -> None:  # fmt: skip
+        """Register blocks[num_cached:num_full] under their hashes, as vLLM's
+        BlockPool.cache_full_blocks; `token_ids` are the sequence's known tokens (the prompt:
+        the rest are reported as GENERATED_TOKEN). A block whose hash another block already
+        holds is not cached (first holder wins), so the events report runs of the blocks
+        that were, each chained to the block before it."""
+        if self.events is None:
+            for j in range(num_cached, num_full):
+                self.register(blocks[j], hashes[j])
+            return
+        start = num_cached
+        for j in range(num_cached, num_full + 1):
+            if j < num_full and self.register(blocks[j], hashes[j]):
+                continue
+            if j > start:
+                self._report_stored(hashes, start, j, token_ids, block_size, lora_name)
+            start = j + 1
+
+    def _report_stored(
+        self, hashes: Sequence[int], start: int, end: int, token_ids: Sequence[int],
+        block_size: int, lora_name: str | None,
+    ) -> None:  # fmt: skip
+        assert self.events is not None
+        tokens = list(token_ids[start * block_size : end * block_size])
+        tokens += [GENERATED_TOKEN] * ((end - start) * block_size - len(tokens))
+        parent = hashes[start - 1] if start else None
+        self.events.stored(hashes[start:end], parent, tokens, block_size, lora_name)
 
     def release(self, blocks: Sequence[int]) -> None:
         # Tail blocks first, so that they are evicted before the shared head of a prompt.

