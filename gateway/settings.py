@@ -99,12 +99,14 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Each failed probe doubles the cooldown, up to this.
     breaker_max_cooldown_s: float = 60.0
     # Load shedding: a worker is full at capacity x (1 + shed_queue_ratio) outstanding
-    # requests, or at shed_kv KV-cache use with a queue; when all are, requests wait up
-    # to queue_timeout_s in a queue of at most queue_max, then get 429.
+    # requests, or at its KV cache x (1 + shed_queue_ratio) of demand (what its engine
+    # reports it holds and queues), or, KV size unknown, at shed_kv KV-cache use with a
+    # queue; when all are, requests wait up to queue_timeout_s in a queue of at most
+    # queue_max, then get 429.
     shed_queue_ratio: float = 1.0
     shed_kv: float = 0.98
-    # A request that would push its chosen worker's KV cache past hold_kv by the gateway's
-    # account waits for a completion there, at most hold_max_s, then goes anyway (never a
+    # A request that would push its chosen worker's KV cache past hold_kv (its engine's
+    # measured use and the prediction since; the gateway's account where none) waits for a completion there, at most hold_max_s, then goes anyway (never a
     # 429): the engine would preempt running requests to admit it. hold_kv 0 turns it off.
     hold_kv: float = 1.0
     hold_max_s: float = 0.5
