@@ -88,6 +88,18 @@ class Load(msgspec.Struct, kw_only=True, frozen=True):
     preemptions: float = 0.0
     # Adapters with requests in the engine right now (vLLM's lora_requests_info).
     lora_active: tuple[str, ...] = ()
+    # The engine's LoRA slots, the most adapters one batch can use (vLLM's `max_lora` label;
+    # where the engine reports none, its launch arguments, or one per adapter for an engine
+    # whose adapters are all loaded at start); 0: unknown. The gateway places adapters by it.
+    lora_slots: int = 0
+    # The adapters of the engine's running and of its waiting requests, as its report names
+    # them (vLLM 0.32 lists every adapter with a request in both: only their union is sure).
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    # Waiting requests the engine's scheduler skipped this step (vLLM's
+    # num_requests_waiting_by_reason{reason="deferred"}): mostly requests whose adapter found
+    # every LoRA slot busy with others.
+    deferred: int = 0
     # Why the agent's probes find the engine unhealthy (hung, refusing, failing); "" while
     # healthy. The figures above are then the last good scrape's.
     unhealthy: str = ""

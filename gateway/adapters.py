@@ -12,6 +12,12 @@ the new adapter is loaded beside them (the engine swaps it in and out, slower) r
 than cutting a stream. Each change is written to the registry at once, so every gateway
 routes to the new placement. Adapters an operator adds through the admin API are kept in
 Redis: every replica, and a gateway that restarts, can place them.
+
+Routing reads `residency`: where an adapter is live (by every gateway's requests in flight
+and the engines' own reports), and where every LoRA slot is taken by others
+(gateway/lora_state.py). A request sent where its adapter finds every slot busy waits in the
+engine for one; each is counted (`slot_waits`, fleetgate_adapter_slot_waits_total) and
+logged, never hidden.
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 import aiohttp
 import msgspec
 import structlog
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
 from fleetgate.registry import Registry
@@ -31,7 +39,7 @@ from fleetgate.schema import WorkerView
 from gateway.errors import NoWorkerAvailable, UpstreamError
 from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
-from gateway.lora_state import LoraState
+from gateway.lora_state import LoraState, residency, slot_wait
 from gateway.settings import AdapterSpec
 
 log = structlog.get_logger("gateway.adapters")
@@ -63,6 +71,9 @@ class AdapterPlacer:
         self.replicate_every_s = replicate_every_s
         self.specs_every_s = specs_every_s
         self.loads = 0
+        # Requests sent where every LoRA slot was live with other adapters (they wait in the
+        # engine for one), per adapter.
+        self.slot_waits: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._worker_locks: dict[str, asyncio.Lock] = {}
         self._replicated_at: dict[str, float] = {}
@@ -96,27 +107,19 @@ class AdapterPlacer:
                                             retry_after=1)
                 await self._load(target, model)
 
-    def residency(self, model: str, within_s: float = 60.0) -> tuple[frozenset[str], frozenset[str]]:
-        """(workers where `model` is likely in a LoRA slot, workers whose slots are likely all
-        taken), from what every gateway sent where in the last `within_s` seconds (the
-        engine keeps the last `max_loras` adapters it ran in its slots). The engines' own
-        reports (running and waiting adapters) come on top, in the policy."""
-        warm, full = [], []
-        for view in self.watcher.snapshot.workers:
-            slots = self.state.slots(view.id, within_s)
-            if not slots:
-                continue
-            keep = view.info.max_loras if view.info.max_loras > 0 else 16
-            recent = sorted(slots, key=slots.__getitem__, reverse=True)[:keep]
-            if model in recent:
-                warm.append(view.id)
-            elif view.info.max_loras > 0 and len(recent) >= view.info.max_loras:
-                full.append(view.id)
-        return frozenset(warm), frozenset(full)
+    def residency(self, model: str, recent_s: float = 30.0) -> tuple[frozenset[str], frozenset[str]]:
+        """(workers where `model` is live, or was last sent within `recent_s` with a slot still
+        free; workers to keep it from: no slot for it, or fewer free than another), for routing
+        (gateway/lora_state.residency)."""
+        routes = self.watcher.snapshot.routes.by_model.get(model)
+        if routes is None:
+            return frozenset(), frozenset()
+        return residency(routes.slots, model, self.state, time.time(), recent_s)
 
     def started(self, worker_id: str, model: str) -> None:
         """A request for adapter `model` goes to `worker_id` now: count it, and add a replica
         when every worker serving the adapter is busy (this request included)."""
+        self._count_slot_wait(worker_id, model)
         self.state.started(worker_id, model)
         if not self.known(model):
             return
@@ -142,6 +145,14 @@ class AdapterPlacer:
 
     def finished(self, worker_id: str, model: str) -> None:
         self.state.finished(worker_id, model)
+
+    def _count_slot_wait(self, worker_id: str, model: str) -> None:
+        routes = self.watcher.snapshot.routes.by_model.get(model)
+        slot = next((s for s in routes.slots if s.id == worker_id), None) if routes is not None else None
+        if slot is None or not (holders := slot_wait(slot, model, self.state)):
+            return
+        self.slot_waits[model] = self.slot_waits.get(model, 0) + 1
+        log.debug("gateway.adapter_slot_wait", worker=worker_id, adapter=model, live=holders, slots=slot.max_loras)
 
     # -- choosing and loading -----------------------------------------------------
 
@@ -326,8 +337,28 @@ class AdapterPlacer:
             except Exception as exc:  # Redis away: the specs known so far still serve
                 log.debug("gateway.adapters_restore_failed", error=repr(exc))
 
+    def collector(self) -> Collector:
+        """Its counters for the gateway's /metrics."""
+        return _PlacerCollector(self)
+
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
         if self.session is not None:
             await self.session.close()
+
+
+class _PlacerCollector(Collector):
+    def __init__(self, placer: AdapterPlacer) -> None:
+        self.placer = placer
+
+    def collect(self) -> Iterator[Metric]:
+        waits = CounterMetricFamily(
+            "fleetgate_adapter_slot_waits", "Adapter requests sent to an engine whose every LoRA slot "
+            "was live with other adapters (they wait in the engine for a slot), by adapter.", labels=["adapter"])
+        for adapter, n in sorted(self.placer.slot_waits.items()):
+            waits.add_metric([adapter], n)
+        yield waits
+        loads = CounterMetricFamily("fleetgate_adapter_loads", "Adapters this gateway loaded onto engines.")
+        loads.add_metric([], self.placer.loads)
+        yield loads

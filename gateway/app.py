@@ -265,6 +265,7 @@ def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None)
         )
         metrics.registry.register(ScalingCollector(lambda: current(watcher, inflight, admission)))
         metrics.registry.register(PriorityCollector(admission, list(priorities.classes)))
+        metrics.registry.register(placer.collector())
         tenancy = await open_tenancy(settings, redis, registry.keys, metrics.registry, watcher.known.label,
                                      reload_seed)
         proxy.quota = tenancy.quota

@@ -1,6 +1,7 @@
 """LoRA placement state that every gateway replica shares: adapter requests in flight per
 (worker, adapter), and when each adapter was last sent to each worker (the LRU evictions
-follow).
+follow); and what routing reads of it (`residency`): where an adapter is live, and where
+every LoRA slot is taken by others.
 
 The request path only touches local dicts (`started`, `finished`); a background task
 publishes them about five times a second, and at once when an adapter comes into use on
@@ -13,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import structlog
 
 from fleetgate.registry import Registry
+from gateway.routing.table import Slot
 
 log = structlog.get_logger("gateway.lora_state")
 
@@ -71,10 +74,14 @@ class LoraState:
     def last_used(self, worker_id: str, adapter: str) -> float:
         return self.used.get((worker_id, adapter), 0.0)
 
-    def slots(self, worker_id: str, within_s: float) -> dict[str, float]:
-        """Adapters sent to `worker_id` in the last `within_s` seconds -> when."""
-        cutoff = time.time() - within_s
-        return {a: t for (w, a), t in self.used.items() if w == worker_id and t >= cutoff}
+    def live(self) -> dict[str, set[str]]:
+        """Worker -> the adapters with requests in flight there through any gateway."""
+        out: dict[str, set[str]] = {}
+        for counts in (self.local, self.remote):
+            for (worker, adapter), n in counts.items():
+                if n > 0:
+                    out.setdefault(worker, set()).add(adapter)
+        return out
 
     # -- background sync --------------------------------------------------------------
 
@@ -128,4 +135,93 @@ class LoraState:
             self._wake.clear()
 
 
-__all__ = ["LoraState"]
+def live_adapters(slot: Slot, sent: Iterable[str], last_used: Callable[[str, str], float]) -> set[str]:
+    """The adapters with requests on `slot`'s engine now: those the gateways have in flight
+    there (`sent`), and those its last report names that no gateway sent or finished there
+    since the report (another client's, or still the truth); an adapter a gateway finished
+    with after the report is gone, whatever the report says."""
+    live = set(sent)
+    for adapter in slot.lora_active:
+        if adapter not in live and last_used(slot.id, adapter) < slot.lora_ts:
+            live.add(adapter)
+    return live
+
+
+def residency(
+    slots: Iterable[Slot], model: str, state: LoraState, now: float, recent_s: float = 30.0,
+    hold_s: float = 10.0,
+) -> tuple[frozenset[str], frozenset[str]]:
+    """(warm, full) for a request for adapter `model` over the workers serving it.
+
+    warm: where the adapter is live (requests in flight there, by the gateways or the engine's
+    report); where it is live nowhere, the worker it was last sent to within `recent_s` while
+    that one has a slot for it (its weights and its prefix cache are likely still there).
+    full: where sending it would make the engine's distinct adapters exceed its slots (every
+    slot live with another adapter), and where it is live on an engine that already has more
+    adapters than slots (it may be among the waiting). A slot whose adapter ran there within
+    `hold_s` stays held for it while idle: an engine whose free slots are all held counts as
+    full too, unless the adapter needs a slot (it is live nowhere, or only where it is
+    crowded) and no engine has one free and unheld (then idle adapters make room). Of the
+    engines with free slots, only those with the most count as not full: new adapters spread
+    over the fleet's slots, leaving each engine room for a passing extra one.
+    A worker with unknown slots, or whose adapters all fit its slots, is never full.
+    """
+    live_by = state.live()
+    last_used = state.last_used
+    ran: dict[str, set[str]] = {}  # worker -> adapters sent there within hold_s
+    since = now - hold_s
+    for (w, a), at in state.used.items():
+        if at >= since:
+            ran.setdefault(w, set()).add(a)
+    warm: list[str] = []
+    full: list[str] = []
+    held_only: list[str] = []  # a free slot only by taking one an idle adapter holds
+    room: dict[str, float] = {}  # free slots that no idle adapter holds (inf: unknown)
+    recent: list[tuple[float, str]] = []
+    for slot in slots:
+        wid = slot.id
+        live = live_adapters(slot, live_by.get(wid, ()), last_used)
+        limit = 0 if slot.adapters_fit else slot.max_loras
+        if model in live:
+            warm.append(wid)
+            if limit and len(live) > limit:
+                full.append(wid)
+            continue
+        if limit and len(live) >= limit:
+            full.append(wid)
+            continue
+        # The adapter's own hold there is its own slot.
+        free = limit - len((live | ran.get(wid, set())) - {model}) if limit else math.inf
+        if free > 0:
+            room[wid] = free
+        else:
+            held_only.append(wid)
+        if last_used(wid, model) >= now - recent_s:
+            recent.append((last_used(wid, model), wid))
+    # Held slots go to an adapter that needs one (live nowhere, or only where it is crowded)
+    # when no engine has a free unheld one; never to a hot adapter's extra engine.
+    if room or any(w not in full for w in warm):
+        full.extend(held_only)
+    if not warm:
+        back = [x for x in recent if x[1] not in full]
+        if back:
+            warm.append(max(back)[1])
+    if room:
+        most = max(room.values())
+        full.extend(w for w, free in room.items() if free < most and w not in warm)
+    return frozenset(warm), frozenset(full)
+
+
+def slot_wait(slot: Slot, model: str, state: LoraState) -> int:
+    """How many adapters hold every slot of `slot`'s engine when a request for `model` goes
+    there and it is live there with none of them (the request waits for a slot); 0 when it
+    is live there, a slot is free, or the slots are unknown."""
+    limit = 0 if slot.adapters_fit else slot.max_loras
+    if not limit:
+        return 0
+    sent = [a for (w, a), n in (*state.local.items(), *state.remote.items()) if w == slot.id and n > 0]
+    live = live_adapters(slot, sent, state.last_used)
+    return len(live) if model not in live and len(live) >= limit else 0
+
+
+__all__ = ["LoraState", "live_adapters", "residency", "slot_wait"]

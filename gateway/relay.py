@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import structlog
 
@@ -35,8 +35,42 @@ log = structlog.get_logger("gateway.proxy")
 STALL_MARGIN = 1.1
 
 
+# An engine report this old or newer says the engine is alive now (agents report every second).
+REPORT_FRESH_S = 5.0
+
+
 class StreamBroke(Exception):
     """The engine's stream ended without finishing."""
+
+
+def queued_in_engine(attempt: Attempt, worker_id: str) -> bool:
+    """Whether the worker's engine says, in a fresh healthy report, that it holds requests
+    waiting (its queue, or adapters waiting for a LoRA slot): a first event not come yet is
+    then a wait in that queue, not a hung engine."""
+    view = attempt.dispatch.watcher.snapshot.by_id.get(worker_id)
+    if view is None or view.unhealthy:
+        return False
+    load = view.load
+    return (load.waiting > 0 or load.deferred > 0) and time.time() - load.ts <= REPORT_FRESH_S
+
+
+async def first_event(read: Callable[[], Awaitable[bytes]], attempt: Attempt, worker_id: str) -> bytes:
+    """The stream's first bytes, within the attempt's first-byte limit; each time that runs
+    out while the engine reports requests waiting, another such limit, up to
+    `first_byte_queued_timeout_s` in all (a request queued in the engine keeps its place
+    rather than being sent again elsewhere; a hung engine's reports go stale or unhealthy)."""
+    limit = attempt.first_byte_timeout()
+    most = max(limit, attempt.dispatch.settings.first_byte_queued_timeout_s)
+    waited = 0.0
+    while True:
+        try:
+            async with asyncio.timeout(min(limit, most - waited)):
+                return await read()
+        except TimeoutError:
+            waited += min(limit, most - waited)
+            if waited >= most or not queued_in_engine(attempt, worker_id):
+                raise
+            log.info("gateway.first_event_queued", worker=worker_id, waited_s=round(waited, 1))
 
 
 async def relay(
@@ -61,11 +95,11 @@ async def relay(
                 read = resp.readany  # b"" at the end
                 stall = settings.stall_timeout_s
                 armed = -math.inf  # the stall deadline set last
-                async with asyncio.timeout(attempt.first_byte_timeout()) as deadline:
-                    # Waiting for the first event counts as waiting for a first byte
-                    # (gateway/waiting.py): the engine has sent the client nothing yet.
-                    with dispatch.waits.waiting(worker.id):
-                        data = await read()
+                # Waiting for the first event counts as waiting for a first byte
+                # (gateway/waiting.py): the engine has sent the client nothing yet.
+                with dispatch.waits.waiting(worker.id):
+                    data = await first_event(read, attempt, worker.id)
+                async with asyncio.timeout(None) as deadline:
                     while data:
                         # The stall deadline moves only when it is less than `stall` away, to
                         # STALL_MARGIN times that: never before `stall` s of silence, at most a

@@ -81,6 +81,10 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # 1,000 prompt tokens: what was asked sets the limit, not one fixed figure.
     first_byte_timeout_s: float = 30.0
     first_byte_per_1k_tokens_s: float = 5.0
+    # A stream's first event may wait longer, up to this in all, while its engine reports
+    # requests waiting (its queue, adapters waiting for a LoRA slot) in fresh, healthy
+    # reports: it keeps its place there rather than being sent again (gateway/relay.py).
+    first_byte_queued_timeout_s: float = 300.0
     # A whole non-streamed answer gets the first byte's time plus this much per token asked
     # for (`max_tokens`; without it, what the worker's context leaves): 10 tokens a second
     # is slower than any healthy engine generates one sequence.

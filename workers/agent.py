@@ -116,13 +116,16 @@ class Agent:
             if not await self._wait_healthy():
                 return 0 if self.stopping.is_set() else 1
             self.info = await self.probe.discover(self.info, self.opts.spec.served_name)
+            if not self.opts.managed and self.info.runtime_lora:
+                await self._check_runtime_lora()
             await self._warm_up()
             self._start_speedometer()
             kv = await self.probe.kv_cache()
             self.info = msgspec.structs.replace(
                 self.info, kv_tokens=kv.tokens, block_size=kv.block_size or self.info.block_size
             )
-            self.load = self._with_speed(await self.probe.scrape() or Load(ts=time.time()))
+            self.load = self._with_slots(self._with_speed(await self.probe.scrape() or Load(ts=time.time())))
+            await self._learn_slots()
             await self._become_ready()
             await self._heartbeat_until_stopped()
             await self._drain()
@@ -268,6 +271,39 @@ class Agent:
             self._logged_speed = (speed, source)
         return msgspec.structs.replace(load, speed=speed, speed_source=source)
 
+    async def _check_runtime_lora(self) -> None:
+        """An engine attached from outside may have been started without its runtime adapter
+        API (vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING): ask it, so that no gateway tries."""
+        assert self.info is not None
+        enabled = await self.engine.runtime_lora_enabled(self.http, self.opts.base_url)
+        if not enabled:
+            self.log.info("agent.runtime_lora_off", reason="the engine has no runtime adapter API")
+            self.info = msgspec.structs.replace(self.info, runtime_lora=False)
+
+    def _with_slots(self, load: Load) -> Load:
+        """`load` with the engine's LoRA slots: its own report (vLLM's max_lora), else what it
+        was started with; an engine whose adapters are all loaded at start has one for each."""
+        assert self.info is not None
+        info = self.info
+        slots = load.lora_slots or info.max_loras or (0 if info.runtime_lora else len(info.adapters))
+        return load if slots == load.lora_slots else msgspec.structs.replace(load, lora_slots=slots)
+
+    async def _learn_slots(self) -> None:
+        """Keep the registered slot count (WorkerInfo.max_loras: 0 for an engine attached
+        without flags) in step with what the engine reports; every gateway reads it."""
+        assert self.info is not None
+        slots = self.load.lora_slots
+        if not slots or slots == self.info.max_loras:
+            return
+        self.log.info("agent.lora_slots", slots=slots, was=self.info.max_loras)
+        self.info = msgspec.structs.replace(self.info, max_loras=slots)
+        if self.state != "starting":
+            with contextlib.suppress(Exception):
+                # On the record as it stands: a gateway may have changed its adapters since.
+                view = await self.registry.read(self.opts.worker_id)
+                base = view.info if view is not None else self.info
+                await self.registry.update_info(msgspec.structs.replace(base, max_loras=slots))
+
     async def _become_ready(self) -> None:
         assert self.info is not None
         if await self._was_removed():
@@ -360,7 +396,8 @@ class Agent:
         load = await self.probe.scrape()
         self._check_alive()
         if load is not None:
-            self.load = self._with_speed(load)
+            self.load = self._with_slots(self._with_speed(load))
+            await self._learn_slots()
         unhealthy = self.probe.unhealthy
         if (self.state == "ready" and not unhealthy
                 and time.monotonic() - self._discovered_at >= self.opts.rediscover_s):

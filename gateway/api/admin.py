@@ -52,6 +52,16 @@ def _worker_json(w: WorkerView, inflight: int) -> dict[str, object]:
             "kv_measured": w.load.kv_measured,
             "inflight": inflight,
         },
+        # LoRA as the engine reports it: its slots (else as registered; 0: unknown), the slots in
+        # its record, the adapters with requests in it, and the waiting requests it skipped
+        # (mostly for want of a slot).
+        "lora": {
+            "slots": w.load.lora_slots or info.max_loras,
+            "registered": info.max_loras,
+            "active": list(w.load.lora_active),
+            "deferred": w.load.deferred,
+            "runtime_loading": info.runtime_lora,
+        },
         "circuit": {"state": "open", "reason": w.circuit} if w.circuit else {"state": "closed"},
         "unhealthy": w.load.unhealthy,
         "last_heartbeat": w.last_heartbeat,
@@ -67,7 +77,10 @@ async def admin_workers(request: Request, state: State) -> Response:
     workers = await gw.registry.read_all()
     inflight = gw.proxy.inflight
     data = [_worker_json(w, inflight.get(w.id, 0)) for w in workers]
-    return Response(content=msgspec.json.encode({"data": data}), media_type="application/json")
+    # Adapter requests this gateway sent where every LoRA slot was taken by others, by adapter.
+    waits = dict(sorted(gw.proxy.placer.slot_waits.items()))
+    return Response(content=msgspec.json.encode({"data": data, "adapter_slot_waits": waits}),
+                    media_type="application/json")
 
 
 async def _admin_write(gw: Gateway, worker_id: str, action: str) -> Response:

@@ -16,7 +16,15 @@
    least loaded worker with room, kept for a while (hysteresis) and shared with the home
    by load. Light keys stay home; the background rebalance moves them when a worker's
    placed work is above its share.
-3. Adapters: where the adapter is warm, else a free slot, else a swap, load permitting.
+3. Adapters: an engine runs at most its LoRA slots' worth of distinct adapters in a batch and
+   lets a request whose adapter finds every slot busy wait, with no fairness (vLLM), so each
+   engine is given a set of adapters whose live requests fit its slots. A request goes where
+   its adapter is live (the gateways' requests in flight, the engines' own reports); a hot
+   one gets another engine with a free slot when its own is `lora_load_cost` busier (or
+   saturated); an adapter live nowhere goes back where it last ran while a slot is free
+   there, else to an engine with a free slot; only when none has one, to an engine whose
+   slots are all live with others (a slot wait, counted by the placer). Among equals (within
+   a small band of load) the adapter's ring order decides, so replicas choose alike.
 """
 
 from __future__ import annotations
@@ -88,7 +96,7 @@ class FleetPolicy:
             elif wid == second_id:
                 second = x
         if facts.adapter:
-            return self._rank_adapter(scored, facts, limit)
+            return self._rank_adapter(scored, facts, live, routes, limit)
         key = facts.affinity_key
         if key is None or len(candidates) == 1:
             return [Choice(x[2], "least-load") for x in best(scored, limit)]
@@ -145,19 +153,70 @@ class FleetPolicy:
         return chosen if chosen is not None else min(scored)
 
     def _rank_adapter(
-        self, scored: list[tuple[float, str, Slot]], facts: RequestFacts, limit: int
+        self, scored: list[tuple[float, str, Slot]], facts: RequestFacts, live: Live, routes: ModelRoutes,
+        limit: int,
     ) -> list[Choice]:
-        """Adapter requests go where the adapter is warm (in a slot), unless load says otherwise:
-        every other worker would first have to load it, and evict another when its slots are full."""
-        opts = self.opts
-        model = facts.model
+        """Place an adapter request by the engines' LoRA slots (facts.warm: where the adapter is
+        live, facts.full: where it would wait for a slot; gateway/lora_state.py)."""
         warm, full = facts.warm, facts.full
-        ranked: list[tuple[float, str, Slot, str]] = []
-        for c, wid, s in scored:
-            if s.adapters_fit or model in s.lora_active or wid in warm:
-                ranked.append((c, wid, s, "adapter-warm"))
-            elif wid not in full and len(s.lora_active) < max(s.max_loras, 1):
-                ranked.append((c + opts.lora_load_cost, wid, s, "adapter-resident"))
+        groups: tuple[list[tuple[float, str, Slot]], ...] = ([], [], [], [])
+        # Without the per-request jitter: replicas with other request counters must agree.
+        jitter = self.opts.jitter * _JITTER_SCALE
+        spin = (facts.seq * 0x9E3779B1) & 0xFFFF
+        for cost, wid, s in scored:
+            x = (cost / (1.0 + jitter * (((s.spin ^ spin) * 0x2545) & 0xFFFF)), wid, s)
+            if s.adapters_fit or (wid in warm and wid not in full):
+                groups[_LIVE].append(x)
+            elif wid not in full:
+                groups[_FREE].append(x)
+            elif wid in warm:
+                groups[_CROWDED].append(x)
             else:
-                ranked.append((c + opts.lora_swap_cost, wid, s, "adapter-resident"))
-        return [Choice(x[2], x[3]) for x in best(ranked, limit)]
+                groups[_SLOT_WAIT].append(x)
+        rank = _ring_rank(routes, facts.affinity_key)
+        home = self._band_pick(groups[_LIVE], rank)
+        spare = self._band_pick(groups[_FREE], rank)
+        if home is not None and spare is not None and (
+            spare[0] + self.opts.lora_load_cost < home[0]
+            or (self.saturated(home[2], live) and not self.saturated(spare[2], live))
+        ):
+            pick, reason = spare, "adapter-spill"  # a hot adapter's home is overloaded: another engine
+        elif home is not None:
+            pick, reason = home, "adapter-warm"
+        elif spare is not None:
+            pick, reason = spare, "adapter-free"
+        elif crowded := self._band_pick(groups[_CROWDED], rank):
+            pick, reason = crowded, "adapter-crowded"
+        else:
+            pick, reason = self._band_pick(groups[_SLOT_WAIT], rank) or min(scored), "adapter-slot-wait"
+        if limit == 1:
+            return [Choice(pick[2], reason)]
+        rest = [(g, x[0], x[1], x[2]) for g, group in enumerate(groups) for x in group if x[1] != pick[1]]
+        return [Choice(pick[2], reason), *(Choice(x[3], _REASONS[x[0]]) for x in best(rest, limit - 1))]
+
+    def _band_pick(
+        self, group: list[tuple[float, str, Slot]], rank: Mapping[str, int],
+    ) -> tuple[float, str, Slot] | None:
+        """The first in ring order among the least loaded (within a small margin): replicas that
+        see the same loads choose the same engine, and near-equal engines share by ring order."""
+        if not group:
+            return None
+        if len(group) == 1:
+            return group[0]
+        bar = min(group)[0] * (1.0 + _BAND) + _BAND
+        return min((x for x in group if x[0] <= bar), key=lambda x: (rank.get(x[1], len(rank)), x[1]))
+
+
+# An adapter request's worker groups, in the order they are tried.
+_LIVE, _FREE, _CROWDED, _SLOT_WAIT = 0, 1, 2, 3
+_REASONS = ("adapter-warm", "adapter-free", "adapter-crowded", "adapter-slot-wait")
+# Loads this close (2%, and 0.02 seats per unit of capacity) count as equal for an adapter's
+# placement.
+_BAND = 0.02
+
+
+def _ring_rank(routes: ModelRoutes, key: int | None) -> dict[str, int]:
+    """Worker -> its place in the key's ring order (by id without a key)."""
+    if key is None:
+        return {s.id: i for i, s in enumerate(routes.slots)}
+    return {s.id: i for i, s in enumerate(routes.ring_order(key))}

@@ -92,7 +92,9 @@ class FleetOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     # half-life of the work by which keys are placed.
     second_hold_s: float = 10.0
     half_life_s: float = 30.0
-    # Extra cost of sending an adapter where it is not in a slot: with a free slot (a
-    # load), and with every slot taken (a load that evicts another adapter).
+    # How much busier (seats per unit of capacity) a hot adapter's engine must be than one
+    # with a free LoRA slot before the adapter is spread there too.
     lora_load_cost: float = 0.3
+    # No longer read (an engine whose slots are all busy with others is taken only when no
+    # engine has a free slot: a rule, not a cost); accepted so that old configs still load.
     lora_swap_cost: float = 1.5

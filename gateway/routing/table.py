@@ -31,8 +31,8 @@ class Slot:
 
     __slots__ = (
         "adapters_fit", "capacity", "engine_busy", "id", "id_hash", "kv", "kv_held", "kv_tokens", "lora_active",
-        "max_len", "max_loras", "measured", "pooling", "routable", "running", "speed", "spin", "view", "waiting",
-        "weight",
+        "lora_ts", "max_len", "max_loras", "measured", "pooling", "routable", "running", "speed", "spin", "view",
+        "waiting", "weight",
     )
 
     def __init__(self, view: WorkerView) -> None:
@@ -65,10 +65,15 @@ class Slot:
         # (`Live.fresh`). An unhealthy engine's figures are an old scrape's: not the truth now.
         self.measured = bool(load.kv_measured and self.kv_tokens and not load.unhealthy)
         self.kv_held = load.kv_cache_usage * self.kv_tokens if self.measured else 0.0
+        # The adapters with requests in the engine by its last report (running or waiting), and
+        # when it made it: the gateway's own sends since predict until the next one.
         self.lora_active = frozenset(load.lora_active)
-        self.max_loras = view.info.max_loras
-        # All its adapters fit in its slots at once: none is ever swapped out.
-        self.adapters_fit = 0 < len(view.info.adapters) <= view.info.max_loras
+        self.lora_ts = load.ts
+        # Its LoRA slots as the engine reports them (else as registered; 0: unknown): at most
+        # this many distinct adapters run in one batch, the others' requests wait.
+        self.max_loras = load.lora_slots or view.info.max_loras
+        # All its adapters fit in its slots at once: none ever waits for a slot.
+        self.adapters_fit = 0 < len(view.info.adapters) <= self.max_loras
 
 
 @dataclass(frozen=True, slots=True)

@@ -131,9 +131,9 @@ def test_busy_adapter_gets_a_second_replica(fleet_factory: Callable[[], Fleet], 
 
 
 def test_adapters_fill_one_workers_slots_before_evicting(fleet_factory: Callable[[], Fleet], tmp_path: Path) -> None:
-    """The gateway remembers which adapters it put in each worker's slots (vLLM shows only the
-    ones running): once a worker's slots are taken, a new adapter goes to a worker with a free
-    slot instead of evicting one, and each adapter keeps going where it is resident."""
+    """The gateway remembers which adapters it put in each worker's slots (an idle adapter's slot
+    stays held for it a while): new adapters spread over the workers with the most free slots
+    instead of evicting one, and each adapter keeps going where it is resident."""
     folders = []
     for name in ("fin", "law", "med"):
         (tmp_path / name).mkdir()
@@ -149,9 +149,9 @@ def test_adapters_fill_one_workers_slots_before_evicting(fleet_factory: Callable
         r = chat(url, name)
         assert r.status_code == 200
         placed[name] = r.headers["x-fleetgate-worker"]
-    # Idle workers tie on load: the first two adapters fill one worker's two slots, the third
-    # takes the other worker's free slot rather than evicting.
-    assert placed["fin"] == placed["law"] != placed["med"]
+    # The second adapter takes the other worker's free slot; the third one the slot left on
+    # either: both workers are used, none evicts.
+    assert placed["fin"] != placed["law"] and placed["med"] in ("a", "b")
     for name in ("fin", "law", "med", "fin"):
         r = chat(url, name)
         assert (r.headers["x-fleetgate-worker"], r.headers["x-fleetgate-route"]) == (placed[name], "fleet:adapter-warm")

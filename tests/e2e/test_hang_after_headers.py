@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -172,3 +173,45 @@ def test_a_stream_that_stalls_midway_is_given_up_after_the_stall_limit_not_befor
     gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     assert STALL_AFTER_S * 0.99 <= max(gaps) < STALL_AFTER_S * 1.1 + 2.0, gaps
     assert arrivals and sum(g > 0.5 for g in gaps) == 1, gaps  # one stall, then the stream went on
+
+
+def test_a_stream_queued_in_its_engine_keeps_its_place_past_the_first_event_limit(
+    fleet_factory: Callable[[], Fleet],
+) -> None:
+    """One worker with one seat, taken by a long stream: a second stream waits in the engine's
+    queue longer than the first-event limit. The engine's reports say it is waiting there
+    (alive, queue 1), so it keeps its place and is answered whole; nothing is sent again and
+    the worker's circuit breaker (opened by one failure here) is not charged."""
+    fleet = fleet_factory()
+    _, url = fleet.gateway("--set", "first_byte_timeout_s=2", "--set", "first_byte_per_1k_tokens_s=0",
+                           "--set", f"stall_timeout_s={STALL_S}", "--set", "breaker_threshold=1")
+    fleet.worker("q", "--model", MODEL, "--option", "max_num_seqs=1", "--option", "time_scale=1.0")
+    fleet.wait_ready(url, "q")
+    q_url = str(fleet.workers(url)["q"]["url"])
+    long_body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000,
+                 "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=long_body, timeout=60) as seat:
+        assert seat.status_code == 200
+        lines = seat.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # it runs: the seat is taken
+        results: list[tuple[str, float, list[dict[str, object]], bool]] = []
+        waiter = threading.Thread(target=lambda: results.append(_stream(url)))
+        waiter.start()
+        # The precondition, from the engine itself: the second request waits in its queue.
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{q_url}/sim/state").json()["waiting"] < 1:
+            assert time.monotonic() < deadline, "the second request never queued in the engine"
+            time.sleep(0.05)
+        time.sleep(4.5)  # past two first-event limits, waiting in the queue
+        assert waiter.is_alive() and not results
+    # Closing the long stream frees the seat; the queued one runs.
+    waiter.join(30)
+    [(worker, elapsed, events, done)] = results
+    content = [c for e in events for c in e["choices"] if c["delta"].get("content")]  # type: ignore[index, union-attr]
+    assert worker == "q" and done and len(content) == 12, (worker, done, events[-1:])
+    assert not any("error" in e for e in events)
+    assert elapsed > 4
+    log = next(p for p in fleet.procs if "gateway" in p.log_path.name).output()
+    assert "gateway.first_event_queued" in log
+    assert "gateway.stream_broke" not in log and "gateway.attempt_failed" not in log
+    assert fleet.workers(url)["q"]["circuit"]["state"] == "closed"

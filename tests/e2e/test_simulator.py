@@ -484,7 +484,8 @@ async def test_lora_slots_make_other_adapters_wait(tmp_path: Path) -> None:
             info = (await client.get(server.url + "/metrics")).text
             await asyncio.gather(first, second)
         assert state["running_lora_adapters"] == ["a"] and state["waiting_lora_adapters"] == ["b"]
-        assert 'running_lora_adapters="a",waiting_lora_adapters="b"' in info
+        # As vLLM 0.32: both labels list every adapter with a request, in arrival order.
+        assert 'max_lora="1",running_lora_adapters="a,b",waiting_lora_adapters="a,b"' in info
         assert first.result().status_code == second.result().status_code == 200
     finally:
         server.stop()
@@ -495,8 +496,9 @@ async def test_lora_slots_make_other_adapters_wait(tmp_path: Path) -> None:
 # clock): continuous batching, the token budget, KV admission and preemption, the prefix
 # cache and LoRA slots.
 
-from workers.simulator.kvcache import BlockPool, LoraSlots, block_hashes  # noqa: E402
-from workers.simulator.scheduler import Limits, Scheduler  # noqa: E402
+from workers.simulator.kvcache import BlockPool, block_hashes  # noqa: E402
+from workers.simulator.loras import LoraCache  # noqa: E402
+from workers.simulator.scheduler import HOST_COPY_SHARE, Limits, Scheduler  # noqa: E402
 from workers.simulator.scheduler import Seq as SimSeq  # noqa: E402
 from workers.simulator.tokens import TextSource  # noqa: E402
 from workers.timing import PROFILES  # noqa: E402
@@ -509,6 +511,7 @@ class _Hooks:
         self.finished: list[tuple[str, str]] = []
         self.preempted = 0
         self.lora_loads = 0
+        self.lora_disk_loads = 0
 
     def on_admitted(self, seq: SimSeq, now: float) -> None:
         self.admitted.append(seq.id)
@@ -525,8 +528,9 @@ class _Hooks:
     def on_preempted(self) -> None:
         self.preempted += 1
 
-    def on_lora_loads(self, n: int) -> None:
+    def on_lora_loads(self, n: int, from_disk: int = 0) -> None:
         self.lora_loads += n
+        self.lora_disk_loads += from_disk
 
 
 class _StepScheduler(Scheduler):
@@ -543,10 +547,10 @@ class _StepScheduler(Scheduler):
 
 
 def _sched(*, seqs: int = 8, budget: int = 512, blocks: int = 64, bs: int = 16,
-           loras: int = 2) -> tuple[_StepScheduler, _Hooks]:  # fmt: skip
+           loras: int = 2, cpu_loras: int = 0) -> tuple[_StepScheduler, _Hooks]:  # fmt: skip
     hooks = _Hooks()
     limits = Limits(max_num_seqs=seqs, max_num_batched_tokens=budget, num_gpu_blocks=blocks,
-                    block_size=bs, max_loras=loras, time_scale=1.0)  # fmt: skip
+                    block_size=bs, max_loras=loras, time_scale=1.0, max_cpu_loras=cpu_loras)  # fmt: skip
     return _StepScheduler(limits, PROFILES["h100-7b"], hooks), hooks
 
 
@@ -673,32 +677,82 @@ def test_prefix_cache_lru_eviction() -> None:
 
 
 @pytest.mark.parametrize(
-    ("slots", "ops", "results", "resident"),
+    ("slots", "cpu", "ops", "results", "resident"),
     [
-        (2, [("a", ()), ("a", ())], [True, False], ["a"]),
-        (2, [("a", ()), ("b", ()), ("c", ())], [True, True, True], ["b", "c"]),
+        (2, 0, [("a", ()), ("a", ())], ["disk", "resident"], ["a"]),
+        (2, 0, [("a", ()), ("b", ()), ("c", ())], ["disk", "disk", "disk"], ["b", "c"]),
         # using a moves it to the back: b is the least recently used
-        (2, [("a", ()), ("b", ()), ("a", ()), ("c", ())], [True, True, False, True], ["a", "c"]),
+        (2, 0, [("a", ()), ("b", ()), ("a", ()), ("c", ())], ["disk", "disk", "resident", "disk"], ["a", "c"]),
         # a busy adapter is never evicted; all busy -> None (wait)
-        (2, [("a", ()), ("b", ()), ("c", ("a",))], [True, True, True], ["a", "c"]),
-        (2, [("a", ()), ("b", ()), ("c", ("a", "b"))], [True, True, None], ["a", "b"]),
+        (2, 0, [("a", ()), ("b", ()), ("c", ("a",))], ["disk", "disk", "disk"], ["a", "c"]),
+        (2, 0, [("a", ()), ("b", ()), ("c", ("a", "b"))], ["disk", "disk", None], ["a", "b"]),
+        # host memory keeps what a slot let go: swapping back in is a copy, not a disk read
+        (2, 3, [("a", ()), ("b", ()), ("c", ()), ("a", ())], ["disk", "disk", "disk", "cpu"], ["c", "a"]),
+        # host memory full: its least recently used adapter outside the slots is read again
+        (1, 2, [("a", ()), ("b", ()), ("c", ()), ("a", ()), ("c", ())],
+         ["disk", "disk", "disk", "disk", "cpu"], ["c"]),
     ],
 )
-def test_lora_slots(slots: int, ops: list[tuple[str, tuple[str, ...]]], results: list[bool | None],
+def test_lora_slots(slots: int, cpu: int, ops: list[tuple[str, tuple[str, ...]]], results: list[str | None],
                     resident: list[str]) -> None:  # fmt: skip
-    """LoRA slots: resident is free, a miss loads and evicts the least recently used idle adapter."""
-    lru = LoraSlots(slots)
+    """LoRA slots: resident is free, a miss takes the least recently used idle slot, from host
+    memory when it holds the adapter (max_cpu_loras), else from disk."""
+    lru = LoraCache(slots, cpu)
     assert [lru.acquire(name, set(busy)) for name, busy in ops] == results
     assert lru.resident == resident
+    assert len(lru.in_host) <= max(cpu, slots)
 
 
 def test_pinned_adapters_never_load_nor_take_a_slot() -> None:
     """LMDeploy's start-time adapters: resident from the start, never evicted, never counted
     as a load, and the runtime slots stay for the others."""
-    lru = LoraSlots(1, pinned=("p", "q"))
+    lru = LoraCache(1, pinned=("p", "q"))
     assert lru.resident == ["p", "q"]
-    assert [lru.acquire(n, set()) for n in ["p", "q", "a", "p", "b"]] == [False, False, True, False, True]
+    assert [lru.acquire(n, set()) for n in ["p", "q", "a", "p", "b"]] == [
+        "resident", "resident", "disk", "resident", "disk"]
     assert lru.resident == ["p", "q", "b"]
+
+
+def test_waiting_adapter_over_max_loras_is_skipped_without_fairness() -> None:
+    """vLLM's rule: with a and b running on two slots, a waiting c is skipped, and the a and b
+    requests queued behind it pass it, step after step, until a slot's adapter has nothing
+    running; lora_requests_info lists every adapter with a request, in arrival order."""
+    s, _ = _sched(loras=2)
+    for sid, adapter in [("a1", "a"), ("b1", "b")]:
+        s._enqueue(_seq(sid, [1] * 20, out=6, adapter=adapter))
+    s.step()
+    c = _seq("c1", [2] * 20, out=1, adapter="c")
+    s._enqueue(c)
+    s._enqueue(_seq("a2", [3] * 20, out=3, adapter="a"))
+    s._enqueue(_seq("b2", [4] * 20, out=6, adapter="b"))
+    work = s.step()
+    assert ("a2", 20) in work and ("b2", 20) in work and c.status == "waiting"
+    assert c in s.deferred
+    s._publish()
+    assert s.published.lora_adapters == ("a", "b", "c") and s.published.deferred == 1
+    # a's last request finishes first: its slot goes to c
+    while c.status == "waiting":
+        s.step()
+    assert {x.adapter for x in s.running} <= {"b", "c"}
+    _run_until_done(s)
+    s._publish()
+    assert s.published.lora_adapters == () and not s.deferred
+
+
+def test_host_memory_makes_swaps_cheap() -> None:
+    """With max_cpu_loras above the slots an adapter swapped back in is copied from host memory:
+    counted as a slot load, not a disk read, and timed HOST_COPY_SHARE of lora_load_s."""
+    s, hooks = _sched(loras=1, cpu_loras=4)
+    for i, name in enumerate(["a", "b", "a"]):
+        _submit(s, _seq(f"r{i}", [i] * 20, out=1, adapter=name))
+        _run_until_done(s)
+    assert (hooks.lora_loads, hooks.lora_disk_loads) == (3, 2)
+    _submit(s, _seq("x", [9] * 20, out=1, adapter="b"))
+    plan = s._schedule()
+    assert (plan.lora_loads, plan.lora_disk_loads) == (1, 0)
+    p = s.profile
+    expected = (p.base_step_s + 20 * p.prefill_per_token_s) * p.lora_step_factor + HOST_COPY_SHARE * p.lora_load_s
+    assert s._step_seconds(plan) == pytest.approx(expected)
 
 
 def test_lora_swaps_counted_and_timed() -> None:

@@ -362,11 +362,11 @@ def test_kv_pressure_and_queue_outweigh_a_low_running_count() -> None:
     assert first(fleet, facts(None))[0] == "calm"
 
 
-def test_adapter_requests_report_adapter_resident() -> None:
-    """Without an affinity key an adapter request says it went where the adapter is resident."""
+def test_adapter_requests_say_how_they_were_placed() -> None:
+    """Without an affinity key or any residency, an adapter request takes a free slot and says so."""
     fleet = (w("a", adapters=("fin",)),)
     f = RequestFacts("fin", adapter=True)
-    assert decide(Routes.build(fleet), f, {}, POLICY).choices[0].reason == "adapter-resident"
+    assert decide(Routes.build(fleet), f, {}, POLICY).choices[0].reason == "adapter-free"
 
 
 def test_every_candidate_is_ranked_once_for_retries() -> None:
@@ -436,26 +436,40 @@ def test_a_worker_leaving_moves_only_its_own_keys(n: int, key: int) -> None:
     assert home_of(key, [i for i in ids if i != other]) == home
 
 
-def aw(wid: str, active: tuple[str, ...], max_loras: int = 2, running: int = 0) -> WorkerView:
+def aw(wid: str, running: int = 0, max_loras: int = 2, lora_slots: int = 0) -> WorkerView:
     return WorkerView(
         info=WorkerInfo(id=wid, url=f"http://{wid}", engine="vllm", model="base", adapters=("fin", "law", "med"),
                         capacity=100, runtime_lora=True, max_loras=max_loras),
-        state="ready", load=Load(running=running, lora_active=active), id_hash=stable_hash(wid),
+        state="ready", load=Load(running=running, lora_slots=lora_slots), id_hash=stable_hash(wid),
     )
 
 
+NONE: frozenset[str] = frozenset()
 ADAPTER_CASES = [
-    # (what it shows, fleet, warm workers, full workers, expected first choice, reason)
-    ("an adapter goes where it is already in a slot",
-     (aw("a", ()), aw("b", ("fin",))), frozenset(), frozenset(), "b", "adapter-warm"),
-    ("recently routed here by this gateway counts as warm before the engine reports it",
-     (aw("a", ()), aw("b", ())), frozenset({"a"}), frozenset(), "a", "adapter-warm"),
-    ("a free slot beats evicting another adapter",
-     (aw("a", ("law", "med")), aw("b", ("law",))), frozenset(), frozenset(), "b", "adapter-resident"),
-    ("slots this gateway filled count as taken though the engine shows none in use",
-     (aw("a", ()), aw("b", ("law",))), frozenset(), frozenset({"a"}), "b", "adapter-resident"),
-    ("load still wins when the warm worker is far busier",
-     (aw("a", (), running=5), aw("b", ("fin",), running=95)), frozenset(), frozenset(), "a", "adapter-resident"),
+    # (what it shows, fleet, warm workers (the adapter is live there), full workers (every
+    # slot live with other adapters), expected first choice, reason)
+    ("a request goes where its adapter is live",
+     (aw("a"), aw("b")), frozenset({"b"}), NONE, "b", "adapter-warm"),
+    ("a new adapter goes to an engine with a free slot, however busier, never where every slot is taken",
+     (aw("a", running=5), aw("b", running=60)), NONE, frozenset({"a"}), "b", "adapter-free"),
+    ("with no free slot anywhere it waits for one on the least loaded engine, said so",
+     (aw("a", running=50), aw("b", running=10)), NONE, frozenset({"a", "b"}), "b", "adapter-slot-wait"),
+    ("a hot adapter gets an engine with a free slot once its home is lora_load_cost busier",
+     (aw("a", running=80), aw("b", running=10)), frozenset({"a"}), NONE, "b", "adapter-spill"),
+    ("a hot adapter stays home while the other engine is not clearly less busy",
+     (aw("a", running=40), aw("b", running=20)), frozenset({"a"}), NONE, "a", "adapter-warm"),
+    ("a hot adapter never spills onto an engine whose slots are all taken",
+     (aw("a", running=95), aw("b", running=0)), frozenset({"a"}), frozenset({"b"}), "a", "adapter-warm"),
+    ("live on an engine with more adapters than slots: a free slot elsewhere first",
+     (aw("a"), aw("b", running=30)), frozenset({"a"}), frozenset({"a"}), "b", "adapter-free"),
+    ("live on a crowded engine still beats waiting for a slot on another",
+     (aw("a", running=30), aw("b")), frozenset({"a"}), frozenset({"a", "b"}), "a", "adapter-crowded"),
+    ("engines whose adapters all fit their slots never make one wait: load decides",
+     (aw("a", running=50, max_loras=3), aw("b", running=5, max_loras=3)), frozenset({"a"}), NONE, "b",
+     "adapter-warm"),
+    ("the engine's reported slots count, not the registered 0 of an engine attached without flags",
+     (aw("a", running=50, max_loras=0, lora_slots=3), aw("b", running=5, max_loras=0, lora_slots=3)),
+     frozenset({"a"}), NONE, "b", "adapter-warm"),
 ]
 
 
@@ -463,6 +477,41 @@ ADAPTER_CASES = [
                          ids=[c[0] for c in ADAPTER_CASES])  # fmt: skip
 def test_adapter_placement_table(why: str, fleet: tuple[WorkerView, ...], warm: frozenset[str],
                                  full: frozenset[str], first_id: str, reason: str) -> None:  # fmt: skip
-    f = RequestFacts("fin", adapter=True, warm=warm, full=full)
+    f = RequestFacts("fin", adapter=True, warm=warm, full=full, affinity_key=stable_hash("adapter\0fin"),
+                     affinity_kind="adapter")
     choice = decide(Routes.build(fleet), f, {}, POLICY).choices[0]
     assert (choice.worker.id, choice.reason) == (first_id, reason)
+
+
+def test_adapter_ranking_lists_free_before_crowded_before_slot_waits() -> None:
+    """Retries walk the same order: live, free slot, crowded, slot wait."""
+    fleet = (aw("live"), aw("free"), aw("crowded"), aw("waits"))
+    f = RequestFacts("fin", adapter=True, warm=frozenset({"live", "crowded"}),
+                     full=frozenset({"crowded", "waits"}))
+    ranked = [(c.worker.id, c.reason) for c in decide(Routes.build(fleet), f, {}, POLICY, limit=4).choices]
+    assert ranked == [("live", "adapter-warm"), ("free", "adapter-free"), ("crowded", "adapter-crowded"),
+                      ("waits", "adapter-slot-wait")]
+
+
+@settings(max_examples=200, deadline=None)
+@given(busy=st.lists(st.integers(0, 100), min_size=2, max_size=6), name=st.text(min_size=1, max_size=8),
+       seqs=st.tuples(st.integers(0, 2**32), st.integers(0, 2**32)))
+def test_replicas_place_a_new_adapter_alike(busy: list[int], name: str, seqs: tuple[int, int]) -> None:
+    """Two replicas (their own request counters, hence their own jitter; workers listed in any
+    order) send an adapter that is live nowhere to the same engine: the least loaded band, then
+    the adapter's ring order."""
+    fleet = tuple(aw(f"w{i}", running=r) for i, r in enumerate(busy))
+    key = stable_hash(f"adapter\0{name}")
+    one, two = (
+        decide(Routes.build(order), RequestFacts("fin", adapter=True, affinity_key=key, seq=seq), {}, make_policy("fleet"))
+        .choices[0].worker.id
+        for order, seq in ((fleet, seqs[0]), (tuple(reversed(fleet)), seqs[1]))
+    )
+    assert one == two
+
+
+def test_slot_reads_the_engines_reported_lora_slots() -> None:
+    """Slot.max_loras is the engine's own report when it gives one, else the registered figure."""
+    assert Slot(aw("a", max_loras=0, lora_slots=8)).max_loras == 8
+    assert Slot(aw("a", max_loras=4)).max_loras == 4
+    assert Slot(aw("a", max_loras=0)).max_loras == 0 and not Slot(aw("a", max_loras=0)).adapters_fit

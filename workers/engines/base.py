@@ -118,6 +118,11 @@ class Engine(Protocol):
         self, client: httpx.AsyncClient, base_url: str, name: str, path: str
     ) -> None: ...
 
+    async def runtime_lora_enabled(self, client: httpx.AsyncClient, base_url: str) -> bool:
+        """Whether the running engine at `base_url` takes adapters at runtime (an engine
+        attached from outside may have been started without its adapter API)."""
+        ...
+
     async def unload_adapter(self, client: httpx.AsyncClient, base_url: str, name: str) -> None: ...
 
 

@@ -151,5 +151,8 @@ class LmdeployEngine:
     async def unload_adapter(self, client: httpx.AsyncClient, base_url: str, name: str) -> None:
         raise AdapterError(f"cannot unload {name!r}: LMDeploy's adapters are fixed at start", 501)
 
+    async def runtime_lora_enabled(self, client: httpx.AsyncClient, base_url: str) -> bool:
+        return False
+
 
 ENGINE = LmdeployEngine

@@ -30,6 +30,7 @@ from workers.engines.vllm import (
     parse_vllm_kv_cache,
     parse_vllm_metrics,
     parse_vllm_work,
+    runtime_lora_api,
     unload_lora,
 )
 from workers.speed import sim_profile
@@ -65,7 +66,8 @@ class SimEngine:
     health_path: ClassVar[str] = "/health"
     metrics_path: ClassVar[str | None] = "/metrics"
     # The `--option` names it reads (anything else is a typo: the agent refuses it).
-    options: ClassVar[frozenset[str]] = frozenset(_FLAGS) | {"profile", "faults", "max_loras", "enable_lora", "env"}
+    options: ClassVar[frozenset[str]] = frozenset(_FLAGS) | {
+        "profile", "faults", "max_loras", "max_cpu_loras", "enable_lora", "env"}
 
     def command(self, spec: EngineSpec) -> list[str]:
         argv = [
@@ -80,6 +82,8 @@ class SimEngine:
         ]  # fmt: skip
         if lora_enabled(spec):
             argv += ["--enable-lora", "--max-loras", str(self.max_loras(spec))]
+            if spec.options.get("max_cpu_loras"):
+                argv += ["--max-cpu-loras", str(spec.options["max_cpu_loras"])]
             if spec.adapters:
                 argv.append("--lora-modules")
                 argv.extend(f"{name}={path}" for name, path in spec.adapters.items())
@@ -124,6 +128,9 @@ class SimEngine:
 
     async def unload_adapter(self, client: httpx.AsyncClient, base_url: str, name: str) -> None:
         await unload_lora(client, base_url, name)
+
+    async def runtime_lora_enabled(self, client: httpx.AsyncClient, base_url: str) -> bool:
+        return await runtime_lora_api(client, base_url)  # LMDeploy's flavour has none: a plain 404
 
 
 ENGINE = SimEngine

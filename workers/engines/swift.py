@@ -153,5 +153,8 @@ class SwiftEngine:
     async def unload_adapter(self, client: httpx.AsyncClient, base_url: str, name: str) -> None:
         raise AdapterError(f"cannot unload {name!r}: swift's adapters are fixed at start", 501)
 
+    async def runtime_lora_enabled(self, client: httpx.AsyncClient, base_url: str) -> bool:
+        return False
+
 
 ENGINE = SwiftEngine

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import httpx
+import msgspec
 
 from fleetgate.schema import Load
 from workers.engines.base import (
@@ -59,8 +60,11 @@ LAUNCHER = Path(__file__).with_name("vllm_launcher.py")
 def parse_vllm_metrics(text: str) -> Load:
     """vLLM's load gauges, current names first, deprecated ones (older engines) second."""
     s = metric_samples(text)
-    return Load(
+    deferred = [v for labels, v in s.get("vllm:num_requests_waiting_by_reason", ())
+                if labels.get("reason") == "deferred"]
+    load = Load(
         running=int(total(s, "vllm:num_requests_running")),
+        deferred=int(sum(deferred)),
         waiting=int(total(s, "vllm:num_requests_waiting")),
         kv_cache_usage=peak(s, "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
         kv_measured="vllm:kv_cache_usage_perc" in s or "vllm:gpu_cache_usage_perc" in s,
@@ -69,8 +73,15 @@ def parse_vllm_metrics(text: str) -> Load:
         ),
         prefix_cache_hits=total(s, "vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
         preemptions=total(s, "vllm:num_preemptions_total"),
-        lora_active=_active_loras(s.get("vllm:lora_requests_info", [])),
     )
+    lora = lora_report(s.get("vllm:lora_requests_info", []))
+    if lora is not None:
+        slots, running, waiting = lora
+        load = msgspec.structs.replace(
+            load, lora_slots=slots, lora_running=running, lora_waiting=waiting,
+            lora_active=tuple(dict.fromkeys(running + waiting)),
+        )
+    return load
 
 
 def parse_vllm_work(text: str) -> EngineWork:
@@ -120,19 +131,20 @@ def _int(text: str | None) -> int:
         return 0
 
 
-def _active_loras(samples: list[tuple[Mapping[str, str], float]]) -> tuple[str, ...]:
-    """Adapters in the engine now: the newest lora_requests_info series (its value is a
-    timestamp; vLLM keeps every label set it ever exported)."""
+def lora_report(
+    samples: list[tuple[Mapping[str, str], float]],
+) -> tuple[int, tuple[str, ...], tuple[str, ...]] | None:
+    """(slots, running adapters, waiting adapters) from the newest lora_requests_info series
+    (its value is a timestamp; vLLM keeps every label set it ever exported); None without
+    one (LoRA off). vLLM 0.32 writes every adapter with a request into both lists."""
     if not samples:
-        return ()
+        return None
     labels, _ = max(samples, key=lambda sample: sample[1])
-    names = {
-        name
-        for key in ("running_lora_adapters", "waiting_lora_adapters")
-        for name in labels.get(key, "").split(",")
-        if name
-    }
-    return tuple(sorted(names))
+
+    def names(key: str) -> tuple[str, ...]:
+        return tuple(n for n in (part.strip() for part in labels.get(key, "").split(",")) if n)
+
+    return _int(labels.get("max_lora")), names("running_lora_adapters"), names("waiting_lora_adapters")
 
 
 async def load_lora(client: httpx.AsyncClient, base_url: str, name: str, path: str) -> None:
@@ -141,6 +153,23 @@ async def load_lora(client: httpx.AsyncClient, base_url: str, name: str, path: s
     )
     if resp.status_code != 200:
         raise AdapterError(f"loading adapter {name!r} failed: {resp.text[:300]}", resp.status_code)
+
+
+async def runtime_lora_api(client: httpx.AsyncClient, base_url: str) -> bool:
+    """Whether /v1/unload_lora_adapter exists: unloading a name nobody loaded answers vLLM's own
+    404 error when it does, and the web framework's `{"detail": "Not Found"}` when vLLM runs
+    without VLLM_ALLOW_RUNTIME_LORA_UPDATING (or without --enable-lora)."""
+    try:
+        resp = await client.post(f"{base_url}/v1/unload_lora_adapter",
+                                 json={"lora_name": "fleetgate-probe-no-such-adapter"}, timeout=5.0)
+    except httpx.HTTPError:
+        return False
+    if resp.status_code == 200:
+        return True
+    try:
+        return resp.json() != {"detail": "Not Found"}
+    except ValueError:
+        return False
 
 
 async def unload_lora(client: httpx.AsyncClient, base_url: str, name: str) -> None:
@@ -214,4 +243,9 @@ class VllmEngine:
 
     async def unload_adapter(self, client: httpx.AsyncClient, base_url: str, name: str) -> None:
         await unload_lora(client, base_url, name)
+
+    async def runtime_lora_enabled(self, client: httpx.AsyncClient, base_url: str) -> bool:
+        return await runtime_lora_api(client, base_url)
+
+
 ENGINE = VllmEngine

@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--enable-lora", action="store_true")
     p.add_argument("--max-loras", type=int, default=4)
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters held in host memory (as vLLM's; default: --max-loras)")
     p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[])
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -95,6 +97,7 @@ def config_from_args(argv: list[str] | None = None) -> SimConfig:
             block_size=args.block_size,
             enable_lora=args.enable_lora,
             max_loras=args.max_loras,
+            max_cpu_loras=args.max_cpu_loras,
             lora_modules=dict(args.lora_modules),
             time_scale=args.time_scale,
             seed=args.seed,

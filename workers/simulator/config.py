@@ -86,6 +86,8 @@ class SimConfig:
     block_size: int | None = None
     enable_lora: bool = False
     max_loras: int = 4
+    # vLLM's --max-cpu-loras: adapters held in host memory (None: as many as max_loras).
+    max_cpu_loras: int | None = None
     lora_modules: dict[str, str] = field(default_factory=dict)
     time_scale: float = 1.0
     seed: int = 0
@@ -111,6 +113,9 @@ class SimConfig:
             raise ValueError(f"unknown profile field(s) {sorted(unknown)}; known: {sorted(known)}")
         if self.lora_modules:
             self.enable_lora = True
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            # vLLM refuses to start so, too.
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if self.time_scale < 0:
             raise ValueError("time_scale must be >= 0")
         if self.runner == "auto":

@@ -45,6 +45,7 @@ class Simulator:
             max_loras=config.lora_slots,
             time_scale=config.time_scale,
             pinned_loras=pinned,
+            max_cpu_loras=config.max_cpu_loras or 0,
         )
         self.scheduler = Scheduler(limits, config.timing, self.metrics)
         self.scheduler.slowdown = config.faults.slow

@@ -169,39 +169,3 @@ class BlockPool:
                 else:
                     self._free.append(b)
 
-
-class LoraSlots:
-    """Adapters resident in the engine's `max_loras` slots, least recently used first.
-
-    `pinned` adapters are loaded at start and never leave (LMDeploy loads every adapter
-    it is started with into GPU memory at start-up); they take no slot from the others.
-    """
-
-    def __init__(self, max_loras: int, pinned: tuple[str, ...] = ()) -> None:
-        self.max_loras = max_loras
-        self.pinned = frozenset(pinned)
-        self._slots: OrderedDict[str, None] = OrderedDict()
-
-    @property
-    def resident(self) -> list[str]:
-        return sorted(self.pinned) + list(self._slots)
-
-    def acquire(self, name: str, busy: set[str]) -> bool | None:
-        """Take a slot for `name`: False if resident already, True if it had to be loaded
-        (evicting the least recently used adapter with no running request), None if every
-        slot is busy."""
-        if name in self.pinned:
-            return False
-        if name in self._slots:
-            self._slots.move_to_end(name)
-            return False
-        if len(self._slots) >= self.max_loras:
-            victim = next((a for a in self._slots if a not in busy), None)
-            if victim is None:
-                return None
-            del self._slots[victim]
-        self._slots[name] = None
-        return True
-
-    def drop(self, name: str) -> None:
-        self._slots.pop(name, None)

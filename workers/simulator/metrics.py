@@ -70,6 +70,11 @@ class _Base:
         self._lora_api_loads = self._counter(
             "fleetgate_sim:lora_api_loads", "Adapters added through /v1/load_lora_adapter"
         ).labels(**self._labels)
+        # Of the slot loads, those that read the adapter from disk (it was not among the
+        # max_cpu_loras adapters held in host memory).
+        self._lora_disk_loads = self._counter(
+            "fleetgate_sim:lora_disk_loads", "Adapter weights read from disk into host memory"
+        ).labels(**self._labels)
 
     def render(self, stats: StepStats) -> bytes:
         self.refresh(stats)
@@ -81,8 +86,10 @@ class _Base:
     def on_failed(self) -> None:
         self.failed += 1
 
-    def on_lora_loads(self, n: int) -> None:
+    def on_lora_loads(self, n: int, from_disk: int = 0) -> None:
         self._lora_loads.inc(n)
+        if from_disk:
+            self._lora_disk_loads.inc(from_disk)
 
     def on_lora_api_load(self) -> None:
         self._lora_api_loads.inc()
@@ -217,11 +224,12 @@ class VllmMetrics(_Base):
         self._waiting_deferred.set(stats.deferred)
         self._kv.set(stats.kv_cache_usage)
         if self._lora is not None:
-            # Like vLLM: one series per label set ever seen, the value a Unix timestamp.
+            # Like vLLM: one series per label set ever seen, the value a Unix timestamp; both
+            # adapter labels list every adapter with a request in the engine (vLLM 0.32 fills
+            # them from one per-adapter table, so they never differ).
+            names = ",".join(stats.lora_adapters)
             self._lora.labels(
-                max_lora=str(self._max_loras),
-                running_lora_adapters=",".join(stats.running_lora_adapters),
-                waiting_lora_adapters=",".join(stats.waiting_lora_adapters),
+                max_lora=str(self._max_loras), running_lora_adapters=names, waiting_lora_adapters=names,
             ).set(time.time())
 
     def on_admitted(self, seq: Seq, now: float) -> None:

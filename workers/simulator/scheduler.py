@@ -6,10 +6,13 @@ then, if nothing was preempted, waiting ones, FIFO, while there is room in max_n
 the step's token budget, the KV cache and the LoRA slots. A waiting sequence is admitted
 only when free blocks hold its whole uncached sequence (vLLM's default
 `scheduler_reserve_full_isl`), its prefix-cached blocks shared; the first that does not fit
-blocks those behind it. A running sequence takes a new block every block_size tokens; when
-none is free it preempts the most recently admitted running one (recompute: its blocks
-freed, back to the head of the queue, counted; its cached blocks may still hit when it is
-admitted again). Full blocks, prompt or generated, enter the prefix cache (kvcache.py).
+blocks those behind it. A waiting sequence whose adapter would make the running batch's
+distinct adapters exceed max_loras is skipped and the ones behind it go first, with no
+fairness (vLLM's rule): a rare adapter can wait as long as busy ones hold every slot
+(loras.py keeps the slots and the host-memory cache, `max_cpu_loras`). A running sequence
+takes a new block every block_size tokens; when none is free it preempts the most
+recently admitted running one (recompute: its blocks freed, back to the head of the queue,
+counted; its cached blocks may still hit when it is admitted again). Full blocks, prompt or generated, enter the prefix cache (kvcache.py).
 The step then "runs" for a time taken from the profile (times `slowdown`, the `slow`
 fault), and each sequence that caught up with its tokens samples one more, which its request handler streams at once. What the
 step changed (load, admissions, preemptions) is published when it ends (`StepStats`).
@@ -36,20 +39,25 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Any
 
-from workers.simulator.kvcache import BlockPool, LoraSlots
+from workers.simulator.kvcache import BlockPool
+from workers.simulator.loras import LoraCache, LoraRequests
 from workers.simulator.seqs import Event, Limits, SchedulerHooks, Seq, StepStats
 from workers.timing import Profile
 
 __all__ = ["Event", "Limits", "Scheduler", "SchedulerHooks", "Seq", "StepStats"]
 
+# Copying an adapter from host memory into a GPU slot, as a share of reading it from disk
+# (`lora_load_s`): vLLM's activation is a device copy of a few MB of weights.
+HOST_COPY_SHARE = 0.1
+
 
 @dataclass
 class _Plan:
     work: list[tuple[Seq, int]] = field(default_factory=list)
-    lora_loads: int = 0
+    lora_loads: int = 0  # adapters that entered a GPU slot
+    lora_disk_loads: int = 0  # of which read from disk (not in host memory)
     # Reported when the step ends, as vLLM's stats of the step are.
     admitted: list[Seq] = field(default_factory=list)
     preempted: int = 0
@@ -61,7 +69,8 @@ class Scheduler:
         self.profile = profile
         self.hooks = hooks
         self.pool = BlockPool(limits.num_gpu_blocks)
-        self.loras = LoraSlots(limits.max_loras, limits.pinned_loras)
+        self.loras = self._lora_cache()
+        self.lora_requests = LoraRequests()
         self.running: list[Seq] = []
         self.waiting: deque[Seq] = deque()
         self.preemptions = 0
@@ -79,6 +88,10 @@ class Scheduler:
         # Every step takes this many times its profile's time (the `slow` fault: a throttled
         # card, a neighbour on the same GPU); the engine's counters show it, the profile not.
         self.slowdown = 1.0
+
+    def _lora_cache(self) -> LoraCache:
+        lim = self.limits
+        return LoraCache(lim.max_loras, lim.max_cpu_loras, lim.pinned_loras)
 
     @staticmethod
     def _now() -> float:
@@ -115,6 +128,8 @@ class Scheduler:
                 self._enqueue(seq)
 
     def _enqueue(self, seq: Seq) -> None:
+        if seq.adapter:
+            self.lora_requests.add(seq.adapter)
         self.waiting.append(seq)
         self._late.add(seq)
         self._wake.set()
@@ -125,8 +140,10 @@ class Scheduler:
 
     def abort(self, seq: Seq) -> None:
         """The client went away: drop the sequence and free what it held."""
-        if seq in self.admitting:
+        counted = seq.adapter is not None and seq.status in ("waiting", "running")
+        if seq in self.admitting:  # still in the front-end: the engine never saw it
             self.admitting.discard(seq)
+            counted = False
         elif seq.status == "waiting":
             self.waiting.remove(seq)
             self._late.discard(seq)
@@ -135,18 +152,26 @@ class Scheduler:
             self.running.remove(seq)
             self.pool.release(seq.blocks)
             seq.blocks = []
+        if counted and seq.adapter:
+            self.lora_requests.remove(seq.adapter)
         if seq.status in ("waiting", "running"):
             seq.status = "aborted"
 
     def forget_adapter(self, name: str) -> None:
         self.loras.drop(name)
 
+    def adapter_loaded(self, name: str) -> None:
+        """A runtime load (/v1/load_lora_adapter): vLLM reads the weights into host memory
+        at once; a reload in place takes them afresh."""
+        self.loras.drop(name)
+        self.loras.register(name)
+
     def reset(self) -> None:
         """Forget the prefix cache, the LoRA slots and the step counters; only when idle."""
         if self.running or self.waiting or self.admitting:
             raise RuntimeError("the engine is busy")
         self.pool = BlockPool(self.limits.num_gpu_blocks)
-        self.loras = LoraSlots(self.limits.max_loras, self.limits.pinned_loras)
+        self.loras = self._lora_cache()
         self.preemptions = 0
         self.steps = 0
         self._publish()
@@ -161,6 +186,8 @@ class Scheduler:
             "preemptions": self.preemptions,
             "steps": self.steps,
             "loaded_loras": self.loras.resident,
+            "host_loras": self.loras.in_host,
+            "lora_adapters": list(self.lora_requests.names),
             "running_lora_adapters": sorted({s.adapter for s in self.running if s.adapter}),
             "waiting_lora_adapters": sorted({s.adapter for s in self.waiting if s.adapter}),
         }
@@ -198,7 +225,9 @@ class Scheduler:
         step = p.base_step_s + p.decode_per_seq_s * decoding + p.prefill_per_token_s * prefill
         if any(seq.adapter for seq, _ in plan.work):
             step *= p.lora_step_factor
-        return (step + p.lora_load_s * plan.lora_loads) * self.limits.time_scale
+        copies = plan.lora_loads - plan.lora_disk_loads
+        loading = p.lora_load_s * (plan.lora_disk_loads + HOST_COPY_SHARE * copies)
+        return (step + loading) * self.limits.time_scale
 
     def _blocks_needed(self, seq: Seq, n: int, held: int) -> int:
         return max(0, math.ceil((seq.num_computed + n) / self.limits.block_size) - held)
@@ -228,7 +257,7 @@ class Scheduler:
             budget = self._admit(plan, budget)
         self._late.clear()
         if plan.lora_loads:
-            self.hooks.on_lora_loads(plan.lora_loads)
+            self.hooks.on_lora_loads(plan.lora_loads, plan.lora_disk_loads)
         return plan
 
     def _admit(self, plan: _Plan, budget: int) -> int:
@@ -243,7 +272,9 @@ class Scheduler:
                     skipped.append(seq)
                     self.deferred.add(seq)
                     continue
-                plan.lora_loads += int(got)
+                if got != "resident":
+                    plan.lora_loads += 1
+                    plan.lora_disk_loads += got == "disk"
             # Full blocks only, and never the whole sequence: its last token is computed.
             hit = self.pool.lookup(seq.hashes, (seq.num_tokens - 1) // bs)
             seq.num_computed = len(hit) * bs
@@ -345,10 +376,7 @@ class Scheduler:
             waiting=queued,
             deferred=len(self.deferred),
             kv_cache_usage=self.pool.usage,
-            running_lora_adapters=tuple(sorted({s.adapter for s in self.running if s.adapter})),
-            waiting_lora_adapters=tuple(
-                sorted({s.adapter for s in islice(self.waiting, queued) if s.adapter})
-            ),
+            lora_adapters=self.lora_requests.names,
         )
 
     def _pooled(self, seq: Seq, now: float) -> None:
@@ -383,4 +411,6 @@ class Scheduler:
         self.pool.release(seq.blocks)
         seq.blocks = []
         seq.status = "finished"
+        if seq.adapter:
+            self.lora_requests.remove(seq.adapter)
         self.hooks.on_finished(seq, reason, now)

@@ -74,7 +74,9 @@ class SchedulerHooks(Protocol):
 
     def on_finished(self, seq: Seq, reason: str, now: float) -> None: ...
     def on_preempted(self) -> None: ...
-    def on_lora_loads(self, n: int) -> None: ...
+    def on_lora_loads(self, n: int, from_disk: int = 0) -> None:
+        """`n` adapters entered a GPU slot this step, `from_disk` of them read from disk."""
+        ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +89,8 @@ class Limits:
     time_scale: float
     # Adapters in GPU memory from start to end (LMDeploy's start-time adapters).
     pinned_loras: tuple[str, ...] = ()
+    # Adapters held in host memory (vLLM's --max-cpu-loras; 0: as many as max_loras).
+    max_cpu_loras: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,11 +99,12 @@ class StepStats:
     after that step's finished requests left and before the requests that arrived while it
     ran are queued (they join the waiting queue at the next step). /metrics shows these,
     never the live queues. `deferred`: waiting requests that the scheduler skipped
-    (LoRA slots), vLLM's num_requests_waiting_by_reason{reason="deferred"}."""
+    (LoRA slots), vLLM's num_requests_waiting_by_reason{reason="deferred"}.
+    `lora_adapters`: every adapter with a request in the engine, in the order they came in
+    (vLLM writes this list into both labels of lora_requests_info)."""
 
     running: int = 0
     waiting: int = 0
     deferred: int = 0
     kv_cache_usage: float = 0.0
-    running_lora_adapters: tuple[str, ...] = ()
-    waiting_lora_adapters: tuple[str, ...] = ()
+    lora_adapters: tuple[str, ...] = ()

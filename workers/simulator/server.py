@@ -177,7 +177,7 @@ async def load_lora(request: web.Request) -> web.Response:
     if not await asyncio.to_thread(os.path.exists, path):
         raise SimError(404, "not_found", f"Loading lora {name} failed: No adapter found for {path}")
     sim.adapters[name] = path
-    sim.scheduler.forget_adapter(name)  # a reload in place takes a fresh slot
+    sim.scheduler.adapter_loaded(name)  # into host memory; a reload in place takes a fresh slot
     sim.metrics.on_lora_api_load()
     return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
