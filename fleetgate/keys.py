@@ -43,6 +43,13 @@ Layout (``P`` is the key prefix, ``v1`` the schema version)::
                           LRU every gateway evicts by), PEXPIRE 1 h after the last write
     {P}:v1:lora_lock:<a>  STRING the gateway loading adapter <a> (one load of it at a time in the
                           fleet), PX the load's time limit
+    {P}:v1:kv:<id>        STREAM worker <id>'s prefix-cache index change by change, written by its
+                          agent from the engine's KV cache events (fleetgate/kv_registry.py):
+                          entry id "<gen>-<version>", fields a / d (chain keys added / removed),
+                          c (start from empty), s / r (state events|lost, reason), bs (block
+                          size); XADD MAXLEN ~ 1024, PEXPIRE 10 s refreshed by the agent
+    {P}:v1:kvsnap:<id>    STRING the whole index as of one entry (msgpack [gen, version, state,
+                          reason, block_size, keys]), rewritten every 256 entries, PEXPIRE as above
 
     {P}:v1:tenants:keys   HASH  API key id -> KeyRecord JSON (gateway/tenants.py: limits, team, the
                           SHA-256 of its secret, never the secret), written by the admin API
@@ -104,6 +111,8 @@ class Keys:
         self._lora = f"{base}:lora:"
         self._lora_used = f"{base}:lora_used:"
         self._lora_lock = f"{base}:lora_lock:"
+        self._kv = f"{base}:kv:"
+        self._kv_snapshot = f"{base}:kvsnap:"
         self.tenant_keys = f"{base}:tenants:keys"
         self.tenant_teams = f"{base}:tenants:teams"
         self.tenant_deleted = f"{base}:tenants:deleted"
@@ -144,6 +153,12 @@ class Keys:
 
     def lora_lock(self, adapter: str) -> str:
         return self._lora_lock + adapter
+
+    def kv(self, worker_id: str) -> str:
+        return self._kv + worker_id
+
+    def kv_snapshot(self, worker_id: str) -> str:
+        return self._kv_snapshot + worker_id
 
     def quota(self, scope: str, owner: str, what: str) -> str:
         """GCRA cell of key (scope "k") or team ("t") `owner`: requests ("r") or tokens ("t")."""

@@ -48,13 +48,11 @@ import msgspec
 import redis.asyncio as aioredis
 import structlog
 
-from fleetgate.keys import DEFAULT_PREFIX
+from fleetgate.keys import DEFAULT_PREFIX, Keys
 from fleetgate.kv_index import BlockIndex
-from fleetgate.schema import SCHEMA_VERSION
 
 __all__ = [
     "KvIndexWriter",
-    "KvKeys",
     "KvMirror",
     "WorkerKv",
     "pack_keys",
@@ -67,21 +65,6 @@ STREAM_MAXLEN = 1024
 SNAPSHOT_EVERY = 256
 DEFAULT_KV_TTL_S = 10.0
 READ_COUNT = 256
-
-
-class KvKeys:
-    """The two keys of a worker's index (to move into fleetgate/keys.py's Keys)."""
-
-    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
-        base = f"{{{prefix}}}:v{SCHEMA_VERSION}"
-        self._stream = f"{base}:kv:"
-        self._snapshot = f"{base}:kvsnap:"
-
-    def stream(self, worker_id: str) -> str:
-        return self._stream + worker_id
-
-    def snapshot(self, worker_id: str) -> str:
-        return self._snapshot + worker_id
 
 
 def pack_keys(keys: Iterable[int]) -> bytes:
@@ -130,9 +113,9 @@ class KvIndexWriter:
         self.index = index
         self.health = health
         self.ttl_ms = int(ttl_s * 1000)
-        keys = KvKeys(prefix)
-        self.stream_key = keys.stream(worker_id)
-        self.snapshot_key = keys.snapshot(worker_id)
+        keys = Keys(prefix)
+        self.stream_key = keys.kv(worker_id)
+        self.snapshot_key = keys.kv_snapshot(worker_id)
         self.gen = 0  # 0: start a generation at the next flush
         self.version = 0
         self._published: tuple[str, str, int] | None = None
@@ -263,7 +246,7 @@ class KvMirror:
     updated in place between decisions (the same event loop): no copy per refresh."""
 
     def __init__(self, prefix: str = DEFAULT_PREFIX, absent_retry_s: float = 1.0) -> None:
-        self.keys = KvKeys(prefix)
+        self.keys = Keys(prefix)
         self._workers: dict[str, WorkerKv] = {}
         self._absent_until: dict[str, float] = {}  # workers with no index: look again then
         self.absent_retry_s = absent_retry_s
@@ -307,10 +290,10 @@ class KvMirror:
         stale: list[str] = []
         if self._workers:
             streams = {
-                self.keys.stream(w): f"{wkv.gen}-{wkv.version}" for w, wkv in self._workers.items()
+                self.keys.kv(w): f"{wkv.gen}-{wkv.version}" for w, wkv in self._workers.items()
             }
             answer = await redis.xread(streams, count=READ_COUNT)  # type: ignore[arg-type]
-            by_key = {self.keys.stream(w): w for w in self._workers}
+            by_key = {self.keys.kv(w): w for w in self._workers}
             for stream, entries in _streams(answer):
                 worker = by_key[stream]
                 if not self._apply(self._workers[worker], entries):
@@ -341,7 +324,7 @@ class KvMirror:
         return True
 
     async def _load(self, redis: aioredis.Redis, workers: list[str], now: float) -> None:
-        raws = await redis.mget([self.keys.snapshot(w) for w in workers])
+        raws = await redis.mget([self.keys.kv_snapshot(w) for w in workers])
         for worker, raw in zip(workers, raws, strict=True):
             if raw is None:  # no index (an engine without events) or not written yet
                 self._workers.pop(worker, None)

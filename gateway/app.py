@@ -23,6 +23,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.response import Stream
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from fleetgate.kv_registry import KvMirror
 from fleetgate.registry import Registry, connect
 from gateway import ACCEL, front, gctune
 from gateway.adapters import AdapterPlacer
@@ -218,6 +219,12 @@ async def _close(part: str, close: Callable[[], Awaitable[object]], timeout_s: f
         log.warning("gateway.close_failed", part=part, error=repr(exc))
 
 
+async def _stop_task(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None) -> Litestar:
     """The gateway; `reload_seed` reads the config file again (on SIGHUP: gateway/tenancy.py)."""
 
@@ -272,11 +279,15 @@ def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None)
         proxy.routes = lambda: tenancy.store.routes.current
         priorities.key_class = _key_class(tenancy, priorities.key_class)
         exposed = open_data_plane(settings.host, (*settings.api_keys, *tenancy.store.directory.keys))
+        # Each worker's prefix-cache index, as its agent publishes it from the engine's KV cache
+        # events: read in the background, never on the request path.
+        kv_mirror = KvMirror(settings.redis_prefix)
         app.state["gw"] = Gateway(
             settings, registry, watcher, proxy, metrics,
             RateLimiter(registry, settings.rate_limit_rpm, settings.rate_limit_burst), tenancy,
-            (exposed,) if exposed else (),
+            (exposed,) if exposed else (), kv_mirror,
         )
+        kv_task = asyncio.create_task(kv_mirror.run(redis, lambda: watcher.snapshot.by_id.keys()), name="kv-mirror")
         with contextlib.suppress(Exception):  # Redis away at start: the placer's loop retries
             await placer.restore()  # before the first snapshot, which lists what it learnt
         await watcher.start()
@@ -293,6 +304,7 @@ def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None)
             yield
         finally:
             for part, close in (
+                ("kv_mirror", lambda: _stop_task(kv_task)),
                 ("placement", placement.stop), ("tenancy", tenancy.close), ("waits", proxy.waits.stop),
                 ("adapters", placer.close), ("lora_state", lora_state.stop), ("breakers", breakers.close),
                 ("inflight", inflight.stop), ("watcher", watcher.stop), ("upstream", upstream.close),

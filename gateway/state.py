@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from litestar.datastructures import State
 
+from fleetgate.kv_registry import KvMirror
 from fleetgate.registry import Registry
 from gateway.fleet import FleetWatcher
 from gateway.metrics import GatewayMetrics
@@ -30,6 +31,8 @@ class Gateway:
     tenancy: Tenancy
     # Said at start and on /health: what an operator must fix (an open data plane, say).
     warnings: tuple[str, ...] = ()
+    # Every worker's prefix-cache index from its engine's KV cache events (fleetgate/kv_registry.py).
+    kv_mirror: KvMirror | None = None
 
 
     @property

@@ -44,6 +44,7 @@ from fleetgate.schema import Load, WorkerInfo, WorkerState
 from workers.engine_process import EngineDied, EngineProcess
 from workers.engines import Engine
 from workers.engines.base import pooling
+from workers.kv_agent import AgentKvEvents
 from workers.options import AgentOptions
 from workers.probes import EngineProbe
 from workers.speed import card_speed, known_profile
@@ -75,6 +76,8 @@ class Agent:
         self.opts = options
         self.engine = engine
         self.process: EngineProcess | None = None
+        # The engine's KV cache events, subscribed and published to Redis (None: it has none).
+        self.kv_events: AgentKvEvents | None = None
         self.stopping = asyncio.Event()
         self.state: WorkerState = "starting"
         self.info: WorkerInfo | None = None
@@ -108,6 +111,10 @@ class Agent:
         try:
             if self.opts.managed:
                 spec = self.opts.spec
+                if self.engine.publishes_kv_events(spec):
+                    self.kv_events = AgentKvEvents(self.opts.worker_id)
+                    self.kv_events.start(redis, self.opts.redis_prefix)
+                    spec = msgspec.structs.replace(spec, kv_events_config=self.kv_events.engine_config())
                 env = {**os.environ, **self.engine.environment(spec)}
                 self.process = EngineProcess(self.engine.command(spec), env, self.opts.engine_log, self.log)
                 await self.process.start()
@@ -121,6 +128,8 @@ class Agent:
             await self._warm_up()
             self._start_speedometer()
             kv = await self.probe.kv_cache()
+            if self.kv_events is not None:
+                self.kv_events.note_block_size(kv.block_size)
             self.info = msgspec.structs.replace(
                 self.info, kv_tokens=kv.tokens, block_size=kv.block_size or self.info.block_size
             )
@@ -141,6 +150,8 @@ class Agent:
             self._report_rejected(str(exc))
             code = 1
         finally:
+            if self.kv_events is not None:
+                await self.kv_events.aclose()
             with contextlib.suppress(Exception):
                 await self.registry.deregister(self.opts.worker_id)
                 self.log.info("agent.deregistered")

@@ -14,6 +14,7 @@ import structlog
 from litestar import Request, Response, delete, get, post
 from litestar.datastructures import State
 
+from fleetgate.kv_registry import WorkerKv
 from fleetgate.schema import WorkerView
 from gateway.auth import check_admin
 from gateway.errors import InvalidRequest, NotFound
@@ -22,7 +23,15 @@ from gateway.state import Gateway, gw_of
 log = structlog.get_logger("gateway.app")
 
 
-def _worker_json(w: WorkerView, inflight: int) -> dict[str, object]:
+def _kv_json(kv: WorkerKv | None) -> dict[str, object] | None:
+    """The worker's prefix-cache index from its engine's KV cache events (None: it publishes
+    none): `events` while they can be trusted, `lost` with the reason while not."""
+    if kv is None:
+        return None
+    return {"state": kv.state, "reason": kv.reason, "blocks": len(kv.keys), "block_size": kv.block_size}
+
+
+def _worker_json(w: WorkerView, inflight: int, kv: WorkerKv | None = None) -> dict[str, object]:
     info = w.info
     return {
         "id": info.id,
@@ -62,6 +71,7 @@ def _worker_json(w: WorkerView, inflight: int) -> dict[str, object]:
             "deferred": w.load.deferred,
             "runtime_loading": info.runtime_lora,
         },
+        "kv_events": _kv_json(kv),
         "circuit": {"state": "open", "reason": w.circuit} if w.circuit else {"state": "closed"},
         "unhealthy": w.load.unhealthy,
         "last_heartbeat": w.last_heartbeat,
@@ -76,7 +86,8 @@ async def admin_workers(request: Request, state: State) -> Response:
     # Read Redis directly: operators want the registry's truth, not a second-old snapshot.
     workers = await gw.registry.read_all()
     inflight = gw.proxy.inflight
-    data = [_worker_json(w, inflight.get(w.id, 0)) for w in workers]
+    mirror = gw.kv_mirror
+    data = [_worker_json(w, inflight.get(w.id, 0), mirror.status(w.id) if mirror else None) for w in workers]
     # Adapter requests this gateway sent where every LoRA slot was taken by others, by adapter.
     waits = dict(sorted(gw.proxy.placer.slot_waits.items()))
     return Response(content=msgspec.json.encode({"data": data, "adapter_slot_waits": waits}),

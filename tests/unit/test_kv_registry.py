@@ -10,9 +10,10 @@ import pytest
 import redis.asyncio as aioredis
 
 from fleetgate.connection import connect
+from fleetgate.keys import Keys
 from fleetgate.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from fleetgate.kv_index import BlockIndex, chain_keys
-from fleetgate.kv_registry import KvIndexWriter, KvKeys, KvMirror
+from fleetgate.kv_registry import KvIndexWriter, KvMirror
 
 PROMPT = list(range(50, 66))
 KEYS = chain_keys(PROMPT, 4)
@@ -141,7 +142,7 @@ async def test_a_lost_snapshot_starts_a_new_generation(redis: aioredis.Redis, pr
     writer = KvIndexWriter(redis, "w1", index, Health(), prefix=prefix)
     store(index, 0, 1)
     await writer.flush()
-    await redis.delete(KvKeys(prefix).snapshot("w1"), KvKeys(prefix).stream("w1"))
+    await redis.delete(Keys(prefix).kv_snapshot("w1"), Keys(prefix).kv("w1"))
     store(index, 2, 2)
     await writer.flush()  # writes an entry, sees the snapshot gone
     await writer.flush()  # a new generation with the whole index

@@ -35,6 +35,9 @@ class EngineSpec(msgspec.Struct, kw_only=True):
     # Engine tuning from config/workers.yaml or flags, e.g. {"max_num_seqs": 256}.
     options: dict[str, Any] = msgspec.field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
+    # vLLM's --kv-events-config JSON, set by the agent for an engine that publishes KV cache
+    # events (workers/kv_agent.py); "" for none.
+    kv_events_config: str = ""
 
 
 class KvCache(msgspec.Struct, kw_only=True, frozen=True):
@@ -100,6 +103,12 @@ class Engine(Protocol):
         (True), or needs `continue_final_message: true, add_generation_prompt: false` to be
         (False: without them it starts a new reply after it). The gateway resumes cut streams
         by it."""
+        ...
+
+    def publishes_kv_events(self, spec: EngineSpec) -> bool:
+        """Whether the engine publishes vLLM's KV cache events when `spec.kv_events_config`
+        is set (it then passes it as `--kv-events-config`); engines that do not keep the
+        gateway's approximate placement."""
         ...
 
     def parse_metrics(self, text: str) -> Load:

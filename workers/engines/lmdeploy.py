@@ -132,6 +132,9 @@ class LmdeployEngine:
         # Every start-time adapter stays resident; there are no other slots.
         return len(spec.adapters)
 
+    def publishes_kv_events(self, spec: EngineSpec) -> bool:
+        return False
+
     def continues_trailing_assistant(self, spec: EngineSpec) -> bool:
         return True  # its chat template leaves a trailing assistant message open
 

@@ -89,8 +89,14 @@ class SimEngine:
                 argv.extend(f"{name}={path}" for name, path in spec.adapters.items())
         for fault in _faults(spec.options.get("faults")):
             argv += ["--fault", fault]
+        if spec.kv_events_config:
+            argv += ["--kv-events-config", spec.kv_events_config]
         argv.extend(spec.extra_args)
         return argv
+
+    def publishes_kv_events(self, spec: EngineSpec) -> bool:
+        # As the engine whose dialect it speaks: LMDeploy publishes none.
+        return spec.options.get("flavor", "vllm") != "lmdeploy"
 
     def environment(self, spec: EngineSpec) -> dict[str, str]:
         # As for real engines: the `env` option (e.g. VLLM_ENABLE_RESPONSES_API_STORE: 1).

@@ -132,6 +132,9 @@ class SwiftEngine:
     def max_loras(self, spec: EngineSpec) -> int:
         return len(spec.adapters)
 
+    def publishes_kv_events(self, spec: EngineSpec) -> bool:
+        return False
+
     def continues_trailing_assistant(self, spec: EngineSpec) -> bool:
         # Swift applies its own template whatever the backend, and continues the message.
         return True

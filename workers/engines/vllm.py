@@ -212,8 +212,13 @@ class VllmEngine:
             if spec.adapters:
                 argv.append("--lora-modules")
                 argv.extend(f"{name}={path}" for name, path in spec.adapters.items())
+        if spec.kv_events_config:
+            argv += ["--kv-events-config", spec.kv_events_config]
         argv.extend(spec.extra_args)
         return argv
+
+    def publishes_kv_events(self, spec: EngineSpec) -> bool:
+        return True
 
     def environment(self, spec: EngineSpec) -> dict[str, str]:
         return engine_environment(spec, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", VLLM_NO_USAGE_STATS="1")

@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("VLLM_ENABLE_RESPONSES_API_STORE", "0") not in ("", "0"),
         help="store /v1/responses results (default: vLLM's VLLM_ENABLE_RESPONSES_API_STORE)",
     )  # fmt: skip
+    p.add_argument(
+        "--kv-events-config", default=None, metavar="JSON",
+        help="as vLLM's: publish KV cache events over ZMQ, e.g. "
+        '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}',
+    )  # fmt: skip
     p.add_argument("--fault", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument(
         "--profile-param", action="append", default=[], metavar="FIELD=VALUE",
@@ -105,6 +110,7 @@ def config_from_args(argv: list[str] | None = None) -> SimConfig:
             responses_store=args.enable_responses_store,
             runner=args.runner,
             convert=args.convert,
+            kv_events_config=args.kv_events_config,
             faults=parse_fault_args(args.fault),
             profile_overrides=_profile_params(args.profile_param),
         )

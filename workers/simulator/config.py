@@ -100,6 +100,8 @@ class SimConfig:
     runner: RunnerOption = "auto"
     convert: ConvertOption = "auto"
     faults: Faults = field(default_factory=Faults)
+    # vLLM's --kv-events-config (JSON): publish KV cache events over ZMQ (kv_events.py).
+    kv_events_config: str | None = None
     # Profile fields replaced for this process (`--profile-param base_step_s=0.004`), e.g. a
     # profile fitted by scripts/calibrate_sim.py.
     profile_overrides: dict[str, float] = field(default_factory=dict)
@@ -118,6 +120,10 @@ class SimConfig:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if self.time_scale < 0:
             raise ValueError("time_scale must be >= 0")
+        if self.kv_events_config is not None:
+            from workers.simulator.kv_events import KvEventsConfig
+
+            KvEventsConfig.from_json(self.kv_events_config)  # raises ValueError
         if self.runner == "auto":
             self.runner = "pooling" if self.convert == "embed" else "generate"
         if self.runner == "pooling":

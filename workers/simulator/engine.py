@@ -17,6 +17,7 @@ from aiohttp import web
 from fleetgate.hashing import stable_hash
 from workers.simulator.config import SimConfig
 from workers.simulator.flavors import SimError, make_flavor
+from workers.simulator.kv_events import KvEventsConfig, SimKvPublisher
 from workers.simulator.kvcache import block_hashes
 from workers.simulator.pooling import Embeddings
 from workers.simulator.requests import Context, Prepared, Prompt
@@ -49,6 +50,12 @@ class Simulator:
         )
         self.scheduler = Scheduler(limits, config.timing, self.metrics)
         self.scheduler.slowdown = config.faults.slow
+        self.kv_events: SimKvPublisher | None = None
+        if config.kv_events_config is not None:
+            kv_config = KvEventsConfig.from_json(config.kv_events_config)
+            if kv_config.publishes:
+                self.kv_events = SimKvPublisher(kv_config)
+                self.scheduler.pool.events = self.kv_events
         self.adapters: dict[str, str] = dict(config.lora_modules)
         self.faults = config.faults
         self.context = Context(
@@ -68,6 +75,8 @@ class Simulator:
         self.created = int(time.time())
 
     async def lifespan(self, app: web.Application) -> AsyncIterator[None]:
+        if self.kv_events is not None:
+            self.kv_events.start()
         self._task = asyncio.create_task(self.scheduler.run(), name="sim-scheduler")
         self.arm_die_timer()
         try:
@@ -82,6 +91,8 @@ class Simulator:
         if self._die_timer:
             self._die_timer.cancel()
         await self.responses.aclose()
+        if self.kv_events is not None:
+            await self.kv_events.aclose()
 
     def arm_die_timer(self) -> None:
         if self._die_timer:

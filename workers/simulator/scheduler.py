@@ -170,7 +170,7 @@ class Scheduler:
         """Forget the prefix cache, the LoRA slots and the step counters; only when idle."""
         if self.running or self.waiting or self.admitting:
             raise RuntimeError("the engine is busy")
-        self.pool = BlockPool(self.limits.num_gpu_blocks)
+        self.pool.reset()  # keeps its event sink, which publishes AllBlocksCleared
         self.loras = self._lora_cache()
         self.preemptions = 0
         self.steps = 0
@@ -320,8 +320,8 @@ class Scheduler:
         while len(seq.hashes) < full:
             prev = seq.hashes[-1] if seq.hashes else 0
             seq.hashes.append(hash((prev, "generated", seq.id, len(seq.hashes))))
-        for j in range(seq.registered, full):
-            self.pool.register(seq.blocks[j], seq.hashes[j])
+        self.pool.cache_full_blocks(seq.blocks, seq.hashes, seq.registered, full, seq.prompt_ids,
+                                    self.limits.block_size, seq.adapter)  # fmt: skip
         seq.registered = max(seq.registered, full)
 
     def _preempt(self, seq: Seq, plan: _Plan) -> None:
