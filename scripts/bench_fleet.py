@@ -17,6 +17,10 @@
         --policies tenant_affinity,direct_round_robin,fleet --rate 32 --duration 60 --drain 25
     python scripts/bench_fleet.py --fleet config/bench/pressure3.yaml --workloads pressure \
         --policies tenant_affinity,direct_round_robin,fleet --rate 44 --duration 60 --drain 25
+    # issue 36: 16 LoRA adapters, Zipf 1.0, two engines of 8 slots (each engine's adapters
+    # printed beside every row; scripts/gpu_bench.sh lora-all runs it on vLLM)
+    python scripts/bench_fleet.py --fleet config/bench/lora.yaml --workloads lora \
+        --policies adapter_affinity,direct_round_robin,fleet --rate 16 --duration 35 --drain 25
 
 Brings up Redis (FLEETGATE_REDIS_URL, else 127.0.0.1:6379 if it answers, else an embedded
 one), the fleet from --fleet as real `python -m workers --engine sim` agents, and for each
@@ -43,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 from fleetgate_tools.bench import png  # noqa: E402
 from fleetgate_tools.bench.cluster import running  # noqa: E402
 from fleetgate_tools.bench.fleet import FleetSpec, load_fleet  # noqa: E402
+from fleetgate_tools.bench.lora import format_lora  # noqa: E402
 from fleetgate_tools.bench.progress import Progress  # noqa: E402
 from fleetgate_tools.bench.report import AFFINITY, format_ratios, format_routing, format_table  # noqa: E402
 from fleetgate_tools.bench.runner import (  # noqa: E402
@@ -135,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(result["runs"]))
     print()
     print(format_routing(result["runs"]))
+    lora = format_lora(result["runs"])
+    if lora:
+        print()
+        print(lora)
     for key, baseline in (("ratios", result["baseline"]), ("ratios_affinity", AFFINITY)):
         text = format_ratios(result.get(key) or [], baseline)
         if text:

@@ -19,6 +19,14 @@
 #   T0=$(date +%s) DEADLINE_S=540 OUT=$OUT bash scripts/gpu_bench.sh pressure-all  # call 3, carry .vl2 .whl
 #   T0=$(date +%s) DEADLINE_S=540 OUT=$OUT bash scripts/gpu_bench.sh pressure-all  # calls 4.., carry nothing
 #
+# Issue 36's LoRA benchmark (scripts/gpu_bench_lora.sh has the details: 16 rank-16 PEFT
+# adapters made on the machine, vLLM with --enable-lora --max-loras 8|4 --max-cpu-loras 16, two
+# or three engines attached `--engine external --url`, adapter_affinity / direct_round_robin /
+# fleet on the `lora` workload, 35 s a run; results-lora.md / .json) is run the same way,
+# resuming across calls (~3 calls of 9 min after calls 1 and 2):
+#   T0=$(date +%s) DEADLINE_S=540 OUT=$OUT bash scripts/gpu_bench.sh lora-all   # call 3, carry .vl2 .whl
+#   T0=$(date +%s) DEADLINE_S=540 OUT=$OUT bash scripts/gpu_bench.sh lora-all   # calls 4.., carry nothing
+#
 # Steps (each also runs alone, e.g. `gpu_bench.sh bench collect` in a later call while the
 # machine is still warm; engines, Redis and agents are started with setsid and survive):
 #   setup     verify + unpack the payloads, install the wheels, build the two models
@@ -41,6 +49,8 @@
 #             vLLM with the KV cut to 2106 blocks, `--engine external --url` agents (the
 #             capacity search first with P_RATE=auto)
 #   pcapacity the capacity search alone; pcollect: results-pressure.md/.json, logs-pressure.tgz
+#   lora-all  setup (once per machine), the adapters, then `lora` (every L_STRATEGIES strategy on
+#             every L_SHAPES shape), then `lcollect` (results-lora.md/.json, logs-lora.tgz)
 #
 # GPU_BENCH_ENGINE=sim runs the same logic on simulated engines (no GPU, no payloads): the
 # dry run of everything but the engines themselves. The simulator then runs standalone
@@ -555,16 +565,19 @@ stop() {
 
 # shellcheck source=scripts/gpu_bench_pressure.sh
 source "$ROOT/scripts/gpu_bench_pressure.sh"
+# shellcheck source=scripts/gpu_bench_lora.sh
+source "$ROOT/scripts/gpu_bench_lora.sh"
 
 [ $# -gt 0 ] || set -- all
 for step in "$@"; do
   case $step in
     all) setup; start; bench; lmdeploy_checks; collect ;;
-    setup|start|bench|summarise|lmdeploy_checks|collect|stop|pressure|pcollect) "$step" ;;
+    setup|start|bench|summarise|lmdeploy_checks|collect|stop|pressure|pcollect|lora|lcollect) "$step" ;;
     pressure-all) pressure_all ;;
+    lora-all) lora_all ;;
     pcapacity) mkdir -p "$P_DIR"; p_fleet_yaml; p_redis && p_capacity ;;
     vllm) start_vllm ;;  # the engines alone (after a failed start: agents already wait for them)
     lmdeploy) lmdeploy_checks ;;
-    *) echo "unknown step $step (all|setup|start|bench|lmdeploy|collect|stop|pressure-all|pressure|pcapacity|pcollect)" >&2; exit 2 ;;
+    *) echo "unknown step $step (all|setup|start|bench|lmdeploy|collect|stop|pressure-all|pressure|pcapacity|pcollect|lora-all|lora|lcollect)" >&2; exit 2 ;;
   esac
 done

@@ -29,6 +29,8 @@ import httpx
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
+from fleetgate_tools.bench.lora import LoraInfo, LoraSample, parse_lora_info
+
 # Counter -> the sample names that carry it, first found wins.
 COUNTERS: Mapping[str, tuple[str, ...]] = {
     "prefix_hits": ("vllm:prefix_cache_hits_total", "lmdeploy:cached_tokens_total"),
@@ -200,11 +202,13 @@ Sample = tuple[float, dict[str, dict[str, float]]]
 
 
 class LoadSampler:
-    """Reads every engine's gauges every `interval_s` until stopped (`async with`)."""
+    """Reads every engine's gauges every `interval_s` until stopped (`async with`); where an
+    engine exports `vllm:lora_requests_info`, its adapter state too (`lora_samples`)."""
 
     def __init__(self, client: httpx.AsyncClient, workers: Sequence[WorkerRef], interval_s: float = 0.5) -> None:
         self.client, self.workers, self.interval_s = client, list(workers), interval_s
         self.samples: list[Sample] = []
+        self.lora_samples: list[LoraSample] = []
         self._task: asyncio.Task[None] | None = None
         self._t0 = 0.0
 
@@ -219,18 +223,23 @@ class LoadSampler:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    async def _one(self, w: WorkerRef) -> tuple[str, dict[str, float]]:
+    async def _one(self, w: WorkerRef) -> tuple[str, dict[str, float], LoraInfo | None]:
         try:
             resp = await self.client.get(w.url + "/metrics", timeout=2)
-            return w.id, parse_gauges(resp.text) if resp.status_code == 200 else {}
         except httpx.HTTPError:
-            return w.id, {}
+            return w.id, {}, None
+        if resp.status_code != 200:
+            return w.id, {}, None
+        return w.id, parse_gauges(resp.text), parse_lora_info(resp.text)
 
     async def _run(self) -> None:
         while True:
             t = time.perf_counter() - self._t0
-            got = dict(await asyncio.gather(*(self._one(w) for w in self.workers)))
-            self.samples.append((round(t, 3), {k: v for k, v in got.items() if v}))
+            got = await asyncio.gather(*(self._one(w) for w in self.workers))
+            self.samples.append((round(t, 3), {wid: g for wid, g, _ in got if g}))
+            loras = {wid: info for wid, _, info in got if info is not None}
+            if loras:
+                self.lora_samples.append((round(t, 3), loras))
             await asyncio.sleep(max(0.0, self.interval_s - (time.perf_counter() - self._t0 - t)))
 
 

@@ -29,6 +29,7 @@ from fleetgate_tools.bench.cluster import Cluster
 from fleetgate_tools.bench.fleet import FleetSpec, capacity
 from fleetgate_tools.bench.floor import Host, adapter_load_floor
 from fleetgate_tools.bench.loadgen import run_requests
+from fleetgate_tools.bench.lora import lora_stats
 from fleetgate_tools.bench.progress import Progress
 from fleetgate_tools.bench.report import AFFINITY, ratios, round_robin_baseline, summarise
 from fleetgate_tools.bench.search import find_capacity
@@ -147,7 +148,7 @@ async def measure(
             )  # fmt: skip
         after = await engines.scrape(client, workers)
     window = max((r.at for r in requests), default=None)
-    load = engines.load_stats(sampler.samples, window)
+    load = engines.load_stats(sampler.samples, window) | lora_stats(sampler.lora_samples)
     return outcomes, wall, engines.deltas(before, after), not_reset, load
 
 

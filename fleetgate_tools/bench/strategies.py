@@ -10,6 +10,10 @@ strategy picks.
   ordered by id. A request without a tenant tag is pinned by a hash of its first message
   (the system prompt), so other workloads still get a fixed home per prefix.
 * `direct_round_robin`: the engines in turn, in arrival order, with no gateway's overhead.
+* `adapter_affinity`: issue 36's simple LoRA client: the adapter named `<prefix><k>` (the
+  `lora` workload's a0..a15) goes to worker k % N, the workers ordered by id; a model name
+  without a trailing number by a hash of it. Each engine then sees a fixed 1/N of the
+  adapters, however many slots it has.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from fleetgate_tools.bench.workloads import BenchRequest
 # A route: the engine a request goes to.
 Route = Callable[[BenchRequest], WorkerRef]
 
-CLIENT_STRATEGIES = ("tenant_affinity", "direct_round_robin")
+CLIENT_STRATEGIES = ("tenant_affinity", "direct_round_robin", "adapter_affinity")
 _TENANT = re.compile(r"tenant-(\d+)")
+_INDEX = re.compile(r".*?(\d+)")
 
 
 def tenant_of(tag: str) -> int | None:
@@ -56,6 +61,19 @@ def tenant_affinity(workers: Sequence[WorkerRef]) -> Route:
     return route
 
 
+def adapter_index(model: str) -> int:
+    """The number an adapter's name ends with (a7 -> 7); a hash of the name without one."""
+    m = _INDEX.fullmatch(model)
+    return int(m[1]) if m else zlib.crc32(model.encode())
+
+
+def adapter_affinity(workers: Sequence[WorkerRef]) -> Route:
+    pool = routable(workers)
+    if not pool:
+        raise ValueError("adapter_affinity: no ready worker")
+    return lambda req: pool[adapter_index(req.model) % len(pool)]
+
+
 def direct_round_robin(workers: Sequence[WorkerRef]) -> Route:
     pool = routable(workers)
     if not pool:
@@ -67,6 +85,7 @@ def direct_round_robin(workers: Sequence[WorkerRef]) -> Route:
 _FACTORIES: dict[str, Callable[[Sequence[WorkerRef]], Route]] = {
     "tenant_affinity": tenant_affinity,
     "direct_round_robin": direct_round_robin,
+    "adapter_affinity": adapter_affinity,
 }
 
 

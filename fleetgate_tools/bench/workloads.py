@@ -2,7 +2,7 @@
 
 A workload is two independent streams drawn from one seed:
 
-* contents (`prefix`, `adapters`, `mixed`, `pressure`, `skew`, `pressure_long`): an endless,
+* contents (`prefix`, `adapters`, `mixed`, `pressure`, `skew`, `pressure_long`, `lora`): an endless,
   deterministic sequence of chat requests (model, messages, max_tokens, session, tag, and
   how the answer ends);
 * arrivals: a bursty Poisson process (a Markov-modulated one: bursts at `burst` times the
@@ -227,6 +227,10 @@ def tenant_contents(rng: random.Random, fleet: FleetFacts, p: dict[str, Any]) ->
     tokens) are issue 14's KV-pressure workload: the prefixes fill ~70% of a 33.7k-token
     cache, so they fit two such workers but not one.
 
+    `zipf` > 0 gives tenant t a share of the traffic proportional to 1/(t+1)^zipf instead
+    (issue 36's `lora`: Zipf 1.0), and `adapter_prefix` makes tenant t call the LoRA adapter
+    `<prefix><t>` instead of the base model (tenant t's adapter is then "a{t}").
+
     `answer_tokens` > 0 (issue 31's `pressure_long`: max_tokens 4096, answers of 64) makes
     the requests declare far more than they use, as real clients do: no ignore_eos, and the
     answer ends after `answer_tokens` tokens by `answer_end`:
@@ -251,14 +255,18 @@ def tenant_contents(rng: random.Random, fleet: FleetFacts, p: dict[str, Any]) ->
     user_tokens = int(p.get("user_tokens", 65))
     max_tokens = int(p.get("max_tokens", 64))
     hot = float(p.get("hot_share", 0.0))
-    if n < 1 or not 0.0 <= hot < 1.0:
-        raise ValueError("tenant workloads need tenants >= 1 and 0 <= hot_share < 1")
+    zipf = float(p.get("zipf", 0.0))
+    adapter = p.get("adapter_prefix")
+    if n < 1 or not 0.0 <= hot < 1.0 or zipf < 0 or (hot and zipf):
+        raise ValueError("tenant workloads need tenants >= 1, 0 <= hot_share < 1, zipf >= 0, not both")
     answer = answer_shape(p, max_tokens)
     prompts = [
         f"[tenant {i}] " + words(random.Random(rng.random()), sys_tokens) for i in range(n)
     ]
     if hot and n > 1:
         weights = [hot] + [(1 - hot) / (n - 1)] * (n - 1)
+    elif zipf:
+        weights = zipf_weights(n, zipf)
     else:
         weights = [1 / n] * n
     cumulative = list(itertools.accumulate(weights))
@@ -269,7 +277,8 @@ def tenant_contents(rng: random.Random, fleet: FleetFacts, p: dict[str, Any]) ->
         head = f"question {k}: "
         question = head + words(rng, max(1, user_tokens - len(head) // BYTES_PER_TOKEN))
         messages = [{"role": "system", "content": prompts[t]}, {"role": "user", "content": question}]
-        yield Draft(model=fleet.model, messages=messages, max_tokens=max_tokens, tag=f"tenant-{t}", **answer)
+        model = f"{adapter}{t}" if adapter else fleet.model
+        yield Draft(model=model, messages=messages, max_tokens=max_tokens, tag=f"tenant-{t}", **answer)
 
 
 ANSWER_ENDS = ("client", "engine")
@@ -312,12 +321,14 @@ WORKLOADS: dict[str, ContentGen] = {
     # answer ends after ~64 tokens (a gateway that holds max_tokens of KV per request
     # counts 64x what the engines use).
     "pressure_long": _with_defaults(tenant_contents, hot_share=0.0, max_tokens=4096, answer_tokens=64),
+    # Issue 36: 16 tenants, tenant t calls LoRA adapter a{t}, Zipf(1.0) popularity.
+    "lora": _with_defaults(tenant_contents, hot_share=0.0, zipf=1.0, adapter_prefix="a"),
 }
 # What `scripts/bench_fleet.py` runs when no --workloads are given: the tenant workloads
 # are sized for their own fleets (config/bench/pressure.yaml, ample.yaml).
 DEFAULT_WORKLOADS = ("prefix", "adapters", "mixed")
 # Workloads whose arrivals are plain Poisson unless their params say `arrivals: bursty`.
-POISSON_WORKLOADS = frozenset({"pressure", "skew", "pressure_long"})
+POISSON_WORKLOADS = frozenset({"pressure", "skew", "pressure_long", "lora"})
 
 
 def contents(
