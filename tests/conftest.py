@@ -7,6 +7,7 @@ own database, so a running demo fleet is never touched.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -64,6 +65,17 @@ def wait_until(predicate: Callable[[], object], timeout: float = 10.0, interval:
             return last
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout} s (last value: {last!r})")
+
+
+async def until(predicate: Callable[[], object], within_s: float = 30.0, interval_s: float = 0.01) -> float:
+    """Await `predicate` from inside the event loop (its background tasks go on meanwhile);
+    the seconds it took. Fails the test after `within_s`."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > within_s:
+            raise AssertionError(f"not within {within_s} s")
+        await asyncio.sleep(interval_s)
+    return time.monotonic() - start
 
 
 @pytest.fixture(scope="session")

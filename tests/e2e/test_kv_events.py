@@ -8,14 +8,13 @@ import contextlib
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from fleetgate.connection import connect
 from fleetgate.kv_index import BlockIndex, chain_keys
 from fleetgate.kv_registry import KvIndexWriter, KvMirror
 from fleetgate.net import free_port
-from tests.conftest import ROOT
+from tests.conftest import ROOT, until
 from workers.kv_events import KvEventSubscriber
 
 BS = 16
@@ -79,14 +78,6 @@ class Engine:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
 
-
-async def until(predicate: Callable[[], object], within_s: float = 15.0) -> float:
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > within_s:
-            raise AssertionError(f"not within {within_s} s")
-        await asyncio.sleep(0.01)
-    return time.monotonic() - start
 
 
 @contextlib.asynccontextmanager

@@ -14,17 +14,9 @@ import httpx
 from fleetgate.kv_index import chain_keys
 from fleetgate.kv_registry import KvMirror
 from fleetgate.registry import Registry, connect
-from tests.conftest import Fleet, children
+from tests.conftest import Fleet, children, until
 
 MODEL = "kv-model"
-
-async def until(predicate: Callable[[], object], within_s: float = 30.0) -> float:
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > within_s:
-            raise AssertionError(f"not within {within_s} s")
-        await asyncio.sleep(0.02)
-    return time.monotonic() - start
 
 
 async def test_an_agent_publishes_its_engines_cache_and_says_when_it_is_lost(

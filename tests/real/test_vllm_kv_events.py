@@ -7,8 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
@@ -18,7 +17,7 @@ import zmq.asyncio
 from fleetgate.kv_events import decode_batch, encode_batch, parse_replay_reply, replay_request
 from fleetgate.kv_index import chain_keys
 from fleetgate.net import free_port
-from tests.conftest import Proc, wait_until
+from tests.conftest import Proc, until, wait_until
 from tests.real.test_vllm_e2e import TINY, VLLM_PYTHON, _require_setup
 from workers.engines.base import EngineSpec
 from workers.engines.vllm import VllmEngine
@@ -73,14 +72,6 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     finally:
         proc.stop()
 
-
-async def until(predicate: Callable[[], object], within_s: float = 30.0) -> float:
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > within_s:
-            raise AssertionError(f"not within {within_s} s")
-        await asyncio.sleep(0.02)
-    return time.monotonic() - start
 
 
 @contextlib.asynccontextmanager

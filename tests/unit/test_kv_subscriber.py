@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 import zmq
@@ -23,6 +23,7 @@ from fleetgate.kv_events import (
 )
 from fleetgate.kv_index import chain_keys
 from fleetgate.net import free_port
+from tests.conftest import until
 from workers.kv_events import KvEventSubscriber
 
 TOPIC = b"kv"
@@ -87,15 +88,6 @@ def block(n: int, parent: int | None = None) -> BlockStored:
 
 KEYS = chain_keys(list(range(24)), 4)
 
-
-async def until(predicate: Callable[[], object], within_s: float = 10.0) -> float:
-    """Wait for `predicate`; seconds it took."""
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > within_s:
-            raise AssertionError(f"not within {within_s} s")
-        await asyncio.sleep(0.01)
-    return time.monotonic() - start
 
 
 @pytest.fixture
