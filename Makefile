@@ -54,7 +54,7 @@ stop:
 	$(PY) scripts/demo.py stop
 
 test: venv vllm swift helm
-	FLEETGATE_REQUIRE_VLLM=1 FLEETGATE_REQUIRE_SWIFT=1 FLEETGATE_REQUIRE_HELM=1 $(PY) -m pytest -q
+	FLEETGATE_REQUIRE_VLLM=1 FLEETGATE_REQUIRE_SWIFT=1 FLEETGATE_REQUIRE_HELM=1 $(PY) -m pytest -q --durations=40
 
 # The fast in-process unit tests (tests/unit/); tests/e2e/ runs real processes,
 # tests/real/ real engines, and `make test` runs all three.
