@@ -28,19 +28,6 @@ def digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def check_api_key(digests: frozenset[bytes], authorization: str) -> str:
-    """Check an `Authorization` header against the configured keys (none configured: open).
-
-    Returns a key id for logs (a digest prefix, never the key)."""
-    if not digests:
-        return ""
-    scheme, _, token = authorization.partition(" ")
-    key_digest = digest(token.strip() if scheme.lower() == "bearer" else "")
-    if key_digest not in digests:
-        raise Unauthorized("Missing or invalid API key: send `Authorization: Bearer <key>`.")
-    return key_digest[:4].hex()
-
-
 def is_loopback(host: str) -> bool:
     """127.0.0.0/8, ::1 or localhost; a host name may resolve to anything, so it is not."""
     if host.lower() == "localhost":

@@ -233,10 +233,3 @@ class Directory:
             self._accepted[authorization] = tenant
         return tenant
 
-
-def decode_keys(rows: Mapping[bytes, bytes]) -> list[KeyRecord]:
-    return [msgspec.json.decode(v, type=KeyRecord) for v in rows.values()]
-
-
-def decode_teams(rows: Mapping[bytes, bytes]) -> list[TeamRecord]:
-    return [msgspec.json.decode(v, type=TeamRecord) for v in rows.values()]
