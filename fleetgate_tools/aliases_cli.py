@@ -17,8 +17,9 @@ from urllib.parse import quote
 import typer
 from rich.table import Table
 
+from fleetgate_tools.admin_client import call as _call
+from fleetgate_tools.admin_client import fail as _fail
 from fleetgate_tools.cli_options import DEFAULT_URL, Gateway, Token, out
-from fleetgate_tools.tenants_cli import _call, _fail
 
 aliases_app = typer.Typer(help="Model aliases: a public name over weighted models.", no_args_is_help=True)
 fallbacks_app = typer.Typer(help="Fallbacks: the models a request goes to when its own cannot serve it.",

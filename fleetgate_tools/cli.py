@@ -24,13 +24,14 @@ import time
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
-import httpx
 import typer
 from rich.table import Table
 
+from fleetgate_tools.admin_client import Admin, CliError
+from fleetgate_tools.admin_client import fail as _fail
 from fleetgate_tools.aliases_cli import aliases_app, fallbacks_app
 from fleetgate_tools.autoscale_cli import autoscale
-from fleetgate_tools.cli_options import DEFAULT_URL, Gateway, Token, err, out
+from fleetgate_tools.cli_options import DEFAULT_URL, Gateway, Token, out
 from fleetgate_tools.tenants_cli import keys_app, teams_app, usage
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,82 +42,6 @@ app = typer.Typer(
 )
 
 WorkerId = Annotated[str, typer.Argument(help="Worker id, as `fleetgate status` shows it.")]
-
-
-class CliError(Exception):
-    """A failure the operator can act on; its message is the whole report."""
-
-
-def _fail(message: str) -> NoReturn:
-    err.print(f"[bold red]fleetgate:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(1)
-
-
-class Admin:
-    """The gateway's admin API; every transport or HTTP failure becomes one CliError."""
-
-    def __init__(self, url: str, token: str, timeout: float = 10.0) -> None:
-        self.url = url.rstrip("/")
-        self.token = token
-        self.timeout = timeout
-
-    def call(self, method: str, path: str, body: Any = None) -> Any:
-        if not self.token:
-            raise CliError("no admin token: set FLEETGATE_ADMIN_TOKEN or pass --token.")
-        resp = self._send(method, path, {"authorization": f"Bearer {self.token}"}, body)
-        if resp.status_code == 401:
-            raise CliError(
-                f"the gateway at {self.url} refused the admin token: check --token / "
-                "FLEETGATE_ADMIN_TOKEN (it must equal the gateway's FLEETGATE_ADMIN_TOKEN)."
-            )
-        if resp.status_code >= 500:
-            raise CliError(self._server_trouble(method, path, resp))
-        if resp.status_code >= 400:
-            raise CliError(f"{method} {path}: {_error_message(resp)}")
-        try:
-            return resp.json()
-        except ValueError:
-            raise CliError(
-                f"{self.url} answered {method} {path} with something other than JSON: "
-                "is --gateway the fleetgate gateway?"
-            ) from None
-
-    def _send(self, method: str, path: str, headers: dict[str, str], body: Any = None) -> httpx.Response:
-        url = self.url + path
-        try:
-            return httpx.request(method, url, headers=headers, json=body, timeout=self.timeout)
-        except httpx.TimeoutException:
-            raise CliError(
-                f"the gateway at {url} did not answer within {self.timeout:g} s: is it overloaded "
-                "or stuck? check its logs."
-            ) from None
-        except (httpx.TransportError, httpx.InvalidURL) as exc:
-            reason = str(exc) or type(exc).__name__
-            raise CliError(
-                f"cannot reach the gateway at {url} ({reason}): is it running? check --gateway / "
-                "FLEETGATE_URL."
-            ) from None
-
-    def _server_trouble(self, method: str, path: str, resp: httpx.Response) -> str:
-        """A 5xx from an admin call: Redis is the usual cause, and /health says so."""
-        try:
-            health = self._send("GET", "/health", {}).json()
-        except (CliError, ValueError):
-            health = {}
-        if health.get("status") == "degraded":
-            return (
-                f"the gateway at {self.url} cannot reach its Redis registry "
-                f"({health.get('registry_error', 'unknown error')}): check that Redis runs and the "
-                "gateway's --redis-url / FLEETGATE_REDIS_URL."
-            )
-        return f"{method} {path} failed on the gateway ({_error_message(resp)}): check the gateway's logs."
-
-
-def _error_message(resp: httpx.Response) -> str:
-    try:
-        return str(resp.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return f"HTTP {resp.status_code}"
 
 
 def _admin(gateway: str, token: str) -> Admin:

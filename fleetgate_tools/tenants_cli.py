@@ -10,13 +10,15 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 from urllib.parse import urlencode
 
 import typer
 from rich.table import Table
 
-from fleetgate_tools.cli_options import DEFAULT_URL, Gateway, Token, err, out
+from fleetgate_tools.admin_client import call as _call
+from fleetgate_tools.admin_client import fail as _fail
+from fleetgate_tools.cli_options import DEFAULT_URL, Gateway, Token, out
 
 keys_app = typer.Typer(help="API keys and their limits (docs/tenants.md).", no_args_is_help=True)
 teams_app = typer.Typer(help="Teams: limits their keys share.", no_args_is_help=True)
@@ -26,20 +28,6 @@ Tpm = Annotated[float, typer.Option(help="Tokens per minute, input + output (0: 
 Budget = Annotated[int, typer.Option(help="Token budget per --period (0: none).")]
 Period = Annotated[str, typer.Option(help="day (UTC) or total.")]
 Burst = Annotated[float, typer.Option(help="Seconds of the per-minute limit that may come at once.")]
-
-
-def _fail(message: str) -> NoReturn:
-    err.print(f"[bold red]fleetgate:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(1)
-
-
-def _call(gateway: str, token: str, method: str, path: str, body: Any = None) -> Any:
-    from fleetgate_tools.cli import Admin, CliError
-
-    try:
-        return Admin(gateway, token).call(method, path, body)
-    except CliError as exc:
-        _fail(str(exc))
 
 
 def _limits(rpm: float, tpm: float, budget: int, period: str, burst_s: float) -> dict[str, Any]:

@@ -157,6 +157,12 @@ class Attempt:
         if self.facts.adapter:
             self.dispatch.placer.finished(worker_id, self.facts.model)
 
+    def candidates(self) -> list[str]:
+        """The model's routable workers not tried before the newest attempt (for its trace)."""
+        routes = self.dispatch.watcher.snapshot.routes.by_model.get(self.facts.model)
+        before = self.tried[:-1]  # `tried` already holds the newest attempt's worker
+        return [s.id for s in routes.routable if s.id not in before] if routes is not None else self.tried[-1:]
+
     def first_byte_timeout(self) -> float:
         s = self.dispatch.settings
         return s.first_byte_timeout_s + s.first_byte_per_1k_tokens_s * self.facts.prompt_tokens / 1000
@@ -191,7 +197,7 @@ class Attempt:
         self.count += 1
         self.hold(worker.id)
         url = worker.info.url + self.path
-        headers = self.trace.attempt(self.headers, self, choice, url)
+        headers = self.trace.attempt(self.headers, choice, url, dispatch.policy.name, self.candidates)
         try:
             # One wait for the first byte: a stream's head, or a whole answer's head and body.
             with dispatch.waits.waiting(worker.id):

@@ -18,11 +18,10 @@ passed down; the SDK's global provider is never set.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gateway.attempts import Attempt
     from gateway.routing import Choice
     from gateway.settings import GatewaySettings
 
@@ -50,8 +49,12 @@ class RequestTrace:
     def described(self, model: str, stream: bool) -> None:
         """The request's body was read: what it asks for."""
 
-    def attempt(self, headers: Mapping[str, str], attempt: Attempt, choice: Choice, url: str) -> Mapping[str, str]:
-        """An upstream request starts on `choice`: the headers to send it with."""
+    def attempt(
+        self, headers: Mapping[str, str], choice: Choice, url: str, policy: str,
+        candidates: Callable[[], Sequence[str]],
+    ) -> Mapping[str, str]:
+        """An upstream request starts on `choice`, decided by `policy` among `candidates()`
+        (the model's routable workers not tried yet): the headers to send it with."""
         return headers
 
     def attempt_status(self, status: int) -> None:

@@ -8,7 +8,7 @@ request span to each attempt span explicitly, never through the ambient context.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from opentelemetry.sdk.resources import Resource
@@ -20,7 +20,6 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from gateway.tracing import Header, RequestTrace, Tracing, client_trace_headers
 
 if TYPE_CHECKING:
-    from gateway.attempts import Attempt
     from gateway.routing import Choice
 
 _PROPAGATOR = TraceContextTextMapPropagator()  # stateless: W3C traceparent / tracestate
@@ -79,25 +78,25 @@ class SpanTrace(RequestTrace):
     def described(self, model: str, stream: bool) -> None:
         self._attrs.update({"fleetgate.model": model, "fleetgate.stream": stream})
 
-    def attempt(self, headers: Mapping[str, str], attempt: Attempt, choice: Choice, url: str) -> Mapping[str, str]:
+    def attempt(
+        self, headers: Mapping[str, str], choice: Choice, url: str, policy: str,
+        candidates: Callable[[], Sequence[str]],
+    ) -> Mapping[str, str]:
         self.attempt_end()  # one left open (an engine's context refusal, retried elsewhere)
         self._attempts += 1
         worker = choice.worker.id
-        dispatch = attempt.dispatch
-        routes = dispatch.watcher.snapshot.routes.by_model.get(attempt.facts.model)
-        before = attempt.tried[:-1]  # `tried` already holds this attempt's worker
-        candidates = [s.id for s in routes.routable if s.id not in before] if routes is not None else [worker]
-        route = {"fleetgate.route.policy": dispatch.policy.name, "fleetgate.route.reason": choice.reason,
+        among = list(candidates())
+        route = {"fleetgate.route.policy": policy, "fleetgate.route.reason": choice.reason,
                  "fleetgate.route.worker": worker}
         self._attrs.update(route)
         if self._attempts == 1:  # the first decision saw the whole fleet for this model
-            self._attrs.update({"fleetgate.route.candidates": candidates,
-                                "fleetgate.route.candidate_count": len(candidates)})
+            self._attrs.update({"fleetgate.route.candidates": among,
+                                "fleetgate.route.candidate_count": len(among)})
         self._attempt = span = self._tracing.tracer.start_span(
             "fleetgate.attempt", context=set_span_in_context(self.span), kind=SpanKind.CLIENT,
             attributes={**route, "fleetgate.attempt": self._attempts, "fleetgate.worker.id": worker,
                         "url.full": url, "http.request.method": "POST",
-                        "fleetgate.route.candidate_count": len(candidates)},
+                        "fleetgate.route.candidate_count": len(among)},
         )
         out = {k: v for k, v in headers.items() if k not in ("traceparent", "tracestate")}
         _PROPAGATOR.inject(out, context=set_span_in_context(span))

@@ -22,13 +22,10 @@ TRACEPARENT = f"00-{TRACE_ID}-{PARENT}-01"
 HEADERS = {"content-type": "application/json", "x-request-id": "r1"}
 
 
-def _attempt(tried: list[str]) -> Any:
-    """What the attempt hook reads of an Attempt: the model's routable workers, the policy, `tried`."""
-    routable = tuple(SimpleNamespace(id=w) for w in ("w1", "w2", "w3"))
-    routes = SimpleNamespace(by_model={"m": SimpleNamespace(routable=routable)})
-    dispatch = SimpleNamespace(watcher=SimpleNamespace(snapshot=SimpleNamespace(routes=routes)),
-                               policy=SimpleNamespace(name="fleet"))
-    return SimpleNamespace(dispatch=dispatch, facts=SimpleNamespace(model="m"), tried=tried)
+def _candidates(tried: list[str]) -> tuple[str, Callable[[], list[str]]]:
+    """The policy and the candidates an Attempt hands the hook (its model's workers not tried
+    before this attempt's)."""
+    return "fleet", lambda: [w for w in ("w1", "w2", "w3") if w not in tried[:-1]]
 
 
 def _choice(worker: str, reason: str = "least-load") -> Any:
@@ -53,7 +50,7 @@ def test_off_records_nothing_and_forwards_the_clients_trace_headers_unchanged() 
     trace = off.start(_read({"traceparent": TRACEPARENT, "tracestate": "a=1"}), "/v1/completions", "r1")
     assert trace.forward == {"traceparent": TRACEPARENT, "tracestate": "a=1"}
     headers = {**HEADERS, **trace.forward}
-    assert trace.attempt(headers, _attempt(["w1"]), _choice("w1"), "http://w1/v1/completions") is headers
+    assert trace.attempt(headers, _choice("w1"), "http://w1/v1/completions", *_candidates(["w1"])) is headers
     assert build_tracing(load_settings(None, environ={}), "gw-1").enabled is False
 
 
@@ -68,11 +65,11 @@ def test_on_the_request_span_is_the_clients_child_and_each_attempt_is_forwarded(
     assert trace.forward == {}
     trace.described("m", True)
     base = {**HEADERS, **trace.forward}
-    first = trace.attempt(base, _attempt(["w1"]), _choice("w1", "prefix-hit"), "http://w1/v1/chat/completions")
+    first = trace.attempt(base, _choice("w1", "prefix-hit"), "http://w1/v1/chat/completions", *_candidates(["w1"]))
     trace.attempt_status(503)
     trace.attempt_end("engine w1 answered 503")
     trace.retry(2, "engine w1 answered 503")
-    second = trace.attempt(base, _attempt(["w1", "w2"]), _choice("w2"), "http://w2/v1/chat/completions")
+    second = trace.attempt(base, _choice("w2"), "http://w2/v1/chat/completions", *_candidates(["w1", "w2"]))
     trace.attempt_status(200)
     trace.end(200, "completed")
     trace.end(200, "completed")  # a second end (stream and proxy both) is ignored
@@ -114,7 +111,7 @@ def test_a_gateway_error_and_a_broken_stream_mark_the_request_span() -> None:
     tracing.start(_read({}), "/v1/completions", "a").end(503, error="no_worker_available")
     tracing.start(_read({}), "/v1/completions", "b").end(404, error="model_not_found")
     broken = tracing.start(_read({}), "/v1/completions", "c")
-    broken.attempt(HEADERS, _attempt(["w1"]), _choice("w1"), "http://w1/v1/completions")
+    broken.attempt(HEADERS, _choice("w1"), "http://w1/v1/completions", *_candidates(["w1"]))
     broken.stream_broke("w1", "stalled")
     broken.end(200, "broken:stalled")
     by_id = {(s.attributes or {}).get("fleetgate.request_id"): s for s in exporter.get_finished_spans()}
