@@ -61,7 +61,7 @@ from gateway.settings import GatewaySettings
 from gateway.state import Gateway, gw_of
 from gateway.tenancy import ReloadSeed, Tenancy, open_tenancy
 from gateway.tokenizers import Tokenizers
-from gateway.tracing import build_tracing
+from gateway.tracing import Tracing
 from gateway.ui import HANDLERS as UI_HANDLERS
 from gateway.upstream import Upstream
 
@@ -217,6 +217,20 @@ async def _close(part: str, close: Callable[[], Awaitable[object]], timeout_s: f
         log.warning("gateway.close_timed_out", part=part, timeout_s=timeout_s)
     except Exception as exc:
         log.warning("gateway.close_failed", part=part, error=repr(exc))
+
+
+def build_tracing(settings: GatewaySettings, instance_id: str) -> Tracing:
+    """The gateway's tracing: off, or the SDK exporting to `settings.tracing_endpoint`."""
+    if not settings.tracing_endpoint:
+        return Tracing()
+    try:
+        from gateway.tracing_otel import OtelTracing
+    except ImportError as exc:  # the SDK is an extra
+        raise RuntimeError(
+            "tracing_endpoint is set but the OpenTelemetry SDK is not installed: "
+            "pip install 'fleetgate[tracing]'"
+        ) from exc
+    return OtelTracing.exporting(settings.tracing_endpoint, settings.tracing_service, instance_id)
 
 
 async def _stop_task(task: asyncio.Task[None]) -> None:

@@ -2,7 +2,7 @@
 
 Off by default (`tracing_endpoint` empty). Off, a request gets a `RequestTrace` whose hooks do
 nothing; it only carries the client's W3C `traceparent` / `tracestate` so that the engine
-still sees the client's trace (forwarded unchanged). On, `build_tracing` makes the
+still sees the client's trace (forwarded unchanged). On, `gateway.app.build_tracing` makes the
 OpenTelemetry SDK's tracer (gateway/tracing_otel.py, imported only then: the SDK is the
 optional `tracing` extra) and every request gets a recording trace:
 
@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gateway.routing import Choice
-    from gateway.settings import GatewaySettings
 
 Header = Callable[[str], str | None]
 
@@ -92,18 +91,4 @@ class Tracing:
         """Flush what is not exported yet, and stop exporting."""
 
 
-def build_tracing(settings: GatewaySettings, instance_id: str) -> Tracing:
-    """The gateway's tracing: off, or the SDK exporting to `settings.tracing_endpoint`."""
-    if not settings.tracing_endpoint:
-        return Tracing()
-    try:
-        from gateway.tracing_otel import OtelTracing
-    except ImportError as exc:  # the SDK is an extra
-        raise RuntimeError(
-            "tracing_endpoint is set but the OpenTelemetry SDK is not installed: "
-            "pip install 'fleetgate[tracing]'"
-        ) from exc
-    return OtelTracing.exporting(settings.tracing_endpoint, settings.tracing_service, instance_id)
-
-
-__all__ = ["NO_TRACE", "RequestTrace", "Tracing", "build_tracing", "client_trace_headers"]
+__all__ = ["NO_TRACE", "RequestTrace", "Tracing", "client_trace_headers"]

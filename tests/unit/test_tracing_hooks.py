@@ -12,8 +12,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
+from gateway.app import build_tracing
 from gateway.settings import load_settings
-from gateway.tracing import NO_TRACE, Tracing, build_tracing
+from gateway.tracing import NO_TRACE, Tracing
 from gateway.tracing_otel import OtelTracing
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
