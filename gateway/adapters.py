@@ -14,8 +14,8 @@ routes to the new placement. Adapters an operator adds through the admin API are
 Redis: every replica, and a gateway that restarts, can place them.
 
 Routing reads `residency`: where an adapter is live (by every gateway's requests in flight
-and the engines' own reports), and where every LoRA slot is taken by others
-(gateway/lora_state.py). A request sent where its adapter finds every slot busy waits in the
+and the engines' own reports), and where every LoRA slot is taken by others, or where a second
+copy of it would take the slot of an adapter still in demand (gateway/lora_state.py). A request sent where its adapter finds every slot busy waits in the
 engine for one; each is counted (`slot_waits`, fleetgate_adapter_slot_waits_total) and
 logged, never hidden.
 """
@@ -109,8 +109,8 @@ class AdapterPlacer:
 
     def residency(self, model: str, recent_s: float = 30.0) -> tuple[frozenset[str], frozenset[str]]:
         """(workers where `model` is live, or was last sent within `recent_s` with a slot still
-        free; workers to keep it from: no slot for it, or fewer free than another), for routing
-        (gateway/lora_state.residency)."""
+        free; workers to keep it from: no slot for it, fewer free than another, or no slot to
+        spare in the fleet for another copy of it), for routing (gateway/lora_state.residency)."""
         routes = self.watcher.snapshot.routes.by_model.get(model)
         if routes is None:
             return frozenset(), frozenset()

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import structlog
 
@@ -24,6 +24,9 @@ from fleetgate.registry import Registry
 from gateway.routing.table import Slot
 
 log = structlog.get_logger("gateway.lora_state")
+
+# An engine reporting this share of its KV cache in use is overloaded (as FleetOptions.kv_high).
+_KV_FULL = 0.9
 
 
 class LoraState:
@@ -39,6 +42,9 @@ class LoraState:
         self.used: dict[tuple[str, str], float] = {}
         self._unpublished: dict[tuple[str, str], float] = {}
         self._remote_at = 0.0
+        # Unix time it began watching: until `recent_s` later it cannot tell which adapters
+        # are in demand (fleet_spare).
+        self.watching_since = time.time()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -164,8 +170,19 @@ def residency(
     crowded) and no engine has one free and unheld (then idle adapters make room). Of the
     engines with free slots, only those with the most count as not full: new adapters spread
     over the fleet's slots, leaving each engine room for a passing extra one.
+
+    The fleet's slots are one budget (`fleet_spare`): the adapters live on each engine, and
+    those that ran within `recent_s` and are live nowhere now (they come back, and need a
+    slot), against the slots of all the engines. An adapter live where it has room takes
+    another engine only when the budget has a slot to spare beyond all of those: otherwise
+    every other engine is full for it (a second copy of a hot adapter would leave a cold one
+    without a slot, waiting), unless its engines report themselves overloaded (`_overloaded`:
+    they queue it anyway). An adapter live on several engines while the budget is short goes
+    to one of them (`_primary`) unless that one is overloaded: the others' copies drain and
+    give their slots back.
     A worker with unknown slots, or whose adapters all fit its slots, is never full.
     """
+    slots = list(slots)
     live_by = state.live()
     last_used = state.last_used
     ran: dict[str, set[str]] = {}  # worker -> adapters sent there within hold_s
@@ -173,19 +190,23 @@ def residency(
     for (w, a), at in state.used.items():
         if at >= since:
             ran.setdefault(w, set()).add(a)
+    lives = {slot.id: live_adapters(slot, live_by.get(slot.id, ()), last_used) for slot in slots}
+    spare = fleet_spare(slots, lives, state, now, recent_s)
     warm: list[str] = []
     full: list[str] = []
+    crowded: list[str] = []  # warm, and its engine has more adapters than slots
     held_only: list[str] = []  # a free slot only by taking one an idle adapter holds
     room: dict[str, float] = {}  # free slots that no idle adapter holds (inf: unknown)
     recent: list[tuple[float, str]] = []
     for slot in slots:
         wid = slot.id
-        live = live_adapters(slot, live_by.get(wid, ()), last_used)
+        live = lives[wid]
         limit = 0 if slot.adapters_fit else slot.max_loras
         if model in live:
             warm.append(wid)
             if limit and len(live) > limit:
                 full.append(wid)
+                crowded.append(wid)
             continue
         if limit and len(live) >= limit:
             full.append(wid)
@@ -209,7 +230,57 @@ def residency(
     if room:
         most = max(room.values())
         full.extend(w for w, free in room.items() if free < most and w not in warm)
+    by_id = {s.id: s for s in slots}
+    homes = [w for w in warm if w not in full]
+    if spare < 1 and homes and not all(_overloaded(by_id[w]) for w in homes):
+        # Live with room: another engine only with a slot to spare in the whole fleet.
+        full.extend(s.id for s in slots if s.id not in warm)
+    if spare < 0 and len(warm) > 1:
+        keep = _primary(warm, crowded, model, state)
+        if not _overloaded(by_id[keep]):
+            full.extend(w for w in warm if w != keep)
+            warm = [keep]
     return frozenset(warm), frozenset(full)
+
+
+def fleet_spare(
+    slots: Sequence[Slot], lives: Mapping[str, set[str]], state: LoraState, now: float, recent_s: float = 30.0,
+) -> float:
+    """The fleet's LoRA slots left over: the engines' slots, less the adapters live on each and
+    the adapters that ran on one of them within `recent_s` and are live nowhere now (they are
+    still in demand); before the gateway has watched for `recent_s` it cannot tell which are
+    in demand, so it counts every adapter the engines serve (infinite where an engine's
+    slots are unknown or hold all its adapters: no budget to keep)."""
+    total = 0
+    placed = 0
+    live_anywhere: set[str] = set()
+    for slot in slots:
+        if slot.adapters_fit or not slot.max_loras:
+            return math.inf
+        total += slot.max_loras
+        live = lives.get(slot.id, set())
+        placed += len(live)
+        live_anywhere |= live
+    ids = {slot.id for slot in slots}
+    if now - state.watching_since < recent_s:
+        wanted = {a for slot in slots for a in slot.view.info.adapters}
+    else:
+        cut = now - recent_s
+        wanted = {a for (w, a), at in state.used.items() if at >= cut and w in ids}
+    return total - placed - len(wanted - live_anywhere)
+
+
+def _overloaded(slot: Slot) -> bool:
+    """Its last report shows it at its sequence slots or its KV cache nearly full: a hot adapter
+    there is worth a second engine even at the cost of a slot wait (the engine queues anyway)."""
+    return slot.running >= slot.capacity or slot.kv >= _KV_FULL
+
+
+def _primary(warm: Sequence[str], crowded: Sequence[str], model: str, state: LoraState) -> str:
+    """Where an adapter live on several engines stays while the fleet is short of slots: one
+    with room for it if any, then where it has the most requests in flight (the other copies
+    drain first), then the smallest id, so replicas agree."""
+    return min(warm, key=lambda w: (w in crowded, -state.in_flight(w, model), w))
 
 
 def slot_wait(slot: Slot, model: str, state: LoraState) -> int:
@@ -224,4 +295,4 @@ def slot_wait(slot: Slot, model: str, state: LoraState) -> int:
     return len(live) if model not in live and len(live) >= limit else 0
 
 
-__all__ = ["LoraState", "live_adapters", "residency", "slot_wait"]
+__all__ = ["LoraState", "fleet_spare", "live_adapters", "residency", "slot_wait"]

@@ -21,10 +21,15 @@
    engine is given a set of adapters whose live requests fit its slots. A request goes where
    its adapter is live (the gateways' requests in flight, the engines' own reports); a hot
    one gets another engine with a free slot when its own is `lora_load_cost` busier (or
-   saturated); an adapter live nowhere goes back where it last ran while a slot is free
-   there, else to an engine with a free slot; only when none has one, to an engine whose
-   slots are all live with others (a slot wait, counted by the placer). Among equals (within
-   a small band of load) the adapter's ring order decides, so replicas choose alike.
+   saturated), and only while the fleet's slots have one to spare beyond every adapter in
+   demand (else a cold adapter would come back to no slot); an adapter live on several
+   engines while the fleet is short of slots goes to one of them, so the other copies drain.
+   An adapter live nowhere goes back where it last ran while a slot is free there, else to an
+   engine with a free slot; only when none has one, to an engine whose slots are all live
+   with others (a slot wait, counted by the placer), the one with the fewest adapters in
+   demand by its report. The facts (`warm`, `full`) come from
+   gateway/lora_state.py `residency`. Among equals (within a small band of load) the
+   adapter's ring order decides, so replicas choose alike.
 """
 
 from __future__ import annotations
@@ -188,11 +193,22 @@ class FleetPolicy:
         elif crowded := self._band_pick(groups[_CROWDED], rank):
             pick, reason = crowded, "adapter-crowded"
         else:
-            pick, reason = self._band_pick(groups[_SLOT_WAIT], rank) or min(scored), "adapter-slot-wait"
+            pick, reason = self._wait_pick(groups[_SLOT_WAIT], rank) or min(scored), "adapter-slot-wait"
         if limit == 1:
             return [Choice(pick[2], reason)]
         rest = [(g, x[0], x[1], x[2]) for g, group in enumerate(groups) for x in group if x[1] != pick[1]]
         return [Choice(pick[2], reason), *(Choice(x[3], _REASONS[x[0]]) for x in best(rest, limit - 1))]
+
+    def _wait_pick(
+        self, group: list[tuple[float, str, Slot]], rank: Mapping[str, int],
+    ) -> tuple[float, str, Slot] | None:
+        """Where an adapter waits for a slot: among the engines with the fewest adapters in demand
+        by their reports (the fewest ahead of it for a slot, and it keeps the adapters spread
+        evenly over the engines' slots), the least loaded band, then ring order."""
+        if len(group) < 2:
+            return group[0] if group else None
+        fewest = min(len(x[2].lora_active) for x in group)
+        return self._band_pick([x for x in group if len(x[2].lora_active) == fewest], rank)
 
     def _band_pick(
         self, group: list[tuple[float, str, Slot]], rank: Mapping[str, int],

@@ -4,13 +4,14 @@ engines' own reports and when each adapter was last sent where."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
 
 from fleetgate.hashing import stable_hash
 from fleetgate.schema import Load, WorkerInfo, WorkerView
-from gateway.lora_state import LoraState, residency, slot_wait
+from gateway.lora_state import LoraState, fleet_spare, live_adapters, residency, slot_wait
 from gateway.routing.table import Slot
 
 NOW = time.time()
@@ -18,17 +19,19 @@ ADAPTERS = ("fin", "law", "med", "tax")
 
 
 def slot(wid: str, slots: int = 2, active: tuple[str, ...] = (), report_at: float = NOW - 1.0,
-         registered: int = 0, adapters: tuple[str, ...] = ADAPTERS) -> Slot:
+         registered: int = 0, adapters: tuple[str, ...] = ADAPTERS, running: int = 0, kv: float = 0.0) -> Slot:
     return Slot(WorkerView(
         info=WorkerInfo(id=wid, url=f"http://{wid}", engine="external:vllm", model="base", adapters=adapters,
-                        runtime_lora=True, max_loras=registered),
-        state="ready", load=Load(lora_slots=slots, lora_active=active, ts=report_at), id_hash=stable_hash(wid),
+                        runtime_lora=True, max_loras=registered, capacity=64),
+        state="ready", load=Load(lora_slots=slots, lora_active=active, ts=report_at, running=running,
+                                 kv_cache_usage=kv), id_hash=stable_hash(wid),
     ))
 
 
 def state(inflight: dict[tuple[str, str], int] | None = None, remote: dict[tuple[str, str], int] | None = None,
-          used: dict[tuple[str, str], float] | None = None) -> LoraState:
+          used: dict[tuple[str, str], float] | None = None, watching_s: float = 60.0) -> LoraState:
     s = LoraState(None, "gw-test")  # type: ignore[arg-type]  # no Redis: only its local account is read
+    s.watching_since = NOW - watching_s  # past its warm-up (30 s) by default
     s.local.update(inflight or {})
     s.remote.update(remote or {})
     s.used.update(used or {})
@@ -67,12 +70,64 @@ CASES = [
      [slot("a", slots=0, registered=2)], state({("a", "law"): 1, ("a", "med"): 1}), set(), {"a"}),
     ("an engine whose adapters all fit its slots: never full",
      [slot("a", slots=2, adapters=("fin", "law"))], state({("a", "law"): 1, ("a", "med"): 1}), set(), set()),
+    # The fleet's slots as one budget: live adapters, and those that ran within recent_s.
+    ("live with room, no slot to spare in the fleet (one that ran lately needs it): no other engine",
+     [slot("a"), slot("b")],
+     state({("a", "fin"): 3, ("a", "law"): 1, ("b", "med"): 1}, used={("b", "tax"): NOW - 20}), {"a"}, {"b"}),
+    ("... unless its engine reports itself overloaded (KV cache nearly full): it queues there anyway",
+     [slot("a", kv=0.95), slot("b")],
+     state({("a", "fin"): 3, ("a", "law"): 1, ("b", "med"): 1}, used={("b", "tax"): NOW - 20}), {"a"}, set()),
+    ("... or at its sequence slots",
+     [slot("a", running=64), slot("b")],
+     state({("a", "fin"): 3, ("a", "law"): 1, ("b", "med"): 1}, used={("b", "tax"): NOW - 20}), {"a"}, set()),
+    ("... with a slot to spare, a hot adapter may take another engine",
+     [slot("a"), slot("b")], state({("a", "fin"): 3, ("a", "law"): 1, ("b", "med"): 1}), {"a"}, set()),
+    ("... watching for less than recent_s: every adapter the engines serve counts as in demand",
+     [slot("a"), slot("b")], state({("a", "fin"): 3, ("a", "law"): 1, ("b", "med"): 1}, watching_s=5), {"a"}, {"b"}),
+    ("live on two engines while the fleet is short: one keeps it (most in flight), the other is full",
+     [slot("a"), slot("b")],
+     state({("a", "fin"): 2, ("a", "law"): 1, ("b", "fin"): 1, ("b", "med"): 1}, used={("a", "tax"): NOW - 20}),
+     {"a"}, {"b"}),
+    ("... one where it has room before one with more adapters than slots",
+     [slot("a"), slot("b")],
+     state({("a", "fin"): 3, ("a", "law"): 1, ("a", "med"): 1, ("b", "fin"): 1, ("b", "tax"): 1}), {"b"}, {"a"}),
+    ("... both crowded: the one with the most in flight (the other copy drains first)",
+     [slot("a"), slot("b")],
+     state({("a", "fin"): 1, ("a", "law"): 1, ("a", "med"): 1, ("b", "fin"): 3, ("b", "tax"): 1, ("b", "law"): 1}),
+     {"b"}, {"a", "b"}),
+    ("... both stay warm while the one it would keep reports itself overloaded",
+     [slot("a", kv=0.95), slot("b")],
+     state({("a", "fin"): 2, ("a", "law"): 1, ("b", "fin"): 1, ("b", "med"): 1}, used={("a", "tax"): NOW - 20}),
+     {"a", "b"}, set()),
+    ("live on two engines with the fleet's slots enough for every copy: both stay warm",
+     [slot("a", slots=3), slot("b", slots=3)],
+     state({("a", "fin"): 2, ("a", "law"): 1, ("b", "fin"): 1, ("b", "med"): 1}), {"a", "b"}, set()),
 ]
 
 
 @pytest.mark.parametrize(("why", "slots", "st", "warm", "full"), CASES, ids=[c[0] for c in CASES])
 def test_residency_table(why: str, slots: list[Slot], st: LoraState, warm: set[str], full: set[str]) -> None:
     assert residency(slots, "fin", st, NOW) == (frozenset(warm), frozenset(full))
+
+
+@pytest.mark.parametrize(
+    ("why", "slots", "st", "spare"),
+    [
+        ("the slots, less the adapters live on each engine (a copy on each counts twice)",
+         [slot("a", slots=3), slot("b", slots=3)], state({("a", "fin"): 1, ("a", "law"): 1, ("b", "fin"): 1}), 3),
+        ("... and less those that ran within recent_s and are live nowhere now",
+         [slot("a", slots=3), slot("b", slots=3)],
+         state({("a", "fin"): 1}, used={("b", "law"): NOW - 20, ("a", "med"): NOW - 40}), 4),
+        ("... every adapter the engines serve while the gateway has watched for less than recent_s",
+         [slot("a", slots=3), slot("b", slots=3)], state({("a", "fin"): 1}, watching_s=5), 2),
+        ("an engine with unknown slots: no budget", [slot("a", slots=0), slot("b")], state(), math.inf),
+        ("an engine whose adapters all fit its slots: no budget",
+         [slot("a", adapters=("fin",)), slot("b")], state(), math.inf),
+    ],
+)
+def test_fleet_spare(why: str, slots: list[Slot], st: LoraState, spare: float) -> None:
+    lives = {s.id: live_adapters(s, {a for (w, a) in st.local if w == s.id}, st.last_used) for s in slots}
+    assert fleet_spare(slots, lives, st, NOW) == spare
 
 
 @pytest.mark.parametrize(

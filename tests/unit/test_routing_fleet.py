@@ -436,11 +436,11 @@ def test_a_worker_leaving_moves_only_its_own_keys(n: int, key: int) -> None:
     assert home_of(key, [i for i in ids if i != other]) == home
 
 
-def aw(wid: str, running: int = 0, max_loras: int = 2, lora_slots: int = 0) -> WorkerView:
+def aw(wid: str, running: int = 0, max_loras: int = 2, lora_slots: int = 0, active: tuple[str, ...] = ()) -> WorkerView:
     return WorkerView(
         info=WorkerInfo(id=wid, url=f"http://{wid}", engine="vllm", model="base", adapters=("fin", "law", "med"),
                         capacity=100, runtime_lora=True, max_loras=max_loras),
-        state="ready", load=Load(running=running, lora_slots=lora_slots), id_hash=stable_hash(wid),
+        state="ready", load=Load(running=running, lora_slots=lora_slots, lora_active=active), id_hash=stable_hash(wid),
     )
 
 
@@ -454,6 +454,9 @@ ADAPTER_CASES = [
      (aw("a", running=5), aw("b", running=60)), NONE, frozenset({"a"}), "b", "adapter-free"),
     ("with no free slot anywhere it waits for one on the least loaded engine, said so",
      (aw("a", running=50), aw("b", running=10)), NONE, frozenset({"a", "b"}), "b", "adapter-slot-wait"),
+    ("... on the engine with the fewest adapters in demand by its report, however busier",
+     (aw("a", running=10, active=("law", "med", "tax")), aw("b", running=50, active=("law", "med"))), NONE,
+     frozenset({"a", "b"}), "b", "adapter-slot-wait"),
     ("a hot adapter gets an engine with a free slot once its home is lora_load_cost busier",
      (aw("a", running=80), aw("b", running=10)), frozenset({"a"}), NONE, "b", "adapter-spill"),
     ("a hot adapter stays home while the other engine is not clearly less busy",
