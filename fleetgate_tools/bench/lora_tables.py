@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetgate_tools.bench.lora import ENGINE_KEYS, engine_columns
-from fleetgate_tools.bench.tables import _f, _md, load_runs, means
+from fleetgate_tools.bench.tables import _f, _md, _ratio, done_when, load_runs, means
 
 SUBJECT = "fleet"
 AFFINE = "adapter_affinity"
@@ -52,10 +52,6 @@ def lora_runs(folder: Path) -> list[dict[str, Any]]:
         return *_shape_key(r["scenario"]), order, r["strategy"], r["round"]
 
     return sorted(runs, key=key)
-
-
-def _ratio(x: Any, y: Any) -> float | None:
-    return x / y if x is not None and y else None
 
 
 # (what, figure, test on fleet / adapter_affinity) per shape class.
@@ -121,9 +117,7 @@ def markdown(runs: Sequence[Mapping[str, Any]]) -> str:
                      *(_f(_ratio(row[k], base.get(k)), "x") for k in ("ttft_p50", "ttft_p99", "out_tok_s"))])  # fmt: skip
     lines += _md(["shape", "strategy", "runs", "429s", "TTFT p50 s", "TTFT p99 s", "out tok/s",
                   "p50 / affinity", "p99 / affinity", "tok/s / affinity"], rows)  # fmt: skip
-    lines += ["", f"## Done when (issue 36), `{SUBJECT}` policy", ""]
-    mark = {True: "PASS", False: "FAIL", None: "-"}
-    lines += _md(["check", "result", "measured"], [[w, mark[ok], v] for w, ok, v in checks(m)])
+    lines += done_when("issue 36", checks(m))
     return "\n".join(lines) + "\n"
 
 

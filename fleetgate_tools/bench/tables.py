@@ -142,6 +142,13 @@ def _md(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 
 
+def done_when(title: str, checks: Sequence[tuple[str, bool | None, str]]) -> list[str]:
+    """An issue's "Done when" checks as a table: each check, PASS / FAIL / -, what was measured."""
+    mark = {True: "PASS", False: "FAIL", None: "-"}
+    return ["", f"## Done when ({title}), `{SUBJECT}` policy", "",
+            *_md(["check", "result", "measured"], [[w, mark[ok], v] for w, ok, v in checks])]
+
+
 def _running(mean: Any, peak: Any) -> str:
     return "-" if mean is None else f"{mean:.0f} / {_f(peak)}"
 
@@ -205,9 +212,7 @@ def markdown(runs: Sequence[Mapping[str, Any]], capacity: Mapping[str, Any] | No
                   "E2E p99 s", "out tok/s", "eng waiting max", "eng running mean / max", "eng KV mean",
                   "preemptions", "hit rate", "herded s", "off-home", "p50 / affinity", "p99 / affinity",
                   "tok/s / affinity"], rows)  # fmt: skip
-    lines += ["", f"## Done when (issues 14 and 31), `{SUBJECT}` policy", ""]
-    mark = {True: "PASS", False: "FAIL", None: "-"}
-    lines += _md(["check", "result", "measured"], [[w, mark[ok], v] for w, ok, v in checks(m)])
+    lines += done_when("issues 14 and 31", checks(m))
     return "\n".join(lines) + "\n"
 
 
