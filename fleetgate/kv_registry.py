@@ -50,6 +50,7 @@ import structlog
 
 from fleetgate.keys import DEFAULT_PREFIX, Keys
 from fleetgate.kv_index import BlockIndex
+from fleetgate.outage import Outage
 
 __all__ = [
     "KvIndexWriter",
@@ -124,17 +125,13 @@ class KvIndexWriter:
     async def run(self, interval_s: float = 0.1) -> None:
         """Flush until cancelled. After a Redis error the next flush starts a new generation
         (what failed may or may not have been written); one log line per outage."""
-        failing = False
+        outage = Outage(log, "kv_registry.write_failed", "kv_registry.write_recovered", worker=self.worker_id)
         while True:
             try:
                 await self.flush()
-                if failing:
-                    log.info("kv_registry.write_recovered", worker=self.worker_id)
-                failing = False
+                outage.ok()
             except (aioredis.RedisError, OSError) as exc:
-                if not failing:
-                    log.warning("kv_registry.write_failed", worker=self.worker_id, error=repr(exc))
-                failing = True
+                outage.failed(exc)
                 self.gen = 0
             await asyncio.sleep(interval_s)
 
@@ -269,15 +266,13 @@ class KvMirror:
         """Refresh every `interval_s` until cancelled (the gateway's background task). While
         Redis fails the copies are dropped (get() answers None): routing falls back rather
         than trust an index that no longer follows its worker."""
-        failing = False
+        outage = Outage(log, "kv_registry.read_failed", "kv_registry.read_recovered")
         while True:
             try:
                 await self.refresh(redis, worker_ids())
-                failing = False
+                outage.ok()
             except (aioredis.RedisError, OSError, msgspec.DecodeError, ValueError) as exc:
-                if not failing:
-                    log.warning("kv_registry.read_failed", error=repr(exc))
-                failing = True
+                outage.failed(exc)
                 self._workers.clear()
                 self._absent_until.clear()
             await asyncio.sleep(interval_s)

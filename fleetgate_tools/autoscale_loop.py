@@ -37,6 +37,7 @@ import msgspec
 import structlog
 
 from fleetgate.net import free_port
+from fleetgate.outage import Outage
 from fleetgate_tools.autoscale import History, Observed, Policy, decide
 
 log = structlog.get_logger("fleetgate.autoscale")
@@ -147,7 +148,7 @@ class Autoscaler:
         self.retiring: dict[str, Retiring] = {}
         self.run_tag = uuid.uuid4().hex[:4]
         self.serial = 0
-        self._failing = False
+        self._outage = Outage(log, "autoscale.signal_failed", "autoscale.signal_resumed", gateway=opts.gateway)
         self._held: dict[str, str] = {}
         opts.log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -159,13 +160,9 @@ class Autoscaler:
             resp.raise_for_status()
             signal_ = msgspec.json.decode(resp.content, type=Signal)
         except (httpx.HTTPError, msgspec.DecodeError) as exc:
-            if not self._failing:
-                log.warning("autoscale.signal_failed", gateway=self.opts.gateway, error=str(exc) or repr(exc))
-            self._failing = True
+            self._outage.failed(exc)
             return None
-        if self._failing:
-            log.info("autoscale.signal_resumed")
-        self._failing = False
+        self._outage.ok()
         return {m.model: m for m in signal_.data}
 
     def managed(self, worker_id: str) -> bool:

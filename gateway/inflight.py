@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import structlog
 
+from fleetgate.outage import Outage
 from fleetgate.registry import Registry
 from fleetgate.schema import WorkerView
 
@@ -223,19 +224,15 @@ class SharedInflight(Mapping[str, int]):
         _sum_into(self.total_fresh, self.local_fresh, self.remote_fresh)
 
     async def _loop(self) -> None:
-        failing = False
+        outage = Outage(log, "gateway.inflight_sync_failed", "gateway.inflight_sync_resumed")
         while True:
             try:
                 await self.sync()
-                if failing:
-                    log.info("gateway.inflight_sync_resumed")
-                failing = False
+                outage.ok()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                if not failing:
-                    log.warning("gateway.inflight_sync_failed", error=repr(exc))
-                failing = True
+                outage.failed(exc)
                 # Other replicas' counts expire with their lease; so do our copies of them.
                 if time.monotonic() - self._remote_at > self.lease_s:
                     self._set_remote({})

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import structlog
 
+from fleetgate.outage import Outage
 from fleetgate.registry import Registry
 from gateway.routing.table import Slot
 
@@ -121,19 +122,15 @@ class LoraState:
         self._remote_at = time.monotonic()
 
     async def _loop(self, workers: Callable[[], list[str]]) -> None:
-        failing = False
+        outage = Outage(log, "gateway.lora_state_sync_failed", "gateway.lora_state_sync_resumed")
         while True:
             try:
                 await self.sync(workers())
-                if failing:
-                    log.info("gateway.lora_state_sync_resumed")
-                failing = False
+                outage.ok()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                if not failing:
-                    log.warning("gateway.lora_state_sync_failed", error=repr(exc))
-                failing = True
+                outage.failed(exc)
                 if time.monotonic() - self._remote_at > self.lease_s:
                     self.remote.clear()  # the other replicas' counts expire with their lease
             with contextlib.suppress(TimeoutError):

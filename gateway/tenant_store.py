@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from fleetgate.keys import Keys
+from fleetgate.outage import Outage
 from gateway.live_routes import LiveRoutes
 from gateway.subscription import follow
 from gateway.tenants import (
@@ -61,7 +62,7 @@ class TenantStore:
         self._version = 0
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._failing = False
+        self._outage = Outage(log, "gateway.tenants_unreachable", "gateway.tenants_reachable")
 
     # -- reads ------------------------------------------------------------------------
 
@@ -198,16 +199,11 @@ class TenantStore:
             self._wake.clear()
             try:
                 await self.reload()
-                if self._failing:
-                    log.info("gateway.tenants_reachable")
-                self._failing = False
+                self._outage.ok()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                if not self._failing:
-                    log.warning("gateway.tenants_unreachable", error=repr(exc),
-                                keeping=len(self.directory.keys))
-                self._failing = True
+                self._outage.failed(exc, keeping=len(self.directory.keys))
                 await asyncio.sleep(0.5)
 
     async def _listen_loop(self) -> None:

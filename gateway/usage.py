@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 from redis.exceptions import RedisError
 
 from fleetgate.keys import Keys
+from fleetgate.outage import Outage
 from gateway.cells import CounterFamily as Counter
 
 log = structlog.get_logger("gateway.usage")
@@ -145,7 +146,8 @@ class UsageBuffer:
         self.flush_s = flush_s
         self._counts: dict[tuple[str, str], int] = {}
         self._task: asyncio.Task[None] | None = None
-        self._failing = False
+        # One warning per outage; usage flushes quietly again once Redis is back.
+        self._outage = Outage(log, "gateway.usage_unavailable")
 
     def add(self, day: str, prefix: str, requests: int, prompt: int, completion: int, errors: int) -> None:
         counts = self._counts
@@ -165,11 +167,9 @@ class UsageBuffer:
                 for day in {day for day, _ in counts}:
                     pipe.expire(self.keys.usage(day), USAGE_TTL_S)
                 await pipe.execute()
-            self._failing = False
+            self._outage.ok()
         except (RedisError, OSError) as exc:
-            if not self._failing:
-                log.warning("gateway.usage_unavailable", error=repr(exc), pending=len(counts))
-            self._failing = True
+            self._outage.failed(exc, pending=len(counts))
             for cell, n in counts.items():
                 self._counts[cell] = self._counts.get(cell, 0) + n
 

@@ -1,0 +1,52 @@
+"""One log line when a background loop's step starts failing, one when it works again.
+
+Every background loop (the gateways' Redis syncs, the agents' index writer, the autoscaler)
+repeats a step forever; while Redis or a peer is away each step fails the same way, and a line
+per step would bury the logs. An `Outage` says it once each way:
+
+    outage = Outage(log, "gateway.inflight_sync_failed", "gateway.inflight_sync_resumed")
+    while True:
+        try:
+            await step()
+            outage.ok()
+        except (RedisError, OSError) as exc:
+            outage.failed(exc)
+        await asyncio.sleep(interval_s)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Outage:
+    """Whether a loop's step is failing, and the two log lines that mark the change."""
+
+    __slots__ = ("failing", "fields", "log", "resumed_event", "started_event")
+
+    def __init__(self, log: Any, started_event: str, resumed_event: str | None = None, **fields: Any) -> None:
+        self.log = log
+        self.started_event = started_event  # logged as a warning, with the error
+        self.resumed_event = resumed_event  # logged as info (None: nothing is logged)
+        self.fields = fields  # on both lines (which worker, say)
+        self.failing = False
+
+    def failed(self, exc: BaseException, **fields: Any) -> bool:
+        """The step failed: the warning if it is the first of a run. True when it was."""
+        if self.failing:
+            return False
+        self.failing = True
+        self.log.warning(self.started_event, error=repr(exc), **self.fields, **fields)
+        return True
+
+    def ok(self, **fields: Any) -> bool:
+        """The step worked: the recovery line if it had been failing. True when it had."""
+        if not self.failing:
+            return False
+        self.failing = False
+        if self.resumed_event is not None:
+            self.log.info(self.resumed_event, **self.fields, **fields)
+        return True
+
+
+__all__ = ["Outage"]

@@ -1,0 +1,46 @@
+"""fleetgate/outage.py: one warning when a loop's step starts failing, one info line when it
+works again, whatever the steps between (table-driven, structlog's own capture)."""
+
+from __future__ import annotations
+
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from fleetgate.outage import Outage
+
+
+@pytest.mark.parametrize(
+    ("steps", "logged"),
+    [
+        ("", []),
+        ("ooo", []),
+        ("x", [("warning", "loop.failed")]),
+        ("xxx", [("warning", "loop.failed")]),
+        ("xxo", [("warning", "loop.failed"), ("info", "loop.resumed")]),
+        ("xoxo", [("warning", "loop.failed"), ("info", "loop.resumed")] * 2),
+        ("oxxooxo", [("warning", "loop.failed"), ("info", "loop.resumed")] * 2),
+    ],
+)
+def test_one_line_each_way_per_outage(steps: str, logged: list[tuple[str, str]]) -> None:
+    outage = Outage(structlog.get_logger("t"), "loop.failed", "loop.resumed", worker="w1")
+    with capture_logs() as logs:
+        for step in steps:
+            if step == "x":
+                outage.failed(OSError("Connection refused"))
+            else:
+                outage.ok()
+    assert [(e["log_level"], e["event"]) for e in logs] == logged
+    assert all(e["worker"] == "w1" for e in logs)
+    assert all(e["error"] == "OSError('Connection refused')" for e in logs if e["log_level"] == "warning")
+    assert outage.failing == (steps[-1:] == "x")
+
+
+def test_without_a_recovery_event_only_the_failure_is_said() -> None:
+    outage = Outage(structlog.get_logger("t"), "usage.unavailable")
+    with capture_logs() as logs:
+        assert outage.failed(OSError("down"), pending=3) is True
+        assert outage.failed(OSError("down")) is False
+        assert outage.ok() is True
+        assert outage.ok() is False
+    assert [(e["event"], e.get("pending")) for e in logs] == [("usage.unavailable", 3)]
