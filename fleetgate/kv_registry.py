@@ -48,9 +48,9 @@ import msgspec
 import redis.asyncio as aioredis
 import structlog
 
+from fleetgate.background import Outage
 from fleetgate.keys import DEFAULT_PREFIX, Keys
 from fleetgate.kv_index import BlockIndex
-from fleetgate.outage import Outage
 
 __all__ = [
     "KvIndexWriter",

@@ -23,6 +23,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.response import Stream
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from fleetgate.background import stop_tasks
 from fleetgate.kv_registry import KvMirror
 from fleetgate.registry import Registry, connect
 from gateway import ACCEL, front, gctune
@@ -233,12 +234,6 @@ def build_tracing(settings: GatewaySettings, instance_id: str) -> Tracing:
     return OtelTracing.exporting(settings.tracing_endpoint, settings.tracing_service, instance_id)
 
 
-async def _stop_task(task: asyncio.Task[None]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-
-
 def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None) -> Litestar:
     """The gateway; `reload_seed` reads the config file again (on SIGHUP: gateway/tenancy.py)."""
 
@@ -318,7 +313,7 @@ def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None)
             yield
         finally:
             for part, close in (
-                ("kv_mirror", lambda: _stop_task(kv_task)),
+                ("kv_mirror", lambda: stop_tasks(kv_task)),
                 ("placement", placement.stop), ("tenancy", tenancy.close), ("waits", proxy.waits.stop),
                 ("adapters", placer.close), ("lora_state", lora_state.stop), ("breakers", breakers.close),
                 ("inflight", inflight.stop), ("watcher", watcher.stop), ("upstream", upstream.close),

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import aiohttp
 import structlog
 
+from fleetgate.background import stop_tasks
 from fleetgate.registry import Registry
 from fleetgate.schema import WorkerView
 
@@ -122,10 +123,6 @@ class Breakers:
             return f"{type(exc).__name__}: {exc}"[:200]
 
     async def close(self) -> None:
-        for task in list(self._probes.values()):
-            task.cancel()
-        for task in list(self._probes.values()):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_tasks(*list(self._probes.values()))
         if self.session is not None:
             await self.session.close()

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import msgspec
 import structlog
 
+from fleetgate.background import stop_tasks
 from fleetgate.registry import Registry
 from fleetgate.schema import WorkerView
 from gateway.errors import GatewayError
@@ -134,11 +135,7 @@ class FleetWatcher:
             await asyncio.wait_for(self._ready.wait(), wait_s)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await stop_tasks(*self._tasks)
 
     def absent(self, error: GatewayError, model: str) -> GatewayError:
         """What to answer instead of `error` (a 404) for a model no worker serves now."""

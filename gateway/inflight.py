@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import structlog
 
-from fleetgate.outage import Outage
+from fleetgate.background import Outage, stop_tasks
 from fleetgate.registry import Registry
 from fleetgate.schema import WorkerView
 
@@ -190,10 +190,7 @@ class SharedInflight(Mapping[str, int]):
         self._task = asyncio.create_task(self._loop(), name="inflight-sync")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_tasks(self._task)
         with contextlib.suppress(Exception):
             await self.registry.forget_gateway(self.gateway_id)
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import structlog
 
-from fleetgate.outage import Outage
+from fleetgate.background import Outage, stop_tasks
 from fleetgate.registry import Registry
 from gateway.routing.table import Slot
 
@@ -96,10 +96,7 @@ class LoraState:
         self._task = asyncio.create_task(self._loop(workers), name="lora-state-sync")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_tasks(self._task)
 
     async def sync(self, worker_ids: list[str]) -> None:
         unpublished, self._unpublished = self._unpublished, {}

@@ -8,13 +8,13 @@ module holds the clock and the task.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
 
 import structlog
 
+from fleetgate.background import stop_tasks
 from gateway.routing import Choice, Live, RequestFacts, Routes
 from gateway.routing.base import kv_in_use
 from gateway.routing.homes import Homes
@@ -82,10 +82,7 @@ class Placement:
         self._task = asyncio.create_task(self._loop(), name="affinity-rebalance")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_tasks(self._task)
 
     async def _loop(self) -> None:
         while True:

@@ -26,8 +26,8 @@ import msgspec
 import redis.asyncio as aioredis
 import structlog
 
+from fleetgate.background import Outage, stop_tasks
 from fleetgate.keys import Keys
-from fleetgate.outage import Outage
 from gateway.live_routes import LiveRoutes
 from gateway.subscription import follow
 from gateway.tenants import (
@@ -186,11 +186,7 @@ class TenantStore:
                        asyncio.create_task(self._listen_loop(), name="tenants-listen")]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await stop_tasks(*self._tasks)
 
     async def _reload_loop(self) -> None:
         while True:

@@ -12,7 +12,6 @@ the records or the metrics by inventing names.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import time
 from collections.abc import Callable, Iterable
@@ -23,8 +22,8 @@ import structlog
 from prometheus_client import CollectorRegistry
 from redis.exceptions import RedisError
 
+from fleetgate.background import Outage, stop_tasks
 from fleetgate.keys import Keys
-from fleetgate.outage import Outage
 from gateway.cells import CounterFamily as Counter
 
 log = structlog.get_logger("gateway.usage")
@@ -182,8 +181,5 @@ class UsageBuffer:
             await self.flush()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_tasks(self._task)
         await self.flush()

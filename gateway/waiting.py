@@ -16,12 +16,12 @@ A background check runs only when the fleet snapshot changes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from types import TracebackType
 
 import structlog
 
+from fleetgate.background import stop_tasks
 from gateway.errors import UpstreamError
 from gateway.fleet import FleetSnapshot
 
@@ -72,10 +72,7 @@ class FirstByteWaits:
                 self.check(snapshot)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_tasks(self._task)
 
 
 class _Waiting:

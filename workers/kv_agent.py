@@ -15,6 +15,7 @@ import json
 
 import redis.asyncio as aioredis
 
+from fleetgate.background import stop_tasks
 from fleetgate.keys import DEFAULT_PREFIX
 from fleetgate.kv_index import BlockIndex
 from fleetgate.kv_registry import DEFAULT_KV_TTL_S, KvIndexWriter
@@ -64,11 +65,7 @@ class AgentKvEvents:
             self.index.block_size = block_size
 
     async def aclose(self, remove: bool = True) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_tasks(*self._tasks)
         self._tasks = []
         if remove and self.writer is not None:
             with contextlib.suppress(aioredis.RedisError, OSError):

@@ -19,7 +19,6 @@ of a step schedules the flush for when the step's synchronous scheduling is over
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -30,6 +29,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from fleetgate.background import stop_tasks
 from fleetgate.kv_events import (
     END_SEQ,
     MEDIUM_GPU,
@@ -128,10 +128,7 @@ class SimKvPublisher:
 
     async def aclose(self) -> None:
         self.flush()
-        if self._replay_task is not None:
-            self._replay_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._replay_task
+        await stop_tasks(self._replay_task)
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)

@@ -1,13 +1,15 @@
-"""fleetgate/outage.py: one warning when a loop's step starts failing, one info line when it
+"""fleetgate/background.py: one warning when a loop's step starts failing, one info line when it
 works again, whatever the steps between (table-driven, structlog's own capture)."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from fleetgate.outage import Outage
+from fleetgate.background import Outage, stop_tasks
 
 
 @pytest.mark.parametrize(
@@ -44,3 +46,22 @@ def test_without_a_recovery_event_only_the_failure_is_said() -> None:
         assert outage.ok() is True
         assert outage.ok() is False
     assert [(e["event"], e.get("pending")) for e in logs] == [("usage.unavailable", 3)]
+
+
+async def test_stop_tasks_cancels_and_waits_for_every_task_even_one_that_failed() -> None:
+    ended: list[str] = []
+
+    async def forever(name: str) -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            ended.append(name)
+
+    async def broken() -> None:
+        raise RuntimeError("its own loop logged this")
+
+    tasks = [asyncio.create_task(forever("a")), asyncio.create_task(broken()), asyncio.create_task(forever("b"))]
+    await asyncio.sleep(0)  # all started; `broken` has failed
+    await stop_tasks(*tasks, None)
+    assert sorted(ended) == ["a", "b"] and all(t.done() for t in tasks)
+    assert tasks[0].cancelled() and not tasks[1].cancelled()

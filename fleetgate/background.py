@@ -1,4 +1,5 @@
-"""One log line when a background loop's step starts failing, one when it works again.
+"""What every background loop needs: one log line when its step starts failing and one when
+it works again (`Outage`), and a way to stop its tasks (`stop_tasks`).
 
 Every background loop (the gateways' Redis syncs, the agents' index writer, the autoscaler)
 repeats a step forever; while Redis or a peer is away each step fails the same way, and a line
@@ -16,6 +17,8 @@ per step would bury the logs. An `Outage` says it once each way:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
 
@@ -49,4 +52,15 @@ class Outage:
         return True
 
 
-__all__ = ["Outage"]
+async def stop_tasks(*tasks: asyncio.Task[Any] | None) -> None:
+    """Cancel the tasks (None: none started), then wait for each to end. What a task raised on
+    its way out is its own loop's to log: stopping goes on."""
+    live = [task for task in tasks if task is not None]
+    for task in live:
+        task.cancel()
+    for task in live:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+
+__all__ = ["Outage", "stop_tasks"]
