@@ -36,8 +36,8 @@ import httpx
 import msgspec
 import structlog
 
+from fleetgate.background import Outage
 from fleetgate.net import free_port
-from fleetgate.outage import Outage
 from fleetgate_tools.autoscale import History, Observed, Policy, decide
 
 log = structlog.get_logger("fleetgate.autoscale")
