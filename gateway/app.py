@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 import structlog
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Request, Response, Router, get, post
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 from litestar.handlers import HTTPRouteHandler
@@ -33,7 +33,7 @@ from gateway.aliases import listed
 from gateway.api.admin import HANDLERS as ADMIN_HANDLERS
 from gateway.api.routes import HANDLERS as ROUTE_HANDLERS
 from gateway.api.tenants import HANDLERS as TENANT_HANDLERS
-from gateway.auth import open_data_plane
+from gateway.auth import admin_guard, open_data_plane
 from gateway.circuit import Breakers
 from gateway.errors import (
     REGISTRY_ERRORS,
@@ -329,7 +329,10 @@ def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None)
         route_handlers=[
             *(_proxy_route(path, kind) for path, kind in KINDS.items()),
             retrieve_response, cancel_response, list_models, get_model, health,
-            admin_scaling, metrics_endpoint, *ADMIN_HANDLERS, *TENANT_HANDLERS, *ROUTE_HANDLERS,
+            metrics_endpoint,
+            # Every admin API route, behind one guard (the dashboard's pages ask for a login instead).
+            Router("/", route_handlers=[admin_scaling, *ADMIN_HANDLERS, *TENANT_HANDLERS, *ROUTE_HANDLERS],
+                   guards=[admin_guard]),
             *UI_HANDLERS,
         ],
         lifespan=[lifespan],

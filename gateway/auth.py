@@ -14,8 +14,9 @@ import hmac
 import ipaddress
 import time
 from collections.abc import Sequence
+from typing import Any
 
-from litestar import Request
+from litestar.connection import ASGIConnection
 
 from gateway.errors import Unauthorized
 
@@ -66,12 +67,12 @@ def session_ok(token: str, value: str, now: float | None = None) -> bool:
     return hmac.compare_digest(mac.encode(), _sign(token, int(expires)).encode())
 
 
-def _bearer_ok(request: Request, token: str) -> bool:
+def _bearer_ok(request: ASGIConnection[Any, Any, Any, Any], token: str) -> bool:
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
 
-def admin_authorized(request: Request, token: str) -> bool:
+def admin_authorized(request: ASGIConnection[Any, Any, Any, Any], token: str) -> bool:
     """A bearer token, or the dashboard's cookie (plus the CSRF header on writes)."""
     if not token:
         return False
@@ -79,13 +80,19 @@ def admin_authorized(request: Request, token: str) -> bool:
         return True
     if not session_ok(token, request.cookies.get(COOKIE, "")):
         return False
-    return request.method in ("GET", "HEAD") or request.headers.get(CSRF_HEADER) == "1"
+    return request.scope.get("method") in ("GET", "HEAD") or request.headers.get(CSRF_HEADER) == "1"
 
 
-def check_admin(request: Request, token: str) -> None:
+def check_admin(request: ASGIConnection[Any, Any, Any, Any], token: str) -> None:
     """Raise `Unauthorized` unless the request carries the admin token or a valid session."""
     if not admin_authorized(request, token):
         raise Unauthorized(
             "Admin endpoints need `Authorization: Bearer <FLEETGATE_ADMIN_TOKEN>`"
             + ("" if token else " (no admin token is configured on this gateway)."),
         )
+
+
+def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], _: object) -> None:
+    """The Litestar guard on every admin API route (gateway/app.py's admin router): the admin
+    token, or the dashboard's session (with the CSRF header on writes); else a 401."""
+    check_admin(connection, connection.app.state["gw"].settings.admin_token)

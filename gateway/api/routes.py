@@ -19,9 +19,10 @@ import structlog
 from litestar import Request, Response, delete, get, put
 from litestar.datastructures import State
 
-from gateway.api.tenants import _admin, _json, decode_body
+from gateway.api.tenants import _json, decode_body
 from gateway.errors import InvalidRequest, NotFound
 from gateway.live_routes import AliasSpec, FallbackSpec, Kind, LiveRoutes, Routes
+from gateway.state import gw_of
 
 log = structlog.get_logger("gateway.app")
 
@@ -49,7 +50,7 @@ def _listing(routes: Routes, kind: Kind) -> list[dict[str, Any]]:
 
 
 async def _put(request: Request, state: State, kind: Kind, raw_name: str) -> Response:
-    gw = _admin(request, state)
+    gw = gw_of(state)
     name = _name(raw_name, kind)
     store: LiveRoutes = gw.tenants.routes
     before = await store.read()
@@ -69,7 +70,7 @@ async def _put(request: Request, state: State, kind: Kind, raw_name: str) -> Res
 
 
 async def _delete(request: Request, state: State, kind: Kind, raw_name: str) -> Response:
-    gw = _admin(request, state)
+    gw = gw_of(state)
     name = _name(raw_name, kind)
     store: LiveRoutes = gw.tenants.routes
     before = await store.read()
@@ -83,7 +84,7 @@ async def _delete(request: Request, state: State, kind: Kind, raw_name: str) -> 
 
 @get("/admin/aliases")
 async def list_aliases(request: Request, state: State) -> Response:
-    gw = _admin(request, state)
+    gw = gw_of(state)
     return _json({"data": _listing(await gw.tenants.routes.read(), "alias")})
 
 
@@ -99,7 +100,7 @@ async def delete_alias(request: Request, state: State, name: str) -> Response:
 
 @get("/admin/fallbacks")
 async def list_fallbacks(request: Request, state: State) -> Response:
-    gw = _admin(request, state)
+    gw = gw_of(state)
     return _json({"data": _listing(await gw.tenants.routes.read(), "fallback")})
 
 

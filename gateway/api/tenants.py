@@ -21,9 +21,8 @@ import structlog
 from litestar import Request, Response, delete, get, put
 from litestar.datastructures import State
 
-from gateway.auth import check_admin
 from gateway.errors import InvalidRequest, NotFound
-from gateway.state import Gateway, gw_of
+from gateway.state import gw_of
 from gateway.tenants import KeySpec, TeamSpec, check_id, new_secret
 from gateway.usage import days_back, parse_day, read_usage, totals
 
@@ -32,12 +31,6 @@ log = structlog.get_logger("gateway.app")
 
 def _json(body: object, status: int = 200) -> Response:
     return Response(content=msgspec.json.encode(body), status_code=status, media_type="application/json")
-
-
-def _admin(request: Request, state: State) -> Gateway:
-    gw = gw_of(state)
-    check_admin(request, gw.settings.admin_token)
-    return gw
 
 
 async def decode_body(request: Request, kind: type[Any]) -> Any:
@@ -54,7 +47,7 @@ async def decode_body(request: Request, kind: type[Any]) -> Any:
 
 @get("/admin/keys")
 async def list_keys(request: Request, state: State) -> Response:
-    gw = _admin(request, state)
+    gw = gw_of(state)
     keys, _ = await gw.tenants.read()
     static = [k for k in gw.tenants.directory.ids if k not in {r.id for r in keys}]
     return _json({"data": [k.public() for k in sorted(keys, key=lambda k: k.id)],
@@ -63,7 +56,7 @@ async def list_keys(request: Request, state: State) -> Response:
 
 @put("/admin/keys/{key_id:str}", status_code=200)
 async def put_key(request: Request, state: State, key_id: str) -> Response:
-    gw = _admin(request, state)
+    gw = gw_of(state)
     check_id("key", key_id)
     spec: KeySpec = await decode_body(request, KeySpec)
     if request.query_params.get("rotate", "").lower() in ("1", "true"):
@@ -87,7 +80,7 @@ async def put_key(request: Request, state: State, key_id: str) -> Response:
 
 @delete("/admin/keys/{key_id:str}", status_code=200)
 async def delete_key(request: Request, state: State, key_id: str) -> Response:
-    gw = _admin(request, state)
+    gw = gw_of(state)
     if not await gw.tenants.delete("key", key_id):
         raise NotFound(f"No key `{key_id}`.", param="id", code="key_not_found")
     await gw.tenants.reload()
@@ -97,7 +90,7 @@ async def delete_key(request: Request, state: State, key_id: str) -> Response:
 
 @get("/admin/teams")
 async def list_teams(request: Request, state: State) -> Response:
-    gw = _admin(request, state)
+    gw = gw_of(state)
     keys, teams = await gw.tenants.read()
     members: dict[str, list[str]] = {}
     for k in keys:
@@ -108,7 +101,7 @@ async def list_teams(request: Request, state: State) -> Response:
 
 @put("/admin/teams/{team_id:str}", status_code=200)
 async def put_team(request: Request, state: State, team_id: str) -> Response:
-    gw = _admin(request, state)
+    gw = gw_of(state)
     spec: TeamSpec = await decode_body(request, TeamSpec)
     _, teams = await gw.tenants.read()
     record = await gw.tenants.put_team(team_id, spec)
@@ -120,7 +113,7 @@ async def put_team(request: Request, state: State, team_id: str) -> Response:
 
 @delete("/admin/teams/{team_id:str}", status_code=200)
 async def delete_team(request: Request, state: State, team_id: str) -> Response:
-    gw = _admin(request, state)
+    gw = gw_of(state)
     keys, _ = await gw.tenants.read()
     if users := sorted(k.id for k in keys if k.team == team_id):
         raise InvalidRequest(f"Team `{team_id}` still has keys ({', '.join(users)}): move or delete them first.",
@@ -135,7 +128,7 @@ async def delete_team(request: Request, state: State, team_id: str) -> Response:
 @get("/admin/usage")
 async def usage(request: Request, state: State) -> Response:
     """Usage per key and model and UTC day: requests, input and output tokens, errors."""
-    gw = _admin(request, state)
+    gw = gw_of(state)
     q = request.query_params
     try:
         day = parse_day(q["day"]) if q.get("day") else dt.datetime.now(dt.UTC).date().isoformat()
