@@ -195,6 +195,9 @@ def _http_error(request: Request, exc: HTTPException) -> Response:
         err.status = status
     else:
         err = GatewayError("Internal error in the gateway.")
+    if status == 405 and exc.headers:  # Litestar names the allowed methods: `Allow`, as RFC 9110 asks
+        return Response(content=err.body(), status_code=405, media_type="application/json",
+                        headers={**err.headers(), **exc.headers})
     return _gateway_error(request, err)
 
 

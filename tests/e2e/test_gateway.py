@@ -226,6 +226,19 @@ def test_unknown_route_is_an_openai_404(shared_fleet: tuple[Fleet, str]) -> None
     assert resp.status_code == 404 and "error" in resp.json()
 
 
+@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/chat/completions"), ("DELETE", "/v1/models"),
+                                              ("POST", "/health"), ("PUT", "/admin/workers")])
+def test_a_method_a_route_lacks_is_an_openai_405_that_says_what_is_allowed(
+    shared_fleet: tuple[Fleet, str], method: str, path: str,
+) -> None:
+    _, url = shared_fleet
+    resp = httpx.request(method, f"{url}{path}")
+    assert resp.status_code == 405, resp.text
+    assert resp.json()["error"]["message"] == f"Method {method} is not allowed on {path}."
+    allowed = {m.strip() for m in resp.headers["allow"].split(",")}
+    assert method not in allowed and allowed & {"GET", "POST"}, allowed
+
+
 # -- tests with a fleet of their own (they kill or drain workers) ---------------------------
 
 
