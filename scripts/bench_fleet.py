@@ -21,6 +21,11 @@
     # printed beside every row; scripts/gpu_bench.sh lora-all runs it on vLLM)
     python scripts/bench_fleet.py --fleet config/bench/lora.yaml --workloads lora \
         --policies adapter_affinity,direct_round_robin,fleet --rate 16 --duration 35 --drain 25
+    # issue 31: multi-turn conversations (--rate: conversations a second), each turn carrying
+    # the engine's previous answer, no session header; the gateway's fleet policy with and
+    # without the engines' KV events (a policy name may carry routing options: POLICY+KEY=VALUE)
+    python scripts/bench_fleet.py --fleet config/bench/multiturn.yaml --workloads multiturn \
+        --policies direct_round_robin,fleet+kv_events=false,fleet+kv_events=true --rate 1 --duration 40 --drain 20
 
 Brings up Redis (FLEETGATE_REDIS_URL, else 127.0.0.1:6379 if it answers, else an embedded
 one), the fleet from --fleet as real `python -m workers --engine sim` agents, and for each
@@ -46,8 +51,10 @@ sys.path.insert(0, str(ROOT))
 
 from fleetgate_tools.bench import png  # noqa: E402
 from fleetgate_tools.bench.cluster import running  # noqa: E402
+from fleetgate_tools.bench.conversations import CONVERSATION_WORKLOADS  # noqa: E402
 from fleetgate_tools.bench.fleet import FleetSpec, load_fleet  # noqa: E402
 from fleetgate_tools.bench.lora import format_lora  # noqa: E402
+from fleetgate_tools.bench.multiturn_tables import format_conversations  # noqa: E402
 from fleetgate_tools.bench.progress import Progress  # noqa: E402
 from fleetgate_tools.bench.report import AFFINITY, format_ratios, format_routing, format_table  # noqa: E402
 from fleetgate_tools.bench.runner import (  # noqa: E402
@@ -67,11 +74,12 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fleet", default=str(ROOT / "config/bench/default.yaml"))
     p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
-                   help="comma list of " + ", ".join(WORKLOADS))
+                   help="comma list of " + ", ".join([*WORKLOADS, *CONVERSATION_WORKLOADS]))
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help="comma list; ones the gateway does not know are skipped with a warning")
     p.add_argument("--load", type=float, default=0.8, help="fraction of the estimated fleet capacity")
-    p.add_argument("--rate", type=float, default=None, help="requests/s (overrides --load)")
+    p.add_argument("--rate", type=float, default=None,
+                   help="requests/s (overrides --load); conversations/s for a conversation workload")
     p.add_argument("--duration", type=float, default=8.0, help="seconds of arrivals per run")
     p.add_argument("--drain", type=float, default=6.0, help="seconds to wait for stragglers")
     p.add_argument("--seed", type=int, default=0)
@@ -109,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         api_key=args.api_key, rounds=args.rounds,
     )  # fmt: skip
     for w in opts.workloads:
-        if w not in WORKLOADS:
-            raise SystemExit(f"unknown workload {w!r}; known: {', '.join(WORKLOADS)}")
+        if w not in WORKLOADS and w not in CONVERSATION_WORKLOADS:
+            raise SystemExit(f"unknown workload {w!r}; known: {', '.join([*WORKLOADS, *CONVERSATION_WORKLOADS])}")
     progress = Progress(runs=1)
     run_dir = args.run_dir or ROOT / ".run/bench" / time.strftime("%Y%m%d-%H%M%S")
     if args.find_capacity:
@@ -131,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     for wl, p in result["plans"].items():
         cap, rate = p.get("capacity_rps"), p.get("rate_rps")
-        print(f"{wl}: {p['requests']} requests at {rate} req/s"
-              + (f" (estimated fleet capacity {cap} req/s)" if cap else "")
+        unit = p.get("unit", "requests")
+        print(f"{wl}: {p['requests']} {unit} at {rate} {unit}/s"
+              + (f", {p['turns']} turns planned to end at {p['planned_end_s']} s" if "turns" in p else "")
+              + (f" (estimated fleet capacity {cap} {unit}/s)" if cap else "")
               + (f"; prompts ~{p['prompt_tokens_estimate']} tokens by the byte estimate"
                  if p.get("prompt_tokens_estimate") else "")
               + (f"; no routing can do fewer than {p['lora_floor']} LoRA loads" if p.get("lora_floor") else ""))  # fmt: skip
@@ -140,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(result["runs"]))
     print()
     print(format_routing(result["runs"]))
+    conv = format_conversations(result["runs"])
+    if conv:
+        print()
+        print(conv)
     lora = format_lora(result["runs"])
     if lora:
         print()

@@ -14,12 +14,14 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 
 import httpx
 
+from fleetgate_tools.bench import variants
 from fleetgate_tools.bench.fleet import FleetSpec
 from fleetgate_tools.redis_server import EmbeddedRedis, free_port, ping
 
@@ -85,8 +87,10 @@ def redis_url_from_env() -> str | None:
 
 
 class Gateway:
-    def __init__(self, proc: Proc, url: str, policy: str) -> None:
+    def __init__(self, proc: Proc, url: str, policy: str, routing_ignored: list[str] | None = None) -> None:
         self.proc, self.url, self.policy = proc, url, policy
+        # Routing options of the strategy's name this gateway does not know (not given to it).
+        self.routing_ignored = routing_ignored or []
 
 
 class Cluster:
@@ -145,17 +149,23 @@ class Cluster:
 
     # ------------------------------------------------------------ gateways
     def start_gateways(self, policies: list[str]) -> list[Gateway]:
-        """One gateway per policy, started together; returns when all see every worker ready."""
+        """One gateway per policy, started together; returns when all see every worker ready.
+        A policy with routing options (`fleet+kv_events=false`) starts with them
+        (fleetgate_tools/bench/variants.py); options it does not know are left out, with a warning."""
         started = []
         for policy in policies:
             port = free_port()
+            how = variants.gateway_args(policy)
+            for key in how.ignored:
+                warnings.warn(f"{policy}: routing option {key!r} is unknown to this gateway: left out", stacklevel=2)
             argv = [sys.executable, "-m", "gateway", "--port", str(port),
                     "--redis-url", self.redis_url, "--redis-prefix", self.prefix,
-                    "--policy", policy,
+                    "--policy", how.policy, *how.args,
                     "--log-level", os.environ.get("FLEETGATE_BENCH_LOG_LEVEL", "warning")]  # fmt: skip
-            proc = Proc(f"gateway-{policy}", argv, self.run_dir / f"gateway-{policy}-{port}.log",
+            name = variants.label_file(policy)
+            proc = Proc(f"gateway-{name}", argv, self.run_dir / f"gateway-{name}-{port}.log",
                         {"FLEETGATE_ADMIN_TOKEN": self.admin_token})  # fmt: skip
-            started.append(Gateway(proc, f"http://127.0.0.1:{port}", policy))
+            started.append(Gateway(proc, f"http://127.0.0.1:{port}", policy, how.ignored))
         self.gateways.extend(started)
         n = len(self.spec.workers)
         for gw in started:

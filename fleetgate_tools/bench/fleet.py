@@ -1,6 +1,9 @@
 """The benchmark's fleet, read from YAML (config/bench/*.yaml), and what it can carry.
 
     model: bench-7b
+    model_path: .cache/tiny/model             # optional: a folder with tokenizer.json (+ chat
+                                              # template) the agents get as --model, served as
+                                              # `model`: the gateway then has the tokenizer
     time_scale: 1.0
     adapters: {count: 16, prefix: lora-}      # or a list of names
     workers:
@@ -33,6 +36,8 @@ import yaml
 from fleetgate_tools.bench.workloads import BenchRequest, Draft, FleetFacts
 from workers.timing import PROFILES
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 class WorkerSpec(msgspec.Struct, kw_only=True, frozen=True):
     id: str
@@ -49,6 +54,9 @@ class WorkerSpec(msgspec.Struct, kw_only=True, frozen=True):
 
 class FleetSpec(msgspec.Struct, kw_only=True, frozen=True):
     model: str = "bench-7b"
+    # A model folder (tokenizer.json, chat template) for the agents' --model: they register
+    # its tokenizer and the simulators count with it. "" gives them the bare name.
+    model_path: str = ""
     time_scale: float = 1.0
     adapters: tuple[str, ...] = ()
     workers: tuple[WorkerSpec, ...] = ()
@@ -62,8 +70,11 @@ class FleetSpec(msgspec.Struct, kw_only=True, frozen=True):
 
     def worker_argv(self, w: WorkerSpec, adapter_dir: Path) -> list[str]:
         """`python -m workers` arguments (without Redis and logs) for one worker."""
-        argv = ["--engine", "sim", "--sim-profile", w.profile, "--model", self.model,
-                "--id", w.id, "--max-model-len", str(w.max_model_len),
+        model = ["--model", self.model]
+        if self.model_path:
+            path = Path(self.model_path)
+            model = ["--model", str(path if path.is_absolute() else ROOT / path), "--served-model-name", self.model]
+        argv = ["--engine", "sim", "--sim-profile", w.profile, *model, "--id", w.id, "--max-model-len", str(w.max_model_len),
                 "--option", f"time_scale={self.time_scale}"]  # fmt: skip
         if w.flavor != "vllm":
             argv += ["--option", f"flavor={w.flavor}"]
@@ -118,6 +129,7 @@ def load_fleet(path: str | Path) -> FleetSpec:
             raise ValueError(f"worker {w.id}: unknown profile {w.profile!r}")
     return FleetSpec(
         model=str(data.get("model", "bench-7b")),
+        model_path=str(data.get("model_path") or ""),
         time_scale=float(data.get("time_scale", 1.0)),
         adapters=names,
         workers=tuple(workers),

@@ -78,7 +78,7 @@ def classify(status: int, body: str, from_engine: bool) -> str:
     return "http_4xx" if status < 500 else "http_5xx"
 
 
-async def _one(
+async def send_one(
     session: aiohttp.ClientSession,
     url: str,
     req: BenchRequest,
@@ -86,7 +86,10 @@ async def _one(
     headers: dict[str, str],
     out: Outcome,
     worker: str | None = None,
+    answer: list[str] | None = None,
 ) -> Outcome:
+    """Send one request and fill `out` in as it streams; the generated text is appended to
+    `answer` piece by piece when one is given (a conversation's next turn carries it)."""
     hdrs = dict(headers)
     if req.session:
         hdrs["x-session-id"] = req.session
@@ -116,6 +119,8 @@ async def _one(
                 for choice in obj.get("choices") or ():
                     delta = choice.get("delta") or {}
                     piece = delta.get("content") if "delta" in choice else choice.get("text")
+                    if piece and answer is not None:
+                        answer.append(piece)
                     if piece or choice.get("finish_reason"):
                         chunks += 1
                         if out.ttft is None:
@@ -141,7 +146,7 @@ async def _one(
     return out
 
 
-def _targets(
+def targets(
     target: str | Callable[[BenchRequest], WorkerRef],
 ) -> Callable[[BenchRequest], tuple[str, str | None]]:
     """(chat completions URL, the worker it names or None) per request."""
@@ -164,7 +169,7 @@ async def run_requests(
     """Send every request at its time; wait up to `drain_s` after the last arrival for the
     rest, then cancel them (counted as "timeout", their TTFT censored at the cut).
     Returns the outcomes in request order and the run's wall time."""
-    where = _targets(target)
+    where = targets(target)
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     connector = aiohttp.TCPConnector(limit=pool, force_close=False)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
@@ -187,7 +192,7 @@ async def run_requests(
             starts[req.id] = t0
             partial[req.id] = Outcome(id=req.id, tag=req.tag, at=req.at)
             url, worker = where(req)
-            task = asyncio.create_task(_one(session, url, req, t0, headers, partial[req.id], worker))
+            task = asyncio.create_task(send_one(session, url, req, t0, headers, partial[req.id], worker))
             task.add_done_callback(finished)
             tasks[req.id] = task
             if on_progress:

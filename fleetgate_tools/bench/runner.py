@@ -8,7 +8,13 @@ every run, which then waits until the gateway sees no request in flight anywhere
 
 A client-side strategy (fleetgate_tools/bench/strategies.py) gets a fresh gateway too, but only
 to read the engines' URLs from its /admin/workers: its requests go to the engines
-directly. With `rounds` > 1 the policies run again, their order rotated each round.
+directly. A policy may carry routing options (`fleet+kv_events=false`,
+fleetgate_tools/bench/variants.py): its gateway starts with them. With `rounds` > 1 the
+policies run again, their order rotated each round.
+
+A conversation workload (`multiturn`, fleetgate_tools/bench/conversations.py) is planned as
+conversations instead of requests and played turn by turn (each turn waits for the answer
+before it); `--rate` is then conversations a second.
 """
 
 from __future__ import annotations
@@ -24,8 +30,17 @@ from typing import Any
 
 import httpx
 
-from fleetgate_tools.bench import engines
+from fleetgate_tools.bench import engines, variants
 from fleetgate_tools.bench.cluster import Cluster
+from fleetgate_tools.bench.conversations import (
+    CONVERSATION_WORKLOADS,
+    Conversation,
+    conversation_stats,
+    conversations,
+    plan_conversations,
+    run_conversations,
+    sample_turns,
+)
 from fleetgate_tools.bench.fleet import FleetSpec, capacity
 from fleetgate_tools.bench.floor import Host, adapter_load_floor
 from fleetgate_tools.bench.loadgen import run_requests
@@ -35,6 +50,7 @@ from fleetgate_tools.bench.report import AFFINITY, ratios, round_robin_baseline,
 from fleetgate_tools.bench.search import find_capacity
 from fleetgate_tools.bench.strategies import CLIENT_STRATEGIES, make_route
 from fleetgate_tools.bench.workloads import (
+    BYTES_PER_TOKEN,
     DEFAULT_WORKLOADS,
     BenchRequest,
     arrivals,
@@ -43,6 +59,9 @@ from fleetgate_tools.bench.workloads import (
     read_trace,
     write_trace,
 )
+
+# What one run plays: requests at their times, or conversations turn by turn.
+Work = Sequence[BenchRequest] | Sequence[Conversation]
 
 # The policy of the gateway a client-side strategy reads the engines' URLs from.
 DISCOVERY_POLICY = "round_robin"
@@ -72,7 +91,14 @@ def known_policies(requested: Sequence[str]) -> tuple[list[str], list[str]]:
     are picked up without a bench change."""
     from gateway.routing import POLICIES
 
-    ok = lambda p: p in POLICIES or p in CLIENT_STRATEGIES  # noqa: E731
+    def ok(p: str) -> bool:
+        if p in POLICIES or p in CLIENT_STRATEGIES:
+            return True
+        try:
+            return "+" in p and variants.parse(p).policy in POLICIES
+        except ValueError:
+            return False
+
     return [p for p in requested if ok(p)], [p for p in requested if not ok(p)]
 
 
@@ -91,6 +117,8 @@ def plan(spec: FleetSpec, workload: str, opts: BenchOptions) -> dict[str, Any]:
         return {"requests": reqs, "capacity_rps": None, "rate_rps": len(reqs) / span if span else None,
                 "lora_floor": lora_floor(spec, reqs)}
     params = spec.workloads.get(workload)
+    if workload in CONVERSATION_WORKLOADS:
+        return plan_multiturn(spec, workload, opts, params or {})
     drafts = contents(workload, opts.seed, spec.facts, params)
     sample = list(itertools.islice(drafts, 300))
     cap = capacity(spec, sample)
@@ -103,10 +131,26 @@ def plan(spec: FleetSpec, workload: str, opts: BenchOptions) -> dict[str, Any]:
             "prompt_tokens_estimate": None if estimate is None else round(estimate, 1)}
 
 
-def lora_floor(spec: FleetSpec, requests: Sequence[BenchRequest]) -> int | None:
+def plan_multiturn(spec: FleetSpec, workload: str, opts: BenchOptions, params: dict[str, Any]) -> dict[str, Any]:
+    """A conversation workload: conversations at opts.rate a second (else opts.load x the
+    fleet's cache-blind capacity in turns a second, over the mean turns a conversation)."""
+    sample = list(itertools.islice(conversations(workload, opts.seed, spec.facts, params), 60))
+    turns = sample_turns(sample, lambda n: "x" * (n * BYTES_PER_TOKEN))
+    cap = capacity(spec, turns) / (len(turns) / len(sample)) if spec.workers else 0.0
+    rate = opts.rate if opts.rate else opts.load * cap
+    convs = plan_conversations(conversations(workload, opts.seed, spec.facts, params), rate, opts.duration_s, opts.seed)
+    first = [BenchRequest(id=0, at=0, model=c.model, messages=[{"role": "system", "content": c.system},
+             {"role": "user", "content": c.first_user()}], max_tokens=1).prompt_tokens() for c in convs]  # fmt: skip
+    return {"requests": convs, "capacity_rps": round(cap, 3) if cap else None, "rate_rps": round(rate, 3),
+            "unit": "conversations", "turns": sum(len(c.turns) for c in convs),
+            "planned_end_s": round(max((c.at + c.span_s() for c in convs), default=0.0), 1),
+            "prompt_tokens_estimate": round(sum(first) / len(first), 1) if first else None}  # fmt: skip
+
+
+def lora_floor(spec: FleetSpec, requests: Work) -> int | None:
     """The fewest adapter loads any routing could do for these requests on this fleet
     (fleetgate_tools/bench/floor.py); None when no request names an adapter."""
-    names = [r.model for r in requests if r.model in spec.adapters]
+    names = [r.model for r in requests if isinstance(r, BenchRequest) and r.model in spec.adapters]
     if not names:
         return None
     hosts = [Host(w.id, frozenset(w.adapters), w.option("max_loras"), pinned=w.flavor == "lmdeploy")
@@ -123,7 +167,7 @@ def dump_path(base: Path, workload: str, many: bool) -> Path:
 async def measure(
     gateway: str,
     workers: list[engines.WorkerRef],
-    requests: Sequence[BenchRequest],
+    requests: Work,
     opts: BenchOptions,
     progress: Progress | None,
     admin_token: str | None = None,
@@ -131,7 +175,8 @@ async def measure(
 ) -> tuple[list[Any], float, dict[str, dict[str, float]], list[str], dict[str, Any]]:
     """One run through `gateway`, or, for a client-side `policy`, straight to `workers`:
     outcomes, wall time, engine counter deltas, engines not reset, and the engines' own
-    load during the run (engines.load_stats)."""
+    load during the run (engines.load_stats), with a conversation workload's figures
+    (conversations.conversation_stats)."""
     target: Any = gateway
     if policy in CLIENT_STRATEGIES:
         target = make_route(policy, workers)
@@ -141,19 +186,31 @@ async def measure(
         if admin_token:
             await engines.wait_idle(client, gateway, admin_token)
         before = await engines.scrape(client, workers)
+        on_progress = (lambda s, d, t: progress.update(s, d, t)) if progress else None
+        extra: dict[str, Any] = {}
         async with engines.LoadSampler(client, workers, opts.sample_s) as sampler:
-            outcomes, wall = await run_requests(
-                target, requests, pool=opts.pool, drain_s=opts.drain_s, api_key=opts.api_key,
-                on_progress=(lambda s, d, t: progress.update(s, d, t)) if progress else None,
-            )  # fmt: skip
+            if requests and isinstance(requests[0], Conversation):
+                convs = [c for c in requests if isinstance(c, Conversation)]
+                outcomes, wall, log = await run_conversations(
+                    target, convs, pool=opts.pool, drain_s=opts.drain_s, api_key=opts.api_key,
+                    on_progress=on_progress,
+                )  # fmt: skip
+                extra = conversation_stats(outcomes, log, len(convs))
+                window: float | None = max(c.at + c.span_s() for c in convs)
+            else:
+                reqs = [r for r in requests if isinstance(r, BenchRequest)]
+                outcomes, wall = await run_requests(
+                    target, reqs, pool=opts.pool, drain_s=opts.drain_s, api_key=opts.api_key,
+                    on_progress=on_progress,
+                )  # fmt: skip
+                window = max((r.at for r in reqs), default=None)
         after = await engines.scrape(client, workers)
-    window = max((r.at for r in requests), default=None)
-    load = engines.load_stats(sampler.samples, window) | lora_stats(sampler.lora_samples)
+    load = engines.load_stats(sampler.samples, window) | lora_stats(sampler.lora_samples) | extra
     return outcomes, wall, engines.deltas(before, after), not_reset, load
 
 
 def _plan_once(spec: FleetSpec, workload: str, opts: BenchOptions, plans: dict[str, Any],
-               many: bool) -> list[BenchRequest]:  # fmt: skip
+               many: bool) -> Work:  # fmt: skip
     """Plan a workload, note its plan (without the requests) and dump its trace if asked."""
     planned = plan(spec, workload, opts)
     plans[workload] = {k: v for k, v in planned.items() if k != "requests"} | {
@@ -161,7 +218,7 @@ def _plan_once(spec: FleetSpec, workload: str, opts: BenchOptions, plans: dict[s
     }
     if opts.dump_trace:
         write_trace(dump_path(opts.dump_trace, workload, many), planned["requests"])
-    return list(planned["requests"])
+    return planned["requests"]  # type: ignore[no-any-return]
 
 
 def run_fleet(spec: FleetSpec, cluster: Cluster, opts: BenchOptions, progress: Progress) -> dict[str, Any]:
@@ -187,7 +244,7 @@ def run_fleet(spec: FleetSpec, cluster: Cluster, opts: BenchOptions, progress: P
     return {"runs": runs, "plans": plans, "skipped_policies": unknown}
 
 
-def _run_one(cluster: Cluster, wl: str, policy: str, requests: Sequence[BenchRequest],
+def _run_one(cluster: Cluster, wl: str, policy: str, requests: Work,
              opts: BenchOptions, progress: Progress | None) -> dict[str, Any]:  # fmt: skip
     # A fresh gateway per run: no policy inherits another's state, and in-flight counts
     # shared through Redis (leased per gateway) cannot leak between runs.
@@ -199,6 +256,8 @@ def _run_one(cluster: Cluster, wl: str, policy: str, requests: Sequence[BenchReq
         outcomes, wall, deltas, not_reset, load = asyncio.run(
             measure(gw.url, workers, requests, opts, progress, cluster.admin_token, policy)
         )
+        if gw.routing_ignored:
+            load["routing_ignored"] = gw.routing_ignored
         return summarise(wl, policy, outcomes, wall, deltas, not_reset=not_reset,
                          all_workers=[w.id for w in workers], **load)  # fmt: skip
     finally:
@@ -236,6 +295,11 @@ def run_attached(url: str, admin_token: str | None, spec: FleetSpec, opts: Bench
             policy = name
             if name == "attached":
                 policy = next((o.route.split(":")[0] for o in outcomes if o.route), "attached")
+                # One policy with routing options asked for: the gateway was started with
+                # them (scripts/gpu_bench_multiturn.sh): its row carries the whole name.
+                asked = [p for p in opts.policies if p not in CLIENT_STRATEGIES]
+                if len(asked) == 1 and "+" in asked[0] and variants.parse(asked[0]).policy == policy:
+                    policy = asked[0]
             runs.append(summarise(wl, policy, outcomes, wall, deltas, not_reset=not_reset,
                                   all_workers=[w.id for w in workers], **load))  # fmt: skip
     return {"runs": runs, "plans": plans, "skipped_policies": []}

@@ -14,6 +14,10 @@ strategy picks.
   `lora` workload's a0..a15) goes to worker k % N, the workers ordered by id; a model name
   without a trailing number by a hash of it. Each engine then sees a fixed 1/N of the
   adapters, however many slots it has.
+* `conversation_affinity`: the multi-turn oracle (issue 31): conversation k (its `conv-<k>`
+  tag, never sent) goes to worker k % N for all its turns, the workers ordered by id; other
+  requests as `tenant_affinity` pins them. What a sticky client that knew the conversation
+  would do; an ordinary OpenAI client sends nothing that tells a conversation apart.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from fleetgate_tools.bench.workloads import BenchRequest
 # A route: the engine a request goes to.
 Route = Callable[[BenchRequest], WorkerRef]
 
-CLIENT_STRATEGIES = ("tenant_affinity", "direct_round_robin", "adapter_affinity")
+CLIENT_STRATEGIES = ("tenant_affinity", "direct_round_robin", "adapter_affinity", "conversation_affinity")
 _TENANT = re.compile(r"tenant-(\d+)")
+_CONVERSATION = re.compile(r"conv-(\d+)")
 _INDEX = re.compile(r".*?(\d+)")
 
 
@@ -74,6 +79,19 @@ def adapter_affinity(workers: Sequence[WorkerRef]) -> Route:
     return lambda req: pool[adapter_index(req.model) % len(pool)]
 
 
+def conversation_affinity(workers: Sequence[WorkerRef]) -> Route:
+    pool = routable(workers)
+    if not pool:
+        raise ValueError("conversation_affinity: no ready worker")
+    fallback = tenant_affinity(pool)
+
+    def route(req: BenchRequest) -> WorkerRef:
+        m = _CONVERSATION.fullmatch(req.tag)
+        return pool[int(m[1]) % len(pool)] if m else fallback(req)
+
+    return route
+
+
 def direct_round_robin(workers: Sequence[WorkerRef]) -> Route:
     pool = routable(workers)
     if not pool:
@@ -86,6 +104,7 @@ _FACTORIES: dict[str, Callable[[Sequence[WorkerRef]], Route]] = {
     "tenant_affinity": tenant_affinity,
     "direct_round_robin": direct_round_robin,
     "adapter_affinity": adapter_affinity,
+    "conversation_affinity": conversation_affinity,
 }
 
 
