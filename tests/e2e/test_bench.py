@@ -215,3 +215,46 @@ def test_attach_mode_measures_a_running_gateway(fleet_factory, tmp_path) -> None
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["runs"] and report["runs"][0]["requests"] > 0
+
+
+def test_multiturn_smoke_run(tmp_path: Path) -> None:
+    """A few seconds of multi-turn conversations through a tiny real fleet, a client-side
+    strategy beside a gateway policy with routing options: every run has the conversation
+    figures, the engines' hit rate and gauges, the option the gateway does not know is
+    reported, and the GPU tables read the runs."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(
+        "model: chat\ntime_scale: 1.0\nworkers:\n"
+        "  - {id: w, count: 2, profile: h100-7b, max_model_len: 8192, options: {num_gpu_blocks: 512}}\n"
+        "workloads:\n  multiturn: {system_prompts: 2, system_tokens: 200, context_tokens: 300, turns_min: 2,\n"
+        "              turns_max: 3, user_tokens: 30, max_tokens: 8, think_s: 0.3, think_min_s: 0.1}\n"
+    )
+    out = tmp_path / "r.json"
+    variant = "fleet+balance=0.3+no_such_knob=1"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/bench_fleet.py"), "--fleet", str(fleet), "--workloads", "multiturn",
+         "--policies", f"direct_round_robin,{variant}", "--rate", "2", "--duration", "2", "--drain", "5",
+         "--out", str(out), "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=180, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "turns ok/sent/plan" in proc.stdout and "conversations at 2.0 conversations/s" in proc.stdout
+    result = json.loads(out.read_text())
+    runs = {r["policy"]: r for r in result["runs"]}
+    assert set(runs) == {"direct_round_robin", variant}
+    assert runs[variant]["routing_ignored"] == ["no_such_knob"] and "routing_ignored" not in runs["direct_round_robin"]
+    for r in runs.values():
+        assert r["turns_planned"] == result["plans"]["multiturn"]["turns"] >= r["turns_sent"] == r["requests"] > 0
+        assert r["ok"] > 0 and r["conversations"] == result["plans"]["multiturn"]["requests"]
+        for key in ("ttft_p50", "ttft_p99", "ttft_p50_later", "ttft_p99_later", "out_tok_s", "http_429", "moved",
+                    "prefix_hit_rate", "preemptions", "eng_waiting_max", "eng_running_mean", "eng_kv_mean"):
+            assert key in r, key
+        assert r["prefix_query_tokens"] > 0 and r["eng_samples"] > 0
+    results = tmp_path / "res"
+    results.mkdir()
+    for r in result["runs"]:
+        (results / f"mt2-{r['policy']}-r1.json").write_text(json.dumps({"runs": [r], "meta": {"rate": 2.0}}))
+    tables = subprocess.run([sys.executable, "-m", "fleetgate_tools.bench.multiturn_tables", str(results),
+                             str(tmp_path / "md")], capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
+    assert tables.returncode == 0, tables.stderr
+    assert "## Done when (issue 31, multi-turn)" in (tmp_path / "md/results-multiturn.md").read_text()
