@@ -27,6 +27,15 @@
 #   T0=$(date +%s) DEADLINE_S=540 OUT=$OUT bash scripts/gpu_bench.sh lora-all   # call 3, carry .vl2 .whl
 #   T0=$(date +%s) DEADLINE_S=540 OUT=$OUT bash scripts/gpu_bench.sh lora-all   # calls 4.., carry nothing
 #
+# Issue 31's multi-turn benchmark (scripts/gpu_bench_multiturn.sh has the details: Poisson
+# conversations of 3-8 turns, each turn carrying the engine's own previous answer, no session
+# header, two then three vLLM with the KV cut to 2106 blocks, attached `--engine external --url`
+# with the model folder so that its tokenizer registers; direct_round_robin, fleet+kv_events=false
+# and fleet+kv_events=true on the same plan, 35 s of arrivals a run; results-multiturn.md / .json)
+# is run the same way, resuming across calls (~2 calls of 9 min after calls 1 and 2):
+#   T0=$(date +%s) DEADLINE_S=540 OUT=$OUT bash scripts/gpu_bench.sh multiturn-all  # call 3, carry .vl2 .whl
+#   T0=$(date +%s) DEADLINE_S=540 OUT=$OUT bash scripts/gpu_bench.sh multiturn-all  # calls 4.., carry nothing
+#
 # Steps (each also runs alone, e.g. `gpu_bench.sh bench collect` in a later call while the
 # machine is still warm; engines, Redis and agents are started with setsid and survive):
 #   setup     verify + unpack the payloads, install the wheels, build the two models
@@ -51,6 +60,9 @@
 #   pcapacity the capacity search alone; pcollect: results-pressure.md/.json, logs-pressure.tgz
 #   lora-all  setup (once per machine), the adapters, then `lora` (every L_STRATEGIES strategy on
 #             every L_SHAPES shape), then `lcollect` (results-lora.md/.json, logs-lora.tgz)
+#   multiturn-all  setup (once per machine), then `multiturn` (every M_STRATEGIES strategy on
+#             every M_SHAPES engine count), then `mcollect` (results-multiturn.md/.json,
+#             logs-multiturn.tgz)
 #
 # GPU_BENCH_ENGINE=sim runs the same logic on simulated engines (no GPU, no payloads): the
 # dry run of everything but the engines themselves. The simulator then runs standalone
@@ -567,17 +579,20 @@ stop() {
 source "$ROOT/scripts/gpu_bench_pressure.sh"
 # shellcheck source=scripts/gpu_bench_lora.sh
 source "$ROOT/scripts/gpu_bench_lora.sh"
+# shellcheck source=scripts/gpu_bench_multiturn.sh
+source "$ROOT/scripts/gpu_bench_multiturn.sh"
 
 [ $# -gt 0 ] || set -- all
 for step in "$@"; do
   case $step in
     all) setup; start; bench; lmdeploy_checks; collect ;;
-    setup|start|bench|summarise|lmdeploy_checks|collect|stop|pressure|pcollect|lora|lcollect) "$step" ;;
+    setup|start|bench|summarise|lmdeploy_checks|collect|stop|pressure|pcollect|lora|lcollect|multiturn|mcollect) "$step" ;;
     pressure-all) pressure_all ;;
     lora-all) lora_all ;;
+    multiturn-all) multiturn_all ;;
     pcapacity) mkdir -p "$P_DIR"; p_fleet_yaml; p_redis && p_capacity ;;
     vllm) start_vllm ;;  # the engines alone (after a failed start: agents already wait for them)
     lmdeploy) lmdeploy_checks ;;
-    *) echo "unknown step $step (all|setup|start|bench|lmdeploy|collect|stop|pressure-all|pressure|pcapacity|pcollect|lora-all|lora|lcollect)" >&2; exit 2 ;;
+    *) echo "unknown step $step (all|setup|start|bench|lmdeploy|collect|stop|pressure-all|pressure|pcapacity|pcollect|lora-all|lora|lcollect|multiturn-all|multiturn|mcollect)" >&2; exit 2 ;;
   esac
 done
