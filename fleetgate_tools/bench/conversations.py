@@ -229,11 +229,28 @@ async def run_conversations(
 # ---------------------------------------------------------------- figures
 
 
-def conversation_stats(outcomes: Sequence[Outcome], log: TurnLog, n_convs: int) -> dict[str, Any]:
+def live_context(by_conv: Mapping[str, Sequence[Outcome]], until_s: float, step_s: float = 0.5) -> list[int]:
+    """Tokens of context the live conversations hold, every `step_s` from 0 to `until_s`: a
+    conversation holds its last answered turn's prompt + answer (the engines' counts) from
+    that turn's start until its next turn starts, or until its last turn's answer ends."""
+    spans: list[tuple[float, float, int]] = []
+    for turns in by_conv.values():
+        for k, o in enumerate(turns):
+            if o.error or not o.prompt_tokens or o.e2e is None:
+                continue
+            end = turns[k + 1].at if k + 1 < len(turns) else o.at + o.e2e
+            spans.append((o.at, end, o.prompt_tokens + o.out_tokens))
+    return [sum(n for a, b, n in spans if a <= t < b) for t in (i * step_s for i in range(int(until_s / step_s) + 1))]
+
+
+def conversation_stats(outcomes: Sequence[Outcome], log: TurnLog, n_convs: int, window_s: float | None = None,
+                       kv_tokens: int = 0) -> dict[str, Any]:  # fmt: skip
     """A run's conversation figures: turns planned and sent, conversations completed, TTFT of
     first turns and of later ones (censored timeouts included, as in report.summarise), the
-    share of later turns served by another worker than the turn before (`moved`), and the
-    engines' mean prompt of later turns."""
+    share of later turns served by another worker than the turn before (`moved`), the
+    engines' mean prompt of later turns, and the context the live conversations held while
+    conversations were planned (t <= window_s; `live_tokens_*`) against the fleet's KV cache
+    (`kv_tokens`, summed over the engines; `live_over_kv`: the mean over it)."""
     turn = lambda o: log.turn_of.get(o.id, 0)  # noqa: E731
     timed = [o for o in outcomes if o.ttft is not None and (not o.error or o.error == "timeout")]
     first = [o.ttft for o in timed if turn(o) == 0 and o.ttft is not None]
@@ -248,6 +265,10 @@ def conversation_stats(outcomes: Sequence[Outcome], log: TurnLog, n_convs: int) 
                 follows += 1
                 moves += prev.worker != cur.worker
     prompts = [o.prompt_tokens for o in outcomes if o.prompt_tokens and turn(o) > 0]
+    live = live_context(by_conv, window_s if window_s is not None else max((o.at for o in outcomes), default=0.0))
+    # The first 10 s fill up: the mean is over the rest of the window, where there is one.
+    steady = live[20:] or live
+    live_mean = sum(steady) / len(steady) if steady else None
     per_turn = Counter(turn(o) for o in outcomes if not o.error)
     return {
         "conversations": n_convs,
@@ -261,4 +282,8 @@ def conversation_stats(outcomes: Sequence[Outcome], log: TurnLog, n_convs: int) 
         "moved": round(moves / follows, 4) if follows else None,
         "later_prompt_tokens_mean": round(sum(prompts) / len(prompts), 1) if prompts else None,
         "ok_per_turn": dict(sorted(per_turn.items())),
+        "live_tokens_mean": None if live_mean is None else round(live_mean),
+        "live_tokens_max": max(live, default=None),
+        "fleet_kv_tokens": kv_tokens or None,
+        "live_over_kv": round(live_mean / kv_tokens, 2) if live_mean is not None and kv_tokens else None,
     }

@@ -46,6 +46,7 @@ class WorkerRef(msgspec.Struct, frozen=True):
     url: str
     engine: str = ""
     state: str = ""  # the registry's: ready, draining, ... ("" when not given)
+    kv_tokens: int = 0  # the KV cache's size in tokens, as the agent registered it (0: unknown)
 
 
 def parse_counters(text: str) -> dict[str, float]:
@@ -68,7 +69,7 @@ async def list_workers(client: httpx.AsyncClient, gateway: str, admin_token: str
                             headers={"authorization": f"Bearer {admin_token}"})  # fmt: skip
     resp.raise_for_status()
     return sorted(
-        (WorkerRef(w["id"], w["url"], w.get("engine", ""), w.get("state", ""))
+        (WorkerRef(w["id"], w["url"], w.get("engine", ""), w.get("state", ""), int(w.get("kv_tokens") or 0))
          for w in resp.json()["data"]),
         key=lambda w: w.id,
     )

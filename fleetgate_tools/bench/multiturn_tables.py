@@ -55,15 +55,26 @@ def format_conversations(runs: Sequence[Mapping[str, Any]]) -> str:
             r["workload"], label, f"{r.get('conversations_completed', 0)}/{r.get('conversations', 0)}",
             _turns(r), str(r.get("http_429", 0)), _fmt(r.get("ttft_p50_first"), "s"), _fmt(r.get("ttft_p99_first"), "s"),
             _fmt(r.get("ttft_p50_later"), "s"), _fmt(r.get("ttft_p99_later"), "s"), _fmt(r.get("prefix_hit_rate"), "%"),
-            _fmt(r.get("moved"), "%"), _fmt(r.get("later_prompt_tokens_mean")),
+            _fmt(r.get("moved"), "%"), _fmt(r.get("later_prompt_tokens_mean")), _live(r),
             "-" if r.get("preemptions") is None else f"{r['preemptions']:.0f}", *engine_cells(r),
         ])  # fmt: skip
     if not rows:
         return ""
     header = ["workload", "policy", "conv done", "turns ok/sent/plan", "429", "TTFT 1st p50", "p99",
-              "TTFT later p50", "p99", "hit%", "moved", "prompt tok", "preempt", *ENGINE_HEADER]  # fmt: skip
+              "TTFT later p50", "p99", "hit%", "moved", "prompt tok", "live ctx/KV", "preempt", *ENGINE_HEADER]  # fmt: skip
     return ("conversations (TTFT of first turns and of later ones; hit%: the engines' own counters; "
-            "moved: later turns on another engine than the turn before):\n" + _table(header, rows))  # fmt: skip
+            "moved: later turns on another engine than the turn before; live ctx/KV: the context the live "
+            "conversations held, mean, over the fleet's KV cache):\n" + _table(header, rows))  # fmt: skip
+
+
+def _live(r: Mapping[str, Any]) -> str:
+    """The live conversations' context over the fleet's KV cache: "1.9x (126k / 67k)"."""
+    ratio, live, kv = r.get("live_over_kv"), r.get("live_tokens_mean"), r.get("fleet_kv_tokens")
+    if live is None:
+        return "-"
+    if ratio is None or not kv:
+        return f"{live / 1000:.0f}k"
+    return f"{ratio:.1f}x ({live / 1000:.0f}k / {kv / 1000:.0f}k)"
 
 
 # ---------------------------------------------------------------- the GPU runs' markdown
@@ -135,7 +146,10 @@ def markdown(runs: Sequence[Mapping[str, Any]]) -> str:
     lines += ["", "Turns ok / sent / planned: a turn is sent when the one before it has been answered "
               "(and its think time passed); a failed turn ends its conversation. TTFT over all turns "
               "sent and over the later turns (2nd on). Hit rate: the engines' own prefix-cache counters. "
-              "Moved: later turns served by another engine than the turn before. Engine columns: the "
+              "Moved: later turns served by another engine than the turn before. Live context / KV: the "
+              "tokens the live conversations held (each its last answered prompt + answer, from that "
+              "turn's start until its next), mean after the first 10 s, over the engines' KV caches. "
+              "Engine columns: the "
               "engines' gauges read twice a second (waiting: max of the sum; running: mean while "
               "conversations are planned / max; KV: mean use).", "", "## Per run", ""]  # fmt: skip
     rows = []
@@ -146,11 +160,11 @@ def markdown(runs: Sequence[Mapping[str, Any]]) -> str:
                      _f(r.get("ttft_p50"), "s"), _f(r.get("ttft_p99"), "s"), _f(r.get("ttft_p50_later"), "s"),
                      _f(r.get("ttft_p99_later"), "s"), _f(r.get("out_tok_s")), _f(r.get("prefix_hit_rate"), "%"),
                      _f(r.get("preemptions")), _f(r.get("moved"), "%"), _f(r.get("later_prompt_tokens_mean")),
-                     _f(r.get("eng_waiting_max")), _running(r.get("eng_running_mean"), r.get("eng_running_max")),
+                     _live(r), _f(r.get("eng_waiting_max")), _running(r.get("eng_running_mean"), r.get("eng_running_max")),
                      _f(r.get("eng_kv_mean"), "%"), ", ".join(r.get("routing_ignored") or []) or "-"])  # fmt: skip
     lines += _md(["scenario", "strategy", "round", "turns ok/sent/planned", "429s", "other errors", "TTFT p50 s",
                   "TTFT p99 s", "later TTFT p50 s", "later TTFT p99 s", "out tok/s", "hit rate", "preemptions",
-                  "moved", "prompt tok (later)", "eng waiting max", "eng running mean / max", "eng KV mean",
+                  "moved", "prompt tok (later)", "live context / KV", "eng waiting max", "eng running mean / max", "eng KV mean",
                   "options ignored"], rows)  # fmt: skip
     m = means(runs)
     lines += ["", "## Mean per scenario and strategy", ""]

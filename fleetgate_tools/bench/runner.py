@@ -195,8 +195,8 @@ async def measure(
                     target, convs, pool=opts.pool, drain_s=opts.drain_s, api_key=opts.api_key,
                     on_progress=on_progress,
                 )  # fmt: skip
-                extra = conversation_stats(outcomes, log, len(convs))
                 window: float | None = max(c.at + c.span_s() for c in convs)
+                extra = conversation_stats(outcomes, log, len(convs), window, sum(w.kv_tokens for w in workers))
             else:
                 reqs = [r for r in requests if isinstance(r, BenchRequest)]
                 outcomes, wall = await run_requests(

@@ -19,6 +19,7 @@ from fleetgate_tools.bench.conversations import (
     TurnLog,
     conversation_stats,
     conversations,
+    live_context,
     plan_conversations,
     run_conversations,
 )
@@ -176,3 +177,16 @@ def test_the_gpu_tables_compare_precise_with_placed(tmp_path: Path) -> None:
     assert "| mt2: engine hit rate of fleet+kv_events=true above fleet+kv_events=false's | PASS |" in text
     data = msgspec.json.decode((tmp_path / "out/results-multiturn.json").read_bytes())
     assert [r["strategy"] for r in data["runs"]] == ["direct_round_robin", "fleet+kv_events=false", "fleet+kv_events=true"]
+
+
+def test_live_context_holds_each_conversation_from_its_turn_to_the_next() -> None:
+    """A conversation holds its last answered prompt + answer from that turn's start until its
+    next turn starts (or its last answer ends); a failed turn holds nothing; the figures put
+    the mean after the first 10 s over the fleet's KV cache."""
+    turns = [Outcome(id=0, tag="conv-0", at=0.0, e2e=1.0, prompt_tokens=100, out_tokens=10),
+             Outcome(id=1, tag="conv-0", at=2.0, e2e=1.0, prompt_tokens=200, out_tokens=10)]  # fmt: skip
+    other = [Outcome(id=1000, tag="conv-1", at=1.0, e2e=0.5, prompt_tokens=50, error="timeout")]
+    assert live_context({"conv-0": turns, "conv-1": other}, 3.5) == [110, 110, 110, 110, 210, 210, 0, 0]
+    log = TurnLog(planned=3, sent=3, turn_of={0: 0, 1: 1, 1000: 0})
+    stats = conversation_stats([*turns, *other], log, 2, window_s=3.5, kv_tokens=100)
+    assert stats["live_tokens_max"] == 210 and stats["live_over_kv"] == pytest.approx(stats["live_tokens_mean"] / 100, abs=0.02)
