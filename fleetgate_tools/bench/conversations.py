@@ -43,7 +43,14 @@ import msgspec
 from fleetgate_tools.bench.engines import WorkerRef
 from fleetgate_tools.bench.loadgen import Outcome, send_one, targets
 from fleetgate_tools.bench.report import percentile
-from fleetgate_tools.bench.workloads import BenchRequest, Draft, FleetFacts, poisson_arrivals, words
+from fleetgate_tools.bench.workloads import (
+    BenchRequest,
+    Draft,
+    FleetFacts,
+    poisson_arrivals,
+    words,
+    zipf_weights,
+)
 
 # Request ids: conversation id x TURN_IDS + turn index.
 TURN_IDS = 1000
@@ -86,7 +93,8 @@ def multiturn(rng: random.Random, fleet: FleetFacts, p: Mapping[str, Any]) -> It
     """Endless conversations without arrival times (at = 0), in order.
 
     Parameters (defaults): system_prompts (4) shared prompts of system_tokens (600), each
-    conversation picks one uniformly; context_tokens (1500) of its own; turns_min..turns_max
+    conversation picks one uniformly (or prompt i with weight 1/(i+1)^system_zipf when that is
+    above 0: a few popular apps); context_tokens (1500) of its own; turns_min..turns_max
     (3..8) turns, uniform; questions of user_tokens (80); answers of max_tokens (128);
     think time exponential with mean think_s (4.0), at least think_min_s (0.5).
     """
@@ -100,6 +108,7 @@ def multiturn(rng: random.Random, fleet: FleetFacts, p: Mapping[str, Any]) -> It
     if n_prompts < 1 or not 1 <= lo <= hi or think < 0 or max_tokens < 1:
         raise ValueError("multiturn needs system_prompts >= 1, 1 <= turns_min <= turns_max, think_s >= 0")
     prompts = [f"[system prompt {i}] " + words(random.Random(rng.random()), sys_tokens) for i in range(n_prompts)]
+    weights = zipf_weights(n_prompts, float(p.get("system_zipf", 0.0)))
     for cid in itertools.count():
         n = rng.randint(lo, hi)
         # The numbers make each conversation's text its own (no hit beyond the system prompt
@@ -108,7 +117,7 @@ def multiturn(rng: random.Random, fleet: FleetFacts, p: Mapping[str, Any]) -> It
         turns = [Turn(question=f"question {cid}.{k}: " + words(rng, user_tokens),
                       think_s=0.0 if k == 0 else round(max(think_min, rng.expovariate(1 / think)) if think else 0.0, 3),
                       max_tokens=max_tokens) for k in range(n)]  # fmt: skip
-        yield Conversation(id=cid, at=0.0, model=fleet.model, system=prompts[rng.randrange(n_prompts)],
+        yield Conversation(id=cid, at=0.0, model=fleet.model, system=rng.choices(prompts, weights)[0],
                            context=context, turns=turns)  # fmt: skip
 
 
