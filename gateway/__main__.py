@@ -15,6 +15,7 @@ import yaml
 from fleetgate.logs import configure_logging
 from gateway.app import create_asgi
 from gateway.fastpath import FastPath
+from gateway.front_limits import FrontGuard, raise_fd_limit
 from gateway.multiproc import Supervisor, reuse_port_socket
 from gateway.server import GatewayHttpProtocol
 from gateway.settings_check import SettingsError, load_checked
@@ -67,7 +68,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(Supervisor(sys.argv[1:] if argv is None else argv, args.workers, settings.host,
                             settings.port).run())
     # SIGHUP reads the config file again to seed keys and teams (gateway/tenancy.py).
-    asgi = create_asgi(settings, lambda: load_checked(args.config, overrides))
+    # Client connections are bounded by the file descriptors the process may open: as many as
+    # its hard limit allows (gateway/front_limits.py keeps the limits on them).
+    front = FrontGuard.from_settings(settings, raise_fd_limit())
+    asgi = create_asgi(settings, lambda: load_checked(args.config, overrides), front)
     config = uvicorn.Config(
         asgi,
         host=settings.host,
@@ -75,8 +79,10 @@ def main(argv: list[str] | None = None) -> None:
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=30,
+        timeout_keep_alive=settings.idle_timeout_s,  # type: ignore[arg-type]  # an int in its hints; a float works
         server_header=False,
-        http=functools.partial(GatewayHttpProtocol, fast=asgi if isinstance(asgi, FastPath) else None),  # type: ignore[arg-type]
+        http=functools.partial(GatewayHttpProtocol, fast=asgi if isinstance(asgi, FastPath) else None,  # type: ignore[arg-type]
+                               guard=front),
     )
     server = uvicorn.Server(config)
     if args.reuse_port:  # one of --workers N: every line it logs says which process wrote it

@@ -45,6 +45,7 @@ from gateway.errors import (
 )
 from gateway.fastpath import FastPath
 from gateway.fleet import FleetWatcher
+from gateway.front_limits import FrontGuard
 from gateway.inflight import SharedInflight
 from gateway.known import KnownModels
 from gateway.lora_state import LoraState
@@ -237,8 +238,12 @@ def build_tracing(settings: GatewaySettings, instance_id: str) -> Tracing:
     return OtelTracing.exporting(settings.tracing_endpoint, settings.tracing_service, instance_id)
 
 
-def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None) -> Litestar:
-    """The gateway; `reload_seed` reads the config file again (on SIGHUP: gateway/tenancy.py)."""
+def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None,
+               front: FrontGuard | None = None) -> Litestar:
+    """The gateway; `reload_seed` reads the config file again (on SIGHUP: gateway/tenancy.py);
+    `front`: the limits on client connections that its server keeps (gateway/front_limits.py),
+    whose refusals /metrics counts."""
+    front = front if front is not None else FrontGuard.from_settings(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -285,6 +290,7 @@ def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None)
         metrics.registry.register(ScalingCollector(lambda: current(watcher, inflight, admission)))
         metrics.registry.register(PriorityCollector(admission, list(priorities.classes)))
         metrics.registry.register(placer.collector())
+        metrics.registry.register(front.collector())
         tenancy = await open_tenancy(settings, redis, registry.keys, metrics.registry, watcher.known.label,
                                      reload_seed)
         proxy.quota = tenancy.quota
@@ -352,9 +358,10 @@ def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None)
     )
 
 
-def create_asgi(settings: GatewaySettings, reload_seed: ReloadSeed | None = None) -> FastPath | Litestar:
+def create_asgi(settings: GatewaySettings, reload_seed: ReloadSeed | None = None,
+                front: FrontGuard | None = None) -> FastPath | Litestar:
     """The app to serve: the fast data path in front of `create_app(settings)`."""
-    app = create_app(settings, reload_seed)
+    app = create_app(settings, reload_seed, front)
     return FastPath(app) if settings.fast_path else app
 
 

@@ -3,7 +3,10 @@
     GatewayError                     (status, OpenAI `type`, `code`)
     ├── InvalidRequest               400 invalid_request_error
     │   ├── ContextLengthExceeded    400 invalid_request_error / context_length_exceeded
-    │   └── RequestTooLarge          413 invalid_request_error / request_too_large (the body limit)
+    │   ├── RequestTooLarge          413 invalid_request_error / request_too_large (the body limit)
+    │   ├── RequestTimeout           408 invalid_request_error / request_timeout (a body too slow)
+    │   ├── RequestLineTooLong       414 invalid_request_error / request_line_too_long
+    │   └── HeaderTooLarge           431 invalid_request_error / request_header_too_large
     ├── Unauthorized                 401 authentication_error / invalid_api_key
     ├── NotFound                     404 invalid_request_error / not_found
     │   └── ModelNotFound            404 invalid_request_error / model_not_found
@@ -16,6 +19,7 @@
     ├── NoWorkerAvailable            503 service_unavailable / no_worker_available (+ Retry-After),
     │                                    model_unavailable (served recently, no worker now),
     │                                    registry_unavailable (Redis cannot be read)
+    ├── GatewayBusy                  503 service_unavailable / connection_limit (+ Retry-After)
     ├── UpstreamError                502 upstream_error / engine_error
     └── UpstreamTimeout              504 upstream_error / engine_timeout
 
@@ -92,6 +96,22 @@ class RequestTooLarge(InvalidRequest):
         return cls(f"The request body is over the gateway's limit of {limit} bytes.")
 
 
+# The limits on a client's connection (gateway/front_limits.py).
+class RequestTimeout(InvalidRequest):
+    status = 408
+    code = "request_timeout"
+
+
+class RequestLineTooLong(InvalidRequest):
+    status = 414
+    code = "request_line_too_long"
+
+
+class HeaderTooLarge(InvalidRequest):
+    status = 431
+    code = "request_header_too_large"
+
+
 class Unauthorized(GatewayError):
     status = 401
     type = "authentication_error"
@@ -156,6 +176,14 @@ class NoWorkerAvailable(GatewayError):
     status = 503
     type = "service_unavailable"
     code = "no_worker_available"
+
+
+class GatewayBusy(GatewayError):
+    """The process holds as many client connections as it may (gateway/front_limits.py)."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "connection_limit"
 
 
 # Redis is out of reach (down, failing over, or a replica answering READONLY): a 503 the

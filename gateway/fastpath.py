@@ -375,7 +375,7 @@ class Exchange:
         self._chunks: list[bytes] = []
         self._size = 0
         self._limit = limit
-        self._error: RequestTooLarge | None = None
+        self._error: GatewayError | None = None
         self._waiter: asyncio.Future[None] | None = None
         self.task: asyncio.Task[None] | None = None  # the task serving it, once the server starts one
 
@@ -390,12 +390,17 @@ class Exchange:
             return
         self._size += len(data)
         if self._size > self._limit:
-            self._chunks.clear()
-            self._error = RequestTooLarge.over(self._limit)
-            self.keep_alive = False  # the rest of the body is never read: the connection closes after the 413
-            self._wake()
+            self.give_up(RequestTooLarge.over(self._limit))
             return
         self._chunks.append(data)
+
+    def give_up(self, error: GatewayError) -> None:
+        """Read no more of the body: the request is answered `error` and its connection closes
+        (a body over the limit, or too slow: gateway/server.py)."""
+        self._chunks.clear()
+        self._error = error
+        self.keep_alive = False  # the rest of the body is never read
+        self._wake()
 
     def end(self) -> None:
         self.more_body = False

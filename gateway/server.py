@@ -11,12 +11,17 @@ proxied one with a query string, a %-escaped path, a root path, or under uvicorn
 limit_concurrency) is uvicorn's request cycle for the ASGI app, as before; both kinds may
 follow each other, pipelined too, on one connection.
 
-On a connection with hooks (every one where proxied routes are served off the connection;
-otherwise uvicorn's timer runs as it is), the keep-alive timer is armed once per idle spell,
-not once per request: when it fires it
-closes a connection idle for `timeout_keep_alive` since its last answer, re-arms for what is
-left of that, or leaves a connection with a request (or a request's head) in flight alone
-until its answer is out. uvicorn arms one per answer and cancels it at the next request.
+On a connection with hooks (every one, unless uvicorn is told limit_concurrency, a root path
+or fresh contextvars; then uvicorn's callbacks and timer run as they are), one timer keeps
+every deadline of the connection (gateway/front_limits.py), armed once per idle spell, not
+once per request: when it fires it looks at what the connection is doing and closes it
+past that deadline or re-arms for what is left. Idle, `timeout_keep_alive` (the setting
+idle_timeout_s) since it opened or since its last answer; a head arriving,
+header_timeout_s since its first byte; a body arriving, body_timeout_s since its request's
+first byte plus a second per body_min_rate bytes (then 408); a request being answered is
+looked at again after its answer. uvicorn arms one per answer and cancels it at the next
+request. The parser hooks refuse a head over its limits (414, 431); a connection past
+max_connections is answered 503 and closed as it opens.
 
 For the ASGI requests, the transport writes a whole response's head and body in one syscall:
 uvicorn writes the status line and headers when the app sends `http.response.start`, and
@@ -36,7 +41,9 @@ from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from gateway.fastpath import Exchange
+from gateway.front_limits import FrontGuard
 from gateway.hooks import Hooks
+from gateway.settings import GatewaySettings
 
 if TYPE_CHECKING:
     from gateway.fastpath import FastPath
@@ -87,24 +94,26 @@ class _Coalescing:
 
 
 class GatewayHttpProtocol(HttpToolsProtocol):
-    """uvicorn's `http="httptools"` protocol over a `_Coalescing` transport. Where proxied routes
-    are served off the connection (built with functools.partial(GatewayHttpProtocol, fast=...)),
-    its parser calls a compiled `Hooks` (gateway/hooks.py), which turns a proxied route's
-    request into an `Exchange` for `fast` and hands every other request back to uvicorn's
-    callbacks here, for the ASGI app as before. Otherwise it is uvicorn's protocol as it is."""
+    """uvicorn's `http="httptools"` protocol over a `_Coalescing` transport, built with
+    functools.partial(GatewayHttpProtocol, fast=..., guard=...). Its parser calls a compiled
+    `Hooks` (gateway/hooks.py), which keeps the limits of `guard` on each head, turns a
+    proxied route's request into an `Exchange` for `fast` (where given) and hands every
+    other request back to uvicorn's callbacks here, for the ASGI app as before."""
 
-    def __init__(self, *args: Any, fast: FastPath | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, fast: FastPath | None = None, guard: FrontGuard | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fast = fast
+        self.guard = guard if guard is not None else FrontGuard.from_settings(GatewaySettings())
         self.raw_transport: asyncio.Transport | None = None  # past _Coalescing: an Exchange's writes are whole
         self._idle_since = 0.0
-        # Exchanges only where uvicorn would hand every request the app as it is (no 503 app
+        self._counted = False  # in guard.open
+        # Hooks only where uvicorn would hand every request the app as it is (no 503 app
         # under limit_concurrency, no root path, no fresh context per task).
         self.hooks: Hooks | None = None
         self.watched: list[Hangup] = []
-        if (fast is not None and self.limit_concurrency is None and not self.root_path
-                and not self.config.reset_contextvars):
-            self.hooks = hooks = Hooks(self, fast)
+        if self.limit_concurrency is None and not self.root_path and not self.config.reset_contextvars:
+            self.hooks = hooks = Hooks(self, fast, self.guard.limits)
             self.parser = hooks.parser  # type: ignore[assignment]  # (None only once closed)
             self.watched = hooks.watched
             # The transport looks this up once per connection: reads go straight to the parser.
@@ -115,8 +124,23 @@ class GatewayHttpProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self.raw_transport = transport
         super().connection_made(_Coalescing(transport))  # type: ignore[arg-type]
+        guard = self.guard
+        guard.open += 1
+        self._counted = True
+        if guard.open > guard.max_connections:
+            self.refuse("connection_limit")
+        elif self.hooks is not None:  # the first byte's deadline
+            self._idle_since = self.loop.time()
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
+
+    def _uncount(self) -> None:
+        if self._counted:
+            self._counted = False
+            self.guard.open -= 1
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._uncount()
         cycle = self.cycle
         if type(cycle) is Exchange and not cycle.response_complete:
             cycle.lost()
@@ -141,6 +165,15 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.url, self.headers, self.expect_100_continue = url, headers, expect_100_continue
         self.scope["headers"] = headers
         super().on_headers_complete()
+
+    def refuse(self, reason: str) -> None:
+        """A limit (gateway/front_limits.py) was hit: counted, answered where the limit has an
+        answer and no other answer is under way on this connection, and the connection closed."""
+        answer = self.guard.refuse(reason)
+        cycle = self.cycle
+        if answer is not None and not self.pipeline and (cycle is None or cycle.response_complete):
+            self.transport.write(answer)
+        self.transport.close()
 
     def parse_failed(self, exc: Exception) -> None:
         """What uvicorn's data_received does when the parser raises."""
@@ -173,41 +206,77 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def handle_websocket_upgrade(self) -> None:
         self._stop_timer()
+        self._uncount()  # the transport's next protocol is uvicorn's, not counted
         super().handle_websocket_upgrade()
 
     def on_response_complete(self) -> None:
-        if self.hooks is None:
+        hooks = self.hooks
+        if hooks is None:
             super().on_response_complete()
             return
         self.server_state.total_requests += 1
         if self.transport.is_closing():
             return
-        self._idle_since = self.loop.time()
+        self._idle_since = now = self.loop.time()
         self.flow.resume_reading()
-        if self.pipeline:  # the next pipelined request
+        if self.pipeline:  # the next pipelined request: its clock starts now, as it is taken up
+            hooks.head_started = now
             cycle, app = self.pipeline.pop()
             self._start_asgi_task(cycle, app)
-        elif self.timeout_keep_alive_task is None:
+        if self.timeout_keep_alive_task is None:
             self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
                                                                 self.timeout_keep_alive_handler)
 
     def timeout_keep_alive_handler(self) -> None:
-        """Close the connection once it has been idle `timeout_keep_alive` seconds since its last
-        answer. One busy with a request, or a request's head, is looked at again after its answer."""
+        """The connection's deadline (see the module's docstring): close it past the deadline of
+        what it is doing, else look again when that is due. One busy with a request is looked at
+        again after its answer."""
         self.timeout_keep_alive_task = None
+        hooks = self.hooks
         if self.transport.is_closing():
             return
-        if self.hooks is None:
+        if hooks is None:
             super().timeout_keep_alive_handler()
             return
+        now = self.loop.time()
+        limits = self.guard.limits
         cycle = self.cycle
-        if self.hooks.in_head or self.pipeline or (cycle is not None and not cycle.response_complete):
+        if hooks.in_body and not self.pipeline:
+            due = hooks.head_started + limits.body_timeout_s + hooks.body_bytes / limits.body_min_rate
+            if now >= due:
+                self._body_too_slow()
+                return
+        elif hooks.in_head:
+            due = hooks.head_started + limits.header_timeout_s
+            if now >= due:
+                self.refuse("header_timeout")
+                return
+        elif self.pipeline or (cycle is not None and not cycle.response_complete):
             return
-        left = self._idle_since + self.timeout_keep_alive - self.loop.time()
-        if left <= 0:
-            self.transport.close()
         else:
-            self.timeout_keep_alive_task = self.loop.call_later(left, self.timeout_keep_alive_handler)
+            due = self._idle_since + self.timeout_keep_alive
+            if now >= due:
+                if cycle is None:  # it never sent a request
+                    self.guard.refuse("idle_timeout")
+                self.transport.close()
+                return
+        self.timeout_keep_alive_task = self.loop.call_later(due - now, self.timeout_keep_alive_handler)
+
+    def _body_too_slow(self) -> None:
+        """408: an Exchange's task answers it (its read of the body raises); an ASGI request's
+        answer is written here (its app then reads a disconnect)."""
+        cycle, guard = self.cycle, self.guard
+        answer = guard.refuse("body_timeout")
+        if cycle is None or cycle.response_started:  # answered (or answering) already: only closed
+            self.transport.close()
+        elif type(cycle) is Exchange:
+            cycle.give_up(guard.error("body_timeout"))  # its task answers, and closes the connection
+        else:
+            cycle.disconnected = True  # its app reads a disconnect; an answer it sends goes nowhere
+            cycle.message_event.set()
+            if answer is not None:
+                self.transport.write(answer)
+            self.transport.close()
 
 
 async def _nothing(*_: object) -> None:

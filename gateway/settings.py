@@ -131,6 +131,33 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     responses_ttl_s: float = 86400.0
     # Largest request body accepted (413 above it).
     max_body_bytes: int = 32 * 1024 * 1024
+    # Limits on a client's connection (gateway/front_limits.py; docs/operations.md, "Limits on
+    # client connections"), nginx's and h11's in spirit. A request target over
+    # max_request_line_bytes gets 414 (nginx: one 8 KiB buffer a line); a head over
+    # max_header_bytes in all (target and header lines) or with more than max_headers lines
+    # gets 431 (nginx: 4 x 8 KiB; h11: 16 KiB; Apache: 100 lines). 32 KiB holds a long
+    # bearer token and a tracing context many times over; it also bounds what the parser
+    # holds of one connection's head.
+    max_request_line_bytes: int = 8 * 1024
+    max_header_bytes: int = 32 * 1024
+    max_headers: int = 100
+    # A head must be whole this long after its first byte, else the connection closes
+    # (nginx's client_header_timeout is 60 s, Apache's 20-40 s: an honest client sends its
+    # head at once, a slow-header attacker holds a connection as long as this allows).
+    header_timeout_s: float = 30.0
+    # A new connection that sends nothing this long, and a keep-alive one with no next
+    # request, is closed (uvicorn's keep-alive default, which the gateway always had).
+    idle_timeout_s: float = 5.0
+    # A body must arrive within body_timeout_s of its request's first byte plus a second per
+    # body_min_rate bytes (Apache mod_reqtimeout's MinRate, whose default is 500): slower
+    # gets 408 and the connection closes.
+    body_timeout_s: float = 30.0
+    body_min_rate: int = 1024
+    # Client connections one gateway process holds open at most: past it, a connection is
+    # answered 503 and closed, logged once per 10 s. The process raises its soft limit on
+    # open files to the hard one at start; at most half of that limit less 256 is used
+    # (a connection with a request in flight holds a second descriptor, to its engine).
+    max_connections: int = 10_000
     # OpenTelemetry: the OTLP/HTTP traces URL (http://collector:4318/v1/traces) spans are
     # sent to; empty: no tracing (a client's traceparent still reaches the engine).
     tracing_endpoint: str = ""

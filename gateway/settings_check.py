@@ -21,6 +21,8 @@ import msgspec
 import yaml
 
 from gateway.aliases import problems
+from gateway.front_limits import FrontLimits
+from gateway.front_limits import problems as front_problems
 from gateway.routing import POLICIES, FleetOptions
 from gateway.settings import GatewaySettings, gather
 
@@ -70,6 +72,7 @@ def check(settings: GatewaySettings) -> list[str]:
     if not isinstance(logging.getLevelName(settings.log_level.upper()), int):  # WARN is one too
         out.append(_unknown("`log_level`", settings.log_level, LOG_LEVELS))
     out.extend(problems(settings.aliases, settings.fallbacks))
+    out.extend(front_problems(FrontLimits.from_settings(settings)))
     return out
 
 

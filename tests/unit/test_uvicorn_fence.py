@@ -1,5 +1,6 @@
 """The uvicorn internals the gateway's front connection relies on (gateway/server.py,
-gateway/hooks.py, gateway/fastpath.py), named one by one.
+gateway/hooks.py, gateway/fastpath.py), named one by one, and the httptools behaviour its
+limits on a head rely on (gateway/front_limits.py).
 
 uvicorn and httptools are pinned to the tested minor versions in pyproject.toml; a release
 that renames, drops or reshapes one of these fails here, loudly, rather than in production.
@@ -143,3 +144,55 @@ async def test_uvicorn_writes_a_whole_answers_head_as_the_coalescing_transport_r
 
 def test_the_gateway_protocol_still_subclasses_uvicorns() -> None:
     assert issubclass(GatewayHttpProtocol, HttpToolsProtocol)
+
+
+async def test_a_cycle_marked_disconnected_reads_a_disconnect_and_writes_nothing() -> None:
+    """An ASGI request whose body comes too slowly: gateway/server.py answers 408 itself and
+    marks uvicorn's cycle disconnected, so its app reads a disconnect and its answer is dropped."""
+    raw = _Transport()
+    cycle = RequestResponseCycle(
+        {"type": "http", "method": "POST", "path": "/", "http_version": "1.1", "headers": []},  # type: ignore[typeddict-item]
+        raw, FlowControl(raw), logging.getLogger("t"), logging.getLogger("t"),
+        False, [], asyncio.Event(), False, True, lambda: None,
+    )
+    cycle.disconnected = True
+    cycle.message_event.set()
+    assert await cycle.receive() == {"type": "http.disconnect"}
+    await cycle.send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await cycle.send({"type": "http.response.body", "body": b"ok"})
+    assert raw.written == []
+
+
+def test_the_idle_limit_reaches_the_protocol_as_its_keep_alive_timeout() -> None:
+    """gateway/__main__.py passes idle_timeout_s (a float) as uvicorn's timeout_keep_alive."""
+    config = Config(app=_app, http="httptools", timeout_keep_alive=1.5)  # type: ignore[arg-type]
+    config.load()
+    assert HttpToolsProtocol(config, ServerState(), {}).timeout_keep_alive == 1.5
+
+
+class _Callbacks:
+    def __init__(self) -> None:
+        self.urls: list[bytes] = []
+        self.headers = 0
+
+    def on_url(self, url: bytes) -> None:
+        self.urls.append(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers += 1
+        raise LookupError("a limit")
+
+
+def test_httptools_hands_over_a_partial_target_and_stops_at_a_callbacks_exception() -> None:
+    """gateway/hooks.py refuses a target over its limit before the line ends (the parser hands
+    over what it has at the end of each read), and stops the parser by raising in a callback
+    (which feed_data raises as an HttpParserError, the callback's exception its context)."""
+    callbacks = _Callbacks()
+    parser = httptools.HttpRequestParser(callbacks)
+    parser.feed_data(b"GET /abc")
+    parser.feed_data(b"def")
+    assert callbacks.urls == [b"/abc", b"def"]
+    with pytest.raises(httptools.HttpParserError) as raised:
+        parser.feed_data(b" HTTP/1.1\r\na: 1\r\nb: 2\r\nc: 3\r\n\r\n")
+    assert isinstance(raised.value.__context__, LookupError)
+    assert callbacks.headers == 1  # no callback after the one that raised
