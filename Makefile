@@ -53,8 +53,14 @@ demo: venv
 stop:
 	$(PY) scripts/demo.py stop
 
+# The suite mostly waits on real processes, so it runs on TEST_WORKERS pytest-xdist workers
+# even on 2 cores; a module stays on one worker, the real engines' tests share one
+# (tests/conftest.py).
+TEST_WORKERS ?= 4
+
 test: venv vllm swift helm
-	FLEETGATE_REQUIRE_VLLM=1 FLEETGATE_REQUIRE_SWIFT=1 FLEETGATE_REQUIRE_HELM=1 $(PY) -m pytest -q --durations=40
+	FLEETGATE_REQUIRE_VLLM=1 FLEETGATE_REQUIRE_SWIFT=1 FLEETGATE_REQUIRE_HELM=1 $(PY) -m pytest -q \
+		-n $(TEST_WORKERS) --dist loadgroup --durations=40
 
 # The fast in-process unit tests (tests/unit/); tests/e2e/ runs real processes,
 # tests/real/ real engines, and `make test` runs all three.

