@@ -31,12 +31,14 @@ from gateway.circuit import Breakers
 from gateway.context import error_message, refit, refused_prompt_tokens
 from gateway.errors import (
     ContextLengthExceeded,
+    EngineUnreachable,
     GatewayError,
     InvalidRequest,
     ModelNotFound,
     NoWorkerAvailable,
     Overloaded,
     UpstreamError,
+    detail,
 )
 from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
@@ -115,6 +117,7 @@ class Attempt:
         self.tried: list[str] = []
         self.count = 0
         self.last_error: GatewayError | None = None
+        self.unreachable = 0  # attempts that found no engine to talk to
         self.queue_deadline: float | None = None
         # Held once for its worker's KV room (`_hold`); never twice.
         self.held = False
@@ -254,7 +257,7 @@ class Attempt:
             if resp is not None:
                 return choice, resp
             raise UpstreamError("the engine refused the continuation")
-        raise self.last_error or NoWorkerAvailable("No other worker can continue this stream.")
+        raise self.final_error() or NoWorkerAvailable("No other worker can continue this stream.")
 
     def _choose(self) -> Choice:
         dispatch = self.dispatch
@@ -293,20 +296,33 @@ class Attempt:
                 "Please reduce the length of the prompt or of max_tokens.",
                 param="messages",
             )
-        if self.last_error is not None:
-            raise self.last_error
+        if (error := self.final_error()) is not None:
+            raise error
         raise NoWorkerAvailable(
             f"No worker can serve `{self.facts.model}` right now (all draining or unhealthy); "
             "try again shortly.",
             retry_after=1,
         )
 
+    def final_error(self) -> GatewayError | None:
+        """What the client gets when the attempts end: the last one's error, unless no worker
+        tried could even be reached (killed, its record not yet expired): then a 503 to retry,
+        since the fleet is changing, that names no engine's address."""
+        error = self.last_error
+        if isinstance(error, EngineUnreachable) and self.unreachable == self.count:
+            return NoWorkerAvailable(
+                f"No worker of `{self.facts.model}` could be reached ({self.count} tried); the fleet "
+                "is changing, try again shortly.", code="workers_unreachable", retry_after=1)
+        return error
+
     def _failed(self, worker: WorkerView, error: GatewayError, sick: bool = True) -> NoReturn:
         self.last_error = error
-        self.trace.attempt_end(error.message)
+        self.unreachable += isinstance(error, EngineUnreachable)
+        why = detail(error)  # the engine's address too: for the log, the circuit, the trace
+        self.trace.attempt_end(why)
         if sick:
-            self.dispatch.breakers.failure(worker.id, error.message)
-        log.warning("gateway.attempt_failed", worker=worker.id, attempt=self.count, error=error.message)
+            self.dispatch.breakers.failure(worker.id, why)
+        log.warning("gateway.attempt_failed", worker=worker.id, attempt=self.count, error=why)
         raise Retryable(error)
 
 async def run(attempt: Attempt, admission: Admission, metrics: GatewayMetrics) -> Result:
@@ -358,7 +374,7 @@ async def _hold(attempt: Attempt, admission: Admission, slot: Slot) -> None:
 async def _retry(attempt: Attempt, failure: Retryable, metrics: GatewayMetrics) -> Result:
     settings = attempt.dispatch.settings
     if settings.retry_attempts <= 1:
-        raise failure.error
+        raise attempt.final_error() or failure.error
     retrying = AsyncRetrying(
         stop=stop_after_attempt(settings.retry_attempts - 1) | stop_after_delay(settings.retry_max_s),
         wait=wait_random_exponential(multiplier=settings.retry_backoff_s, max=1.0),
@@ -371,11 +387,11 @@ async def _retry(attempt: Attempt, failure: Retryable, metrics: GatewayMetrics) 
             with state:
                 return await attempt.next()
     except Retryable as last:
-        raise last.error from None
+        raise attempt.final_error() or last.error from None
     raise failure.error  # pragma: no cover - tenacity either returns or raises
 
 def _log_retry(attempt: Attempt, metrics: GatewayMetrics) -> None:
     metrics.retry(attempt.facts.model)
-    attempt.trace.retry(attempt.count + 1, attempt.last_error.message if attempt.last_error else "")
-    log.info("gateway.retry", model=attempt.facts.model, attempt=attempt.count + 1,
-             error=attempt.last_error.message if attempt.last_error else "")
+    why = detail(attempt.last_error) if attempt.last_error else ""
+    attempt.trace.retry(attempt.count + 1, why)
+    log.info("gateway.retry", model=attempt.facts.model, attempt=attempt.count + 1, error=why)

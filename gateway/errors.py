@@ -18,10 +18,16 @@
     │   └── QuotaExhausted           429 insufficient_quota / insufficient_quota (a token budget)
     ├── NoWorkerAvailable            503 service_unavailable / no_worker_available (+ Retry-After),
     │                                    model_unavailable (served recently, no worker now),
-    │                                    registry_unavailable (Redis cannot be read)
+    │                                    registry_unavailable (Redis cannot be read),
+    │                                    workers_unreachable (no worker tried could be reached)
     ├── GatewayBusy                  503 service_unavailable / connection_limit (+ Retry-After)
-    ├── UpstreamError                502 upstream_error / engine_error
-    └── UpstreamTimeout              504 upstream_error / engine_timeout
+    └── UpstreamError                502 upstream_error / engine_error
+        ├── EngineUnreachable        502 upstream_error / engine_unreachable (one attempt's)
+        └── UpstreamTimeout          504 upstream_error / engine_timeout
+
+An engine's address never reaches a client: an `UpstreamError`'s `message` says what
+failed, its `detail` (for the log, the circuit's reason in the admin API, traces) also
+where.
 
 Foreign exceptions (aiohttp, Redis, msgspec) are translated into this tree once,
 where they are raised (`raise X(...) from exc`); one exception handler renders it as
@@ -205,7 +211,24 @@ class UpstreamError(GatewayError):
     type = "upstream_error"
     code = "engine_error"
 
+    def __init__(self, message: str, *, detail: str | None = None) -> None:
+        super().__init__(message)
+        self.detail = detail or message
+
+
+class EngineUnreachable(UpstreamError):
+    """No connection to the engine, or it closed before answering: the engine saw nothing
+    of the request, or died with it. When every attempt ends so, the client gets a 503
+    (`workers_unreachable`): the fleet is changing under the registry's view of it."""
+
+    code = "engine_unreachable"
+
 
 class UpstreamTimeout(UpstreamError):
     status = 504
     code = "engine_timeout"
+
+
+def detail(error: GatewayError) -> str:
+    """What the log and the operator see of `error`: its message, and where when it has one."""
+    return error.detail if isinstance(error, UpstreamError) else error.message

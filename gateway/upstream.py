@@ -13,7 +13,7 @@ from collections.abc import Collection, Mapping
 import msgspec
 
 from gateway.engine_conn import Pool, Response, Target
-from gateway.errors import UpstreamError, UpstreamTimeout
+from gateway.errors import EngineUnreachable, UpstreamError, UpstreamTimeout
 from gateway.wire import EngineError, NestedError
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
@@ -125,10 +125,13 @@ class Upstream:
 
 
 def _unreachable(url: str, exc: BaseException) -> UpstreamError:
-    """A failure to reach an engine, as the gateway's error."""
+    """A failure to reach an engine, as the gateway's error: the client's message names no
+    address, the detail (the log's, the operator's) does."""
     if isinstance(exc, TimeoutError):
-        return UpstreamTimeout(f"engine at {url} did not answer in time")
-    return UpstreamError(f"engine at {url} is unreachable: {type(exc).__name__}")
+        return UpstreamTimeout("The engine did not answer in time.",
+                               detail=f"engine at {url} did not answer in time")
+    return EngineUnreachable(f"The engine is unreachable ({type(exc).__name__}).",
+                             detail=f"engine at {url} is unreachable: {type(exc).__name__}")
 
 
 def openai_error_body(status: int, data: bytes) -> bytes:

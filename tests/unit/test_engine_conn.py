@@ -173,6 +173,20 @@ async def test_an_unreachable_engine_is_an_upstream_error(upstream) -> None:
         await post(upstream, "http://127.0.0.1:9")
 
 
+async def test_an_engines_address_is_in_the_errors_detail_never_its_message(serve, upstream) -> None:
+    """What the client reads names no engine; what the log and the admin API read does."""
+    async def hang(reader, writer, n):
+        await asyncio.sleep(30)
+        return False
+
+    server = await serve(hang)
+    for url, kwargs in (("http://127.0.0.1:9", {}), (server.url, {"stream": True, "first_byte_s": 0.2})):
+        with pytest.raises(UpstreamError) as caught:
+            await post(upstream, url, **kwargs)
+        assert "127.0.0.1" not in caught.value.message and "127.0.0.1" not in caught.value.body().decode()
+        assert url in caught.value.detail
+
+
 async def test_a_stream_is_read_as_it_arrives_and_its_connection_reused_after_its_last_chunk(serve, upstream):
     go_on = asyncio.Event()
 
