@@ -410,7 +410,9 @@ class Agent:
             self.load = self._with_slots(self._with_speed(load))
             await self._learn_slots()
         unhealthy = self.probe.unhealthy
-        if (self.state == "ready" and not unhealthy
+        # Not while probes fail: a hung engine would hold the heartbeat for the read's timeout
+        # on top of the probe's, past the record's TTL (the worker would vanish, not turn unhealthy).
+        if (self.state == "ready" and not self.probe.failures
                 and time.monotonic() - self._discovered_at >= self.opts.rediscover_s):
             await self._rediscover()
         # Kept on the load, so that registering again (a lost record) says it too.
