@@ -52,6 +52,7 @@ from gateway.lora_state import LoraState
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import ModelsOperation, StoredResponseOperation, proxied_operation
 from gateway.placement import Placement
+from gateway.prefix_cache import PrefixCache
 from gateway.priorities import Priorities, PriorityCollector
 from gateway.proxy import Proxy
 from gateway.ratelimit import RateLimiter
@@ -280,12 +281,16 @@ def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None,
         # The queue is as long as the fleet is wide (every worker's batch once), at least queue_max.
         admission = Admission(lambda: max(settings.queue_max, sum(
             w.info.capacity for w in watcher.snapshot.workers if w.routable)), weights=priorities.weights)
+        # Each worker's prefix-cache index, as its agent publishes it from the engine's KV cache
+        # events: read in the background, never on the request path.
+        kv_mirror = KvMirror(settings.redis_prefix)
         proxy = Proxy(
             settings, watcher, upstream, policy, inflight, breakers, metrics, placer, placement, admission,
             priorities=priorities,
             tokenizers=Tokenizers(settings.tokenizers,
                                   (lambda: watcher.snapshot) if settings.registered_tokenizers else None),
             tracing=tracing,
+            prefix_cache=PrefixCache(kv_mirror) if getattr(opts, "kv_events", False) else None,
         )
         metrics.registry.register(ScalingCollector(lambda: current(watcher, inflight, admission)))
         metrics.registry.register(PriorityCollector(admission, list(priorities.classes)))
@@ -297,9 +302,6 @@ def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None,
         proxy.routes = lambda: tenancy.store.routes.current
         priorities.key_class = _key_class(tenancy, priorities.key_class)
         exposed = open_data_plane(settings.host, (*settings.api_keys, *tenancy.store.directory.keys))
-        # Each worker's prefix-cache index, as its agent publishes it from the engine's KV cache
-        # events: read in the background, never on the request path.
-        kv_mirror = KvMirror(settings.redis_prefix)
         app.state["gw"] = Gateway(
             settings, registry, watcher, proxy, metrics,
             RateLimiter(registry, settings.rate_limit_rpm, settings.rate_limit_burst), tenancy,

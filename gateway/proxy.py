@@ -40,6 +40,7 @@ from gateway.inflight import SharedInflight
 from gateway.live_routes import Routes
 from gateway.metrics import GatewayMetrics, usage_of
 from gateway.placement import Placement
+from gateway.prefix_cache import PrefixCache
 from gateway.priorities import HEADER as PRIORITY_HEADER
 from gateway.priorities import Priorities
 from gateway.quota import Quota, Ticket
@@ -142,6 +143,8 @@ class Proxy:
     admission: Admission
     tokenizers: Tokenizers = field(default_factory=Tokenizers)
     tracing: Tracing = field(default_factory=Tracing)
+    # The engines' prefix caches by their KV cache events; None: route by the placement only.
+    prefix_cache: PrefixCache | None = None
     # Priority classes (gateway/priorities.py); None: from the settings.
     priorities: Priorities | None = None
     # Per-key limits and usage (gateway/quota.py); None: keys carry no limits.
@@ -312,8 +315,17 @@ class Proxy:
             key, key_kind = affinity(probe, session, is_adapter)
         base = snapshot.models.get(probe.model) or probe.model
         counter = self.tokenizers.get(base)
+        # What the engines hold of the prompt (their KV cache events), with its exact token count.
+        exact: int | None = None
+        cached: dict[str, int] = {}
+        if self.prefix_cache is not None and counter is not None and generates and not is_adapter:
+            routes = snapshot.routes.by_model.get(probe.model)
+            if routes is not None:
+                exact, cached = self.prefix_cache.held(routes.routable, counter, probe)
         if kind in ("tokenize", "detokenize"):
             estimate = floor = 0  # any length may be tokenized; no context to fit
+        elif exact is not None:
+            estimate = floor = exact
         elif counter is not None:
             estimate = floor = counter.count(probe)
         else:
@@ -342,6 +354,7 @@ class Proxy:
             pinned=pinned,
             pooling=True if kind == "embeddings" else False if generates else None,
             prefix_tokens=shared_prefix_tokens(probe, key_kind, estimate),
+            cached=cached,
         )
         hide_usage = probe.stream and kind in ("chat", "completion") and not probe.wants_usage
         if hide_usage:  # count every stream's tokens: ask the engine for usage anyway

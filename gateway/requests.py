@@ -100,7 +100,7 @@ def _text(content: str | list[Part] | None) -> str:
     return "".join(p.text for p in content if p.text)
 
 
-def _prompts(raw: msgspec.Raw) -> list[str | list[int]]:
+def separate_prompts(raw: msgspec.Raw) -> list[str | list[int]]:
     """The separate prompts of a completion (or the inputs of an embedding): a string, a
     list of strings, token ids, or a list of token-id lists, each one on its own."""
     if not raw:
@@ -131,7 +131,7 @@ def prompt_texts(probe: Probe) -> list[str]:
         if isinstance(probe.input, str):
             return [*texts, probe.input]
         return [*texts, *(_text(m.content) or m.output or "" for m in probe.input)]
-    return [p for p in _prompts(probe.prompt) if isinstance(p, str)]
+    return [p for p in separate_prompts(probe.prompt) if isinstance(p, str)]
 
 
 def _messages(probe: Probe) -> int:
@@ -153,7 +153,7 @@ def estimate_tokens(probe: Probe) -> tuple[int, int]:
     """
     if _is_batch(probe):
         sizes = [(len(p), len(p)) if isinstance(p, list) else (math.ceil(len(b := p.encode()) / 4), len(b) // 8)
-                 for p in _prompts(probe.prompt)]
+                 for p in separate_prompts(probe.prompt)]
         return max(sizes, default=(0, 0))
     size = sum(len(t.encode()) for t in prompt_texts(probe))
     overhead = TEMPLATE_TOKENS_PER_MESSAGE * _messages(probe)
@@ -187,7 +187,7 @@ def affinity(probe: Probe, session: str | None, adapter: bool = False) -> tuple[
     texts = prompt_texts(probe)
     if texts and texts[0]:
         return stable_hash(f"{model}\0{texts[0][:PREFIX_CHARS]}"), "prefix"
-    if _is_batch(probe) and (prompts := _prompts(probe.prompt)) and isinstance(prompts[0], list):
+    if _is_batch(probe) and (prompts := separate_prompts(probe.prompt)) and isinstance(prompts[0], list):
         return stable_hash(f"{model}\0ids\0{prompts[0][:PREFIX_CHARS // 4]}"), "prefix"  # token ids: their head
     return None, None
 
@@ -217,12 +217,13 @@ class TokenCounter:
     def __init__(self, path: str) -> None:
         from tokenizers import Tokenizer
 
+        self.path = path
         self.tokenizer = Tokenizer.from_file(path)
 
     def count(self, probe: Probe) -> int:
         """The prompt's tokens; for separate prompts, the longest one's."""
         if _is_batch(probe):
-            prompts = _prompts(probe.prompt)
+            prompts = separate_prompts(probe.prompt)
             texts = [p for p in prompts if isinstance(p, str) and p]
             encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
             return max([len(e.ids) for e in encoded] + [len(p) for p in prompts if isinstance(p, list)], default=0)

@@ -27,6 +27,9 @@ class Message(msgspec.Struct):
     content: str | list[Part] | None = None
     # A tool call's output (Responses API `function_call_output` items).
     output: str | None = None
+    # Only whether they are there: a chat template renders them (gateway/prefix_cache.py).
+    tool_calls: msgspec.Raw = msgspec.Raw()
+    name: msgspec.Raw = msgspec.Raw()
 
 
 class StreamOptions(msgspec.Struct):
@@ -54,6 +57,14 @@ class Probe(msgspec.Struct):
     max_output_tokens: int | None = None
     previous_response_id: str | None = None
     store: bool | None = None
+    # What else shapes the prompt a chat template renders (vLLM's chat parameters): kept
+    # raw, only to know whether the gateway can render the prompt as the engine will.
+    tools: msgspec.Raw = msgspec.Raw()
+    chat_template: msgspec.Raw = msgspec.Raw()
+    chat_template_kwargs: msgspec.Raw = msgspec.Raw()
+    add_generation_prompt: msgspec.Raw = msgspec.Raw()
+    continue_final_message: msgspec.Raw = msgspec.Raw()
+    documents: msgspec.Raw = msgspec.Raw()
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -42,6 +42,10 @@ CHAT_TEMPLATE = (
     "{%- endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# transformers' Qwen2Tokenizer's pre-tokenizing split (tokenization_qwen2.PRETOKENIZE_REGEX).
+QWEN2_PRETOKENIZE = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 
 def corpus_files(limit: int = 120) -> list[str]:
@@ -52,11 +56,18 @@ def corpus_files(limit: int = 120) -> list[str]:
 
 
 def make_tokenizer(out: Path):  # type: ignore[no-untyped-def]
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
+    # The pipeline transformers' Qwen2Tokenizer builds (the class config.json's model type picks),
+    # whatever tokenizer.json says: written into tokenizer.json too, so that what reads the file
+    # alone (the gateway, the simulator) splits text as vLLM does (digits one by one).
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(

@@ -47,6 +47,9 @@ class WorkerRef(msgspec.Struct, frozen=True):
     engine: str = ""
     state: str = ""  # the registry's: ready, draining, ... ("" when not given)
     kv_tokens: int = 0  # the KV cache's size in tokens, as the agent registered it (0: unknown)
+    # Its engine's KV cache events as the gateway mirrors them: "events" (an index it can
+    # trust), "lost" (not now), "" (it publishes none).
+    kv_events: str = ""
 
 
 def parse_counters(text: str) -> dict[str, float]:
@@ -69,7 +72,8 @@ async def list_workers(client: httpx.AsyncClient, gateway: str, admin_token: str
                             headers={"authorization": f"Bearer {admin_token}"})  # fmt: skip
     resp.raise_for_status()
     return sorted(
-        (WorkerRef(w["id"], w["url"], w.get("engine", ""), w.get("state", ""), int(w.get("kv_tokens") or 0))
+        (WorkerRef(w["id"], w["url"], w.get("engine", ""), w.get("state", ""), int(w.get("kv_tokens") or 0),
+                   str((w.get("kv_events") or {}).get("state") or ""))
          for w in resp.json()["data"]),
         key=lambda w: w.id,
     )

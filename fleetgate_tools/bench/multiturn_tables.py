@@ -56,15 +56,17 @@ def format_conversations(runs: Sequence[Mapping[str, Any]]) -> str:
             _turns(r), str(r.get("http_429", 0)), _fmt(r.get("ttft_p50_first"), "s"), _fmt(r.get("ttft_p99_first"), "s"),
             _fmt(r.get("ttft_p50_later"), "s"), _fmt(r.get("ttft_p99_later"), "s"), _fmt(r.get("prefix_hit_rate"), "%"),
             _fmt(r.get("moved"), "%"), _fmt(r.get("later_prompt_tokens_mean")), _live(r),
-            "-" if r.get("preemptions") is None else f"{r['preemptions']:.0f}", *engine_cells(r),
+            "-" if r.get("preemptions") is None else f"{r['preemptions']:.0f}", r.get("kv_events_workers") or "-",
+            *engine_cells(r),
         ])  # fmt: skip
     if not rows:
         return ""
     header = ["workload", "policy", "conv done", "turns ok/sent/plan", "429", "TTFT 1st p50", "p99",
-              "TTFT later p50", "p99", "hit%", "moved", "prompt tok", "live ctx/KV", "preempt", *ENGINE_HEADER]  # fmt: skip
+              "TTFT later p50", "p99", "hit%", "moved", "prompt tok", "live ctx/KV", "preempt", "KV events", *ENGINE_HEADER]  # fmt: skip
     return ("conversations (TTFT of first turns and of later ones; hit%: the engines' own counters; "
             "moved: later turns on another engine than the turn before; live ctx/KV: the context the live "
-            "conversations held, mean, over the fleet's KV cache):\n" + _table(header, rows))  # fmt: skip
+            "conversations held, mean, over the fleet's KV cache; KV events: engines whose KV cache events the "
+            "gateway had an index of at the end):\n" + _table(header, rows))  # fmt: skip
 
 
 def _live(r: Mapping[str, Any]) -> str:
@@ -148,7 +150,9 @@ def markdown(runs: Sequence[Mapping[str, Any]]) -> str:
               "sent and over the later turns (2nd on). Hit rate: the engines' own prefix-cache counters. "
               "Moved: later turns served by another engine than the turn before. Live context / KV: the "
               "tokens the live conversations held (each its last answered prompt + answer, from that "
-              "turn's start until its next), mean after the first 10 s, over the engines' KV caches. "
+              "turn's start until its next), mean after the first 10 s, over the engines' KV caches. KV "
+              "events: the engines whose KV cache events the gateway had an index of at the run's end "
+              "(0/N: no policy could route on them). "
               "Engine columns: the "
               "engines' gauges read twice a second (waiting: max of the sum; running: mean while "
               "conversations are planned / max; KV: mean use).", "", "## Per run", ""]  # fmt: skip
@@ -160,11 +164,11 @@ def markdown(runs: Sequence[Mapping[str, Any]]) -> str:
                      _f(r.get("ttft_p50"), "s"), _f(r.get("ttft_p99"), "s"), _f(r.get("ttft_p50_later"), "s"),
                      _f(r.get("ttft_p99_later"), "s"), _f(r.get("out_tok_s")), _f(r.get("prefix_hit_rate"), "%"),
                      _f(r.get("preemptions")), _f(r.get("moved"), "%"), _f(r.get("later_prompt_tokens_mean")),
-                     _live(r), _f(r.get("eng_waiting_max")), _running(r.get("eng_running_mean"), r.get("eng_running_max")),
+                     _live(r), r.get("kv_events_workers") or "-", _f(r.get("eng_waiting_max")), _running(r.get("eng_running_mean"), r.get("eng_running_max")),
                      _f(r.get("eng_kv_mean"), "%"), ", ".join(r.get("routing_ignored") or []) or "-"])  # fmt: skip
     lines += _md(["scenario", "strategy", "round", "turns ok/sent/planned", "429s", "other errors", "TTFT p50 s",
                   "TTFT p99 s", "later TTFT p50 s", "later TTFT p99 s", "out tok/s", "hit rate", "preemptions",
-                  "moved", "prompt tok (later)", "live context / KV", "eng waiting max", "eng running mean / max", "eng KV mean",
+                  "moved", "prompt tok (later)", "live context / KV", "KV events", "eng waiting max", "eng running mean / max", "eng KV mean",
                   "options ignored"], rows)  # fmt: skip
     m = means(runs)
     lines += ["", "## Mean per scenario and strategy", ""]

@@ -20,6 +20,7 @@ before it); `--rate` is then conversations a second.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 import warnings
@@ -205,6 +206,12 @@ async def measure(
                 )  # fmt: skip
                 window = max((r.at for r in reqs), default=None)
         after = await engines.scrape(client, workers)
+        if admin_token:
+            # Which engines' KV cache events the gateway had an index of at the end (what a
+            # policy routing on them could use): "2/2".
+            with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
+                listed = await engines.list_workers(client, gateway, admin_token)
+                extra["kv_events_workers"] = f"{sum(w.kv_events == 'events' for w in listed)}/{len(listed)}"
     load = engines.load_stats(sampler.samples, window) | lora_stats(sampler.lora_samples) | extra
     return outcomes, wall, engines.deltas(before, after), not_reset, load
 

@@ -30,6 +30,14 @@
    demand by its report. The facts (`warm`, `full`) come from
    gateway/lora_state.py `residency`. Among equals (within a small band of load) the
    adapter's ring order decides, so replicas choose alike.
+4. What the engines cache: where workers publish their KV cache events and the gateway
+   knows the prompt's token ids (`facts.cached`, gateway/prefix_cache.py), the engines'
+   figure corrects the placement. A worker holding clearly more of the prompt than the
+   key's home (it saves `kv_gain` of what the home would compute again) and not saturated
+   takes the request ("kv-hit"; "kv-placed" for a key not placed yet, which is placed
+   there): the home evicted the prefix or restarted, the conversation's earlier turns went
+   elsewhere, another client or gateway replica warmed it. Where the home holds as much,
+   or nothing is known, the placement decides as above.
 """
 
 from __future__ import annotations
@@ -103,6 +111,9 @@ class FleetPolicy:
         if facts.adapter:
             return self._rank_adapter(scored, facts, live, routes, limit)
         key = facts.affinity_key
+        if facts.cached and (held := self._holder(scored, facts, live, home, second)) is not None:
+            reason = "kv-placed" if key is not None and home is None else "kv-hit"
+            return _with_rest(held, reason, scored, limit)
         if key is None or len(candidates) == 1:
             return [Choice(x[2], "least-load") for x in best(scored, limit)]
         kind = facts.affinity_kind or "prefix"
@@ -123,10 +134,27 @@ class FleetPolicy:
             # engine queues it, and the background rebalance moves light keys off a worker
             # whose placed work is above its share.
             pick, reason = home, f"{kind}-hit"
-        if limit == 1:
-            return [Choice(pick[2], reason)]
-        rest = best([x for x in scored if x[1] != pick[1]], limit - 1)
-        return [Choice(pick[2], reason), *(Choice(x[2], "least-load") for x in rest)]
+        return _with_rest(pick, reason, scored, limit)
+
+    def _holder(
+        self, scored: list[tuple[float, str, Slot]], facts: RequestFacts, live: Live,
+        home: tuple[float, str, Slot] | None, second: tuple[float, str, Slot] | None,
+    ) -> tuple[float, str, Slot] | None:
+        """The worker whose engine holds clearly more of the prompt than the key's home (or
+        its second home) by its KV cache events, and has room; None: the home logic decides.
+
+        Clearly more: it saves `kv_gain` of what the home would compute again. The home
+        lost the prefix (evicted, restarted) or never had it (the conversation's turns went
+        elsewhere, another client or replica warmed it). Among such workers, those within
+        that margin of the most held, the least loaded."""
+        held = facts.cached
+        known = max(held.get(home[1], 0) if home is not None else 0, held.get(second[1], 0) if second is not None else 0)
+        margin = max(1.0, self.opts.kv_gain * (facts.prompt_tokens - known))
+        holders = [x for x in scored if held.get(x[1], 0) >= known + margin and not self.saturated(x[2], live)]
+        if not holders:
+            return None
+        most = max(held[x[1]] for x in holders)
+        return min(x for x in holders if held[x[1]] >= most - margin)
 
     def _place(
         self, key: int, scored: list[tuple[float, str, Slot]], facts: RequestFacts, live: Live,
@@ -221,6 +249,16 @@ class FleetPolicy:
             return group[0]
         bar = min(group)[0] * (1.0 + _BAND) + _BAND
         return min((x for x in group if x[0] <= bar), key=lambda x: (rank.get(x[1], len(rank)), x[1]))
+
+
+def _with_rest(
+    pick: tuple[float, str, Slot], reason: str, scored: list[tuple[float, str, Slot]], limit: int,
+) -> list[Choice]:
+    """`pick` first, then the least loaded of the rest up to `limit`."""
+    if limit == 1:
+        return [Choice(pick[2], reason)]
+    rest = best([x for x in scored if x[1] != pick[1]], limit - 1)
+    return [Choice(pick[2], reason), *(Choice(x[2], "least-load") for x in rest)]
 
 
 # An adapter request's worker groups, in the order they are tried.

@@ -54,6 +54,9 @@ class RequestFacts(msgspec.Struct, frozen=True):
     # key may get a second home when its home saturates. Light keys stay home, so a busy
     # worker does not spread all of its tenants over the fleet (which thrashes every cache).
     heavy: bool = False
+    # Prompt tokens each worker's engine holds in its prefix cache, by its KV cache events
+    # (gateway/prefix_cache.py); only workers that hold some. Empty: nothing known.
+    cached: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class Choice(msgspec.Struct, frozen=True):
@@ -98,3 +101,9 @@ class FleetOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     # No longer read (an engine whose slots are all busy with others is taken only when no
     # engine has a free slot: a rule, not a cost); accepted so that old configs still load.
     lora_swap_cost: float = 1.5
+    # Route by what the engines report they cache (their KV cache events, where a worker
+    # publishes them and the model's tokenizer is known), not only by the placement.
+    kv_events: bool = True
+    # A worker whose engine holds more of the prompt than the key's home does takes the
+    # request when it saves at least this share of what the home would compute again.
+    kv_gain: float = 0.3

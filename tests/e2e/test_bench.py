@@ -249,7 +249,8 @@ def test_multiturn_smoke_run(tmp_path: Path) -> None:
         for key in ("ttft_p50", "ttft_p99", "ttft_p50_later", "ttft_p99_later", "out_tok_s", "http_429", "moved",
                     "prefix_hit_rate", "preemptions", "eng_waiting_max", "eng_running_mean", "eng_kv_mean"):
             assert key in r, key
-        assert r["prefix_query_tokens"] > 0 and r["eng_samples"] > 0
+        assert r["prefix_query_tokens"] > 0 and r["eng_samples"] > 0 and r["kv_events_workers"] in ("0/2", "1/2", "2/2")
+        assert r["live_tokens_max"] > 0 and r["fleet_kv_tokens"] == 2 * 512 * 16
     results = tmp_path / "res"
     results.mkdir()
     for r in result["runs"]:

@@ -338,7 +338,7 @@ def test_tokenize_matches_vllm_with_the_tiny_tokenizer(gen: Sim) -> None:
 def test_chat_prompt_carries_the_templates_default_system(gen: Sim) -> None:
     """With the tiny model's folder, a chat without a system message gets the one its chat
     template adds, as in vLLM: /tokenize answers the captured ids, and chat usage counts
-    vLLM's 27 prompt tokens for "Hi" (tests/data/vllm_choices/chat-n3.txt)."""
+    vLLM's 28 prompt tokens for "Hi" (vLLM 0.32 on the tiny model, 2026-12-06)."""
     needs_tiny()
     hi_there = [{"role": "user", "content": "Hi there"}]
     for name, extra in (("gen-tokenize-chat.txt", {}),
@@ -347,7 +347,7 @@ def test_chat_prompt_carries_the_templates_default_system(gen: Sim) -> None:
         assert httpx.post(gen.url + "/tokenize", json=body).json() == capture(name)[1]
     chat = httpx.post(gen.url + "/v1/chat/completions", json={
         "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})  # fmt: skip
-    assert chat.json()["usage"]["prompt_tokens"] == 27
+    assert chat.json()["usage"]["prompt_tokens"] == 28
     own = [{"role": "system", "content": "Be brief."}, *hi_there]
     counted = httpx.post(gen.url + "/tokenize", json={"model": "tiny", "messages": own}).json()
     assert "You are a helpful" not in httpx.post(

@@ -213,3 +213,61 @@ def test_zz_real_vllm_worker_killed_mid_stream_is_resumed_on_the_other(vllm_flee
     gateway_log = next(p for p in fleet.procs if "gateway" in p.log_path.name).output()
     assert "gateway.stream_resumed" in gateway_log
     print(f"real vLLM mid-stream failover: {victim} killed after 8 events; completion_tokens={usage['completion_tokens']}")  # type: ignore[index]
+
+
+def test_the_gateways_prompt_ids_are_vllms_and_a_prompt_warmed_on_one_engine_is_routed_there(
+    vllm_fleet: tuple[Fleet, str],
+) -> None:
+    """The token ids the gateway renders for a chat (the tiny model's template and tokenizer)
+    are the ones vLLM's own /tokenize gives; a system prompt another client sent straight to
+    vllm-b's engine is in vllm-b's index (its KV events) and the next chat under it goes to
+    vllm-b through the gateway, placed there by the engine's cache."""
+    import msgspec
+
+    from fleetgate.chat_template import load_chat_template
+    from gateway.prefix_cache import PromptTokens
+    from gateway.requests import TokenCounter
+    from gateway.wire import Probe
+
+    fleet, url = vllm_fleet
+    workers = fleet.workers(url)
+    engine = str(workers["vllm-b"]["url"])
+    tokens = PromptTokens(TokenCounter(str(TINY / "model" / "tokenizer.json")), load_chat_template(TINY / "model"))
+    system = "You are the assistant of the routing test. " + " ".join(f"w{i % 97}" for i in range(300))
+    chats = [
+        [{"role": "user", "content": "Hello there"}],
+        [{"role": "system", "content": system}, {"role": "user", "content": "Digits 1234 and émigré text."}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Two\nlines"},
+         {"role": "assistant", "content": "Fine."}, {"role": "user", "content": [
+             {"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}]}],
+    ]
+    for messages in chats:
+        theirs = httpx.post(f"{engine}/tokenize", json={"model": "tiny", "messages": messages}, timeout=30).json()
+        probe = msgspec.json.decode(msgspec.json.encode({"model": "tiny", "messages": messages}), type=Probe)
+        assert tokens.ids(probe) == theirs["tokens"], messages
+
+
+    def index() -> dict[str, object]:
+        kv = fleet.workers(url)["vllm-b"]["kv_events"]
+        assert kv is not None and kv["state"] == "events", kv
+        return kv  # type: ignore[no-any-return]
+
+    def blocks() -> int:
+        return int(index()["blocks"])  # type: ignore[call-overload]
+
+    before = blocks()
+    whole = len(tokens.ids(msgspec.json.decode(msgspec.json.encode(
+        {"model": "tiny", "messages": [{"role": "system", "content": system}]}), type=Probe)) or []) // int(
+        index()["block_size"] or 16)  # type: ignore[call-overload]
+    assert whole >= 3  # the system prompt alone fills blocks
+    warm = {"model": "tiny", "max_tokens": 2, "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": "first"}]}
+    assert httpx.post(f"{engine}/v1/chat/completions", json=warm, timeout=60).status_code == 200
+    deadline = time.monotonic() + 15
+    while blocks() < before + whole:
+        assert time.monotonic() < deadline, f"vllm-b's index did not grow by {whole} blocks: {index()}"
+        time.sleep(0.1)
+    resp = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={**warm, "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": "second"}]})
+    assert resp.status_code == 200
+    assert (resp.headers["x-fleetgate-worker"], resp.headers["x-fleetgate-route"]) == ("vllm-b", "fleet:kv-placed")

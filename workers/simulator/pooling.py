@@ -29,7 +29,7 @@ from workers.simulator.flavors import SimError
 from workers.simulator.kvcache import block_hashes
 from workers.simulator.requests import Context, bad, invalid, resolve_model
 from workers.simulator.seqs import Seq
-from workers.simulator.tokens import TextSource, render_chat
+from workers.simulator.tokens import TextSource, render_prompt
 
 DEFAULT_DIM = 128
 Json = dict[str, Any]
@@ -121,9 +121,8 @@ def _prompts(body: Mapping[str, Any], ctx: Context) -> list[tuple[list[int], boo
         ):
             raise invalid(("list_type", "body.messages", "Input should be a valid list", "..."))
         add_prompt = bool(body.get("add_generation_prompt", False))
-        text = render_chat(
-            messages, add_generation_prompt=add_prompt, continue_final=False,
-            default_system=ctx.tokens.chat_system,
+        text = render_prompt(
+            ctx.tokens, messages, add_generation_prompt=add_prompt, continue_final=False,
         )  # fmt: skip
         return [(ctx.tokens.encode(text), True)]
     if "input" not in body:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from workers.simulator.flavors import Flavor, SimError
-from workers.simulator.tokens import Tokens, render_chat
+from workers.simulator.tokens import Tokens, render_prompt
 from workers.simulator.tools import ToolCall, forced_call
 
 Kind = Literal["chat", "completion", "response"]
@@ -110,9 +110,8 @@ def _chat_prompt(body: Mapping[str, Any], ctx: Context) -> str:
         if continue_final and not trailing_assistant:
             raise bad("continue_final_message needs a final assistant message", "messages")
     try:
-        return render_chat(
-            messages, add_generation_prompt=add_prompt, continue_final=continue_final,
-            default_system=ctx.tokens.chat_system,
+        return render_prompt(
+            ctx.tokens, messages, add_generation_prompt=add_prompt, continue_final=continue_final,
         )  # fmt: skip
     except ValueError as exc:
         raise bad(str(exc), "messages") from exc

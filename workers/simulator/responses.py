@@ -29,7 +29,7 @@ from workers.simulator.flavors import SimError
 from workers.simulator.requests import Context, Prepared, bad, opt_int, resolve_model
 from workers.simulator.seqs import Seq
 from workers.simulator.streams import EventStream
-from workers.simulator.tokens import render_chat
+from workers.simulator.tokens import render_prompt
 
 Abort = Callable[[Seq], None]
 
@@ -100,9 +100,8 @@ class Responses:
             if previous is None:
                 raise not_found(str(previous_id))
         messages = conversation(body, previous)
-        prompt_text = render_chat(
-            messages, add_generation_prompt=True, continue_final=False,
-            default_system=ctx.tokens.chat_system,
+        prompt_text = render_prompt(
+            ctx.tokens, messages, add_generation_prompt=True, continue_final=False,
         )  # fmt: skip
         prompt_ids = ctx.tokens.encode(prompt_text)
         n, limit = len(prompt_ids), ctx.max_model_len

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from workers.simulator.requests import Context, bad, invalid, resolve_model
-from workers.simulator.tokens import render_chat
+from workers.simulator.tokens import render_prompt
 
 Json = dict[str, Any]
 
@@ -40,9 +40,8 @@ def tokenize(body: Any, ctx: Context) -> Json:
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
             )
         try:
-            text = render_chat(
-                messages, add_generation_prompt=add_prompt, continue_final=continue_final,
-                default_system=ctx.tokens.chat_system,
+            text = render_prompt(
+                ctx.tokens, messages, add_generation_prompt=add_prompt, continue_final=continue_final,
             )  # fmt: skip
         except ValueError as exc:
             raise bad(str(exc), "messages") from exc

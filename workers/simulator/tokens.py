@@ -12,13 +12,14 @@ so that what is streamed, what usage reports and what the scheduler counted agre
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
+
+from fleetgate.chat_template import ChatTemplate, load_chat_template, read_template
 
 MEAN_OUTPUT_TOKENS = 200
 
@@ -32,6 +33,8 @@ class Tokens(Protocol):
     # The system message the model's chat template adds when there is none (None: no such
     # default); see default_system().
     chat_system: str | None
+    # The model's own chat template, rendered as vLLM renders it; None: ChatML (render_chat).
+    template: ChatTemplate | None
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
@@ -43,6 +46,7 @@ class ByteTokens:
     """One token per 4 bytes of UTF-8: ceil(len(bytes) / 4) tokens."""
 
     chat_system: str | None = None
+    template: ChatTemplate | None = None
 
     def encode(self, text: str) -> list[int]:
         raw = text.encode()
@@ -71,6 +75,7 @@ class FileTokens:
 
         self._tok = Tokenizer.from_file(str(path))
         self.chat_system = default_system(path.parent)
+        self.template = load_chat_template(path.parent)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
@@ -89,27 +94,12 @@ class FileTokens:
 _DEFAULT_SYSTEM = re.compile(r"""['"]<\|im_start\|>system\\n([^'"+{}]*?)<\|im_end\|>\\n['"]""")
 
 
-def _chat_template(folder: Path) -> str:
-    """The model's chat template: chat_template.jinja, else tokenizer_config.json's
-    `chat_template` (a string, or a list of named templates: the "default" one)."""
-    jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text()
-    config = folder / "tokenizer_config.json"
-    if not config.is_file():
-        return ""
-    value = json.loads(config.read_text()).get("chat_template") or ""
-    if isinstance(value, list):
-        value = next((t.get("template", "") for t in value if t.get("name") == "default"), "")
-    return value if isinstance(value, str) else ""
-
-
 def default_system(folder: Path) -> str | None:
     """The content of the system message the folder's ChatML chat template adds when the
     messages do not open with one (e.g. "You are a helpful assistant."), read from the
     template as a literal; None when it has none. Only this part of a template is honoured:
     the rest is rendered ChatML-style (render_chat)."""
-    found = _DEFAULT_SYSTEM.search(_chat_template(folder))
+    found = _DEFAULT_SYSTEM.search(read_template(folder))
     return found.group(1).replace("\\n", "\n") if found else None
 
 
@@ -155,6 +145,23 @@ def render_chat(
     if add_generation_prompt and not continue_final:
         parts.append("<|im_start|>assistant\n")
     return "".join(parts)
+
+
+def render_prompt(
+    tokens: Tokens, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool, continue_final: bool,
+) -> str:  # fmt: skip
+    """The chat's prompt text: with the model's chat template where its folder has one (as
+    vLLM renders it), else ChatML (render_chat). ValueError: messages it cannot render."""
+    if tokens.template is None:
+        return render_chat(messages, add_generation_prompt=add_generation_prompt, continue_final=continue_final,
+                           default_system=tokens.chat_system)
+    for msg in messages:
+        message_text(msg.get("content"))  # the content's shape, checked as render_chat does
+    try:
+        return tokens.template.render(messages, add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final)
+    except Exception as exc:  # the template refused them (raise_exception), or a type error
+        raise ValueError(f"the chat template cannot render these messages: {exc}") from exc
 
 
 class TextSource:

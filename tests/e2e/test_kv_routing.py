@@ -1,0 +1,114 @@
+"""Precise prefix routing on real processes: the gateway renders a request's prompt with the
+model's chat template and tokenizer (the tiny model's, which the agents register and the
+simulator tokenizes with, as vLLM would), looks it up in the engines' KV indexes (their cache
+events, through Redis) and sends it where the engine holds it: a prompt another client warmed,
+a prefix evicted at its home. Two gateway replicas choose alike."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import httpx
+
+from tests.conftest import Fleet, require_setup
+from tests.e2e.test_context_length import TINY
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda omicron".split()
+
+
+def system_prompt(i: int) -> str:
+    """A system prompt of its own (~400 tokens), unlike every other test's."""
+    return f"You are assistant number {i}. " + " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(300))
+
+
+def chat(system: str, question: str) -> dict[str, object]:
+    return {"model": "model", "max_tokens": 4, "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": question}]}
+
+
+def start(fleet: Fleet, *gateway_args: str, blocks: int = 4096) -> tuple[str, dict[str, str]]:
+    require_setup("tokenizer", [TINY / "tokenizer.json"], "vllm", "FLEETGATE_REQUIRE_VLLM")
+    _, url = fleet.gateway(*gateway_args)
+    for wid in ("a", "b"):
+        fleet.worker(wid, "--model", str(TINY), "--option", "time_scale=0.05", "--option", "block_size=16",
+                     "--option", f"num_gpu_blocks={blocks}")
+    fleet.wait_ready(url, "a", "b")
+    deadline = time.monotonic() + 30
+    while True:
+        views = fleet.workers(url)
+        if all((w.get("kv_events") or {}).get("state") == "events" for w in views.values()):  # type: ignore[union-attr]
+            break
+        assert time.monotonic() < deadline, views
+        time.sleep(0.1)
+    return url, {wid: str(w["url"]) for wid, w in views.items()}
+
+
+def blocks(fleet: Fleet, url: str, wid: str) -> int:
+    return int(fleet.workers(url)[wid]["kv_events"]["blocks"])  # type: ignore[index]
+
+
+def warm(fleet: Fleet, url: str, engine: str, wid: str, body: dict[str, object], path: str) -> None:
+    """Send `body` straight to worker `wid`'s engine (another client), and wait until the
+    gateway's mirror holds its blocks."""
+    before = blocks(fleet, url, wid)
+    assert httpx.post(f"{engine}{path}", json=body, timeout=30).status_code == 200
+    deadline = time.monotonic() + 10
+    while blocks(fleet, url, wid) < before + 16:
+        assert time.monotonic() < deadline, f"{wid}'s index did not grow"
+        time.sleep(0.05)
+
+
+def routed(url: str, body: dict[str, object], path: str = "/v1/chat/completions") -> tuple[str, str]:
+    resp = httpx.post(f"{url}{path}", json=body, timeout=30)
+    assert resp.status_code == 200, resp.text
+    return resp.headers["x-fleetgate-worker"], resp.headers["x-fleetgate-route"]
+
+
+def test_prompts_another_client_warmed_are_routed_where_the_engine_holds_them(
+    fleet_factory: Callable[[], Fleet],
+) -> None:
+    """Six system prompts, each warmed on one engine (alternately a, b) by a client that
+    bypasses the gateway: a new question under each goes to that engine through either of two
+    gateway replicas (placed there by the engine's cache), and stays there; a completion's
+    prompt too. Without the events the placement would choose by its ring alone."""
+    fleet = fleet_factory()
+    url, engines = start(fleet)
+    _, other = fleet.gateway()
+    got, want = [], []
+    for i in range(6):
+        target = "ab"[i % 2]
+        warm(fleet, url, engines[target], target, chat(system_prompt(i), "first question"), "/v1/chat/completions")
+        first = routed(url, chat(system_prompt(i), f"second question {i}"))
+        replica = routed(other, chat(system_prompt(i), f"third question {i}"))
+        again = routed(url, chat(system_prompt(i), f"fourth question {i}"))
+        got.append((first, replica, again))
+        want.append(((target, "fleet:kv-placed"), (target, "fleet:kv-placed"), (target, "fleet:prefix-hit")))
+    print(f"kv-routing: {got}")
+    assert got == want
+    prompt = "A completion prompt that another client sent first. " + system_prompt(99)
+    warm(fleet, url, engines["b"], "b", {"model": "model", "prompt": prompt, "max_tokens": 4}, "/v1/completions")
+    assert routed(url, {"model": "model", "prompt": prompt + " More.", "max_tokens": 4}, "/v1/completions") == (
+        "b", "fleet:kv-placed")
+
+
+def test_an_evicted_prefix_moves_the_next_request_to_the_engine_that_still_holds_it(
+    fleet_factory: Callable[[], Fleet],
+) -> None:
+    """A system prompt placed on its home through the gateway, and also cached on the other
+    engine; then the home's small cache is filled with other prompts until it evicts it: the
+    next request goes to the engine that still holds it (kv-hit), not home."""
+    fleet = fleet_factory()
+    url, engines = start(fleet, blocks=96)  # 1,536 tokens of KV each: four prompts' worth
+    system = system_prompt(7)
+    home, reason = routed(url, chat(system, "placed"))
+    assert reason == "fleet:prefix-placed"
+    other = "b" if home == "a" else "a"
+    warm(fleet, url, engines[other], other, chat(system, "warmed elsewhere"), "/v1/chat/completions")
+    assert routed(url, chat(system, "still home")) == (home, "fleet:prefix-hit")
+    for j in range(8):  # other prompts straight to the home's engine: its cache must evict
+        httpx.post(f"{engines[home]}/v1/chat/completions", json=chat(system_prompt(100 + j), "evict"), timeout=30)
+    deadline = time.monotonic() + 10
+    while (choice := routed(url, chat(system, f"after eviction {time.monotonic()}"))) != (other, "fleet:kv-hit"):
+        assert time.monotonic() < deadline, choice
+        time.sleep(0.1)

@@ -1,0 +1,70 @@
+"""The `fleet` policy with what the engines report they cache (their KV cache events): the
+engines' figure corrects the placement where it says the prompt lives elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleetgate.hashing import stable_hash
+from fleetgate.schema import Load, WorkerInfo, WorkerView
+from gateway.routing import Live, RequestFacts, Routes, decide, make_policy
+
+POLICY = make_policy("fleet")
+KEY = stable_hash("system prompt A")
+
+
+def kvw(wid: str) -> WorkerView:
+    return WorkerView(
+        info=WorkerInfo(id=wid, url=f"http://{wid}", engine="sim", model="base", capacity=100, kv_tokens=50_000),
+        state="ready", load=Load(), id_hash=stable_hash(wid),
+    )
+
+
+FLEET = tuple(kvw(i) for i in ("a", "b", "c"))
+
+CASES = [
+    # (what it shows, home, second, engines' cached prompt tokens, gateway's requests in flight,
+    #  prompt tokens, expected (worker, reason))
+    ("the home holds the prompt: it goes home, as without events",
+     "a", None, {"a": 2000, "b": 2000}, {}, 2100, ("a", "prefix-hit")),
+    ("the home evicted it and another engine holds it: that engine",
+     "a", None, {"b": 2000}, {}, 2100, ("b", "kv-hit")),
+    ("the conversation's turns are cached on another engine than its system prompt's home",
+     "a", None, {"a": 1200, "c": 3000}, {"c": 40}, 3100, ("c", "kv-hit")),
+    ("a few more cached blocks elsewhere are not worth leaving home",
+     "a", None, {"a": 1200, "b": 1264}, {}, 3000, ("a", "prefix-hit")),
+    ("the holder is saturated: the home logic decides",
+     "a", None, {"b": 2000}, {"b": 100}, 2100, ("a", "prefix-hit")),
+    ("a key's second home that holds it counts as its home",
+     "a", "b", {"b": 2000}, {"a": 10}, 2100, ("b", "prefix-spill")),
+    ("a new key whose prompt an engine already holds (another replica, another client) is placed there",
+     None, None, {"c": 2000}, {"c": 5}, 2100, ("c", "kv-placed")),
+    ("two engines hold as much: the less loaded",
+     "a", None, {"b": 2000, "c": 2000}, {"b": 30}, 2100, ("c", "kv-hit")),
+    ("nothing held anywhere: the placement (home) decides",
+     "a", None, {}, {}, 2100, ("a", "prefix-hit")),
+]
+
+
+@pytest.mark.parametrize(("why", "home", "second", "cached", "account", "prompt", "expected"), CASES,
+                         ids=[c[0] for c in CASES])
+def test_cached_prefix_table(why: str, home: str | None, second: str | None, cached: dict[str, int],
+                             account: dict[str, int], prompt: int, expected: tuple[str, str]) -> None:
+    f = RequestFacts("base", prompt_tokens=prompt, affinity_key=KEY, affinity_kind="prefix", home=home,
+                     second=second, heavy=True, cached=cached)
+    choice = decide(Routes.build(FLEET), f, Live(account), POLICY).choices[0]
+    assert (choice.worker.id, choice.reason) == expected
+
+
+def test_without_an_affinity_key_the_holder_is_a_hit() -> None:
+    f = RequestFacts("base", prompt_tokens=500, cached={"b": 480})
+    choice = decide(Routes.build(FLEET), f, Live({}), POLICY).choices[0]
+    assert (choice.worker.id, choice.reason) == ("b", "kv-hit")
+
+
+def test_the_fallback_choices_follow_the_holder() -> None:
+    f = RequestFacts("base", prompt_tokens=2100, affinity_key=KEY, affinity_kind="prefix", home="a",
+                     cached={"b": 2000})
+    decision = decide(Routes.build(FLEET), f, Live({"c": 50}), POLICY, limit=3)
+    assert [(c.worker.id, c.reason) for c in decision.choices] == [
+        ("b", "kv-hit"), ("a", "least-load"), ("c", "least-load")]
