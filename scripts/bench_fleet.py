@@ -163,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         if text:
             print()
             print(text)
+    for f in result.get("failed_runs") or ():
+        print(f"\nNOT RUN: {f['run']}: its gateway did not start: {f['reason']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     png_path = args.png or args.out.with_suffix(".png")

@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 
 from fleetgate_tools.bench import engines, variants
-from fleetgate_tools.bench.cluster import Cluster
+from fleetgate_tools.bench.cluster import Cluster, StartupError
 from fleetgate_tools.bench.conversations import (
     CONVERSATION_WORKLOADS,
     Conversation,
@@ -240,15 +240,32 @@ def run_fleet(spec: FleetSpec, cluster: Cluster, opts: BenchOptions, progress: P
     progress.runs = len(workloads) * len(policies) * rounds
     runs: list[dict[str, Any]] = []
     plans: dict[str, Any] = {}
+    failed: list[dict[str, str]] = []
     for wl in workloads:
         requests = _plan_once(spec, wl, opts, plans, many=len(workloads) > 1)
         for rnd in range(1, rounds + 1):
             for policy in rotated(policies, rnd):
                 label = f"{wl}/{policy}" + (f" r{rnd}" if rounds > 1 else "")
                 progress.start_run(label, len(requests))
-                run = _run_one(cluster, wl, policy, requests, opts, progress)
+                try:
+                    run = _run_one(cluster, wl, policy, requests, opts, progress)
+                except StartupError as exc:
+                    # One policy's gateway refusing its settings (e.g. a routing option of a
+                    # change not in yet) leaves the other policies' runs standing.
+                    reason = _refusal(str(exc))
+                    progress.note(f"{label}: its gateway did not start: {reason}")
+                    failed.append({"run": label, "reason": reason})
+                    continue
                 runs.append(run | ({"round": rnd} if rounds > 1 else {}))
-    return {"runs": runs, "plans": plans, "skipped_policies": unknown}
+    if not runs and failed:
+        raise SystemExit(f"no run: {failed[0]['run']}: {failed[0]['reason']}")
+    return {"runs": runs, "plans": plans, "skipped_policies": unknown, "failed_runs": failed}
+
+
+def _refusal(text: str) -> str:
+    """The line of a process's log tail that says why it stopped (argparse's `error:`), else the first."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return next((ln for ln in reversed(lines) if "error" in ln.lower()), lines[0] if lines else "")
 
 
 def _run_one(cluster: Cluster, wl: str, policy: str, requests: Work,
