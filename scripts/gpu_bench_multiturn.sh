@@ -201,13 +201,23 @@ multiturn() {
   mkdir -p "$M_DIR"
   m_fleet_yaml
   m_model || return 1
-  p_redis || return 1
   IFS=, read -r -a shapes <<< "$M_SHAPES"
   IFS=, read -r -a strats <<< "$M_STRATEGIES"
   local n=${#strats[@]} shape r i
   for shape in "${shapes[@]}"; do
     [[ $shape =~ ^[1-3]$ ]] || { log "multiturn: bad shape $shape (engines, 1-3)"; return 1; }
   done
+  # Every gateway strategy's settings checked before any engine starts (no GPU time spent on
+  # a gateway that would refuse its routing options).
+  local why strat
+  for strat in "${strats[@]}"; do
+    m_client_side "$strat" && continue
+    if ! why=$(fg -c "import sys; from fleetgate_tools.bench.variants import main; sys.exit(main())" --check "$strat" 2>&1); then
+      log "multiturn: strategy $strat cannot run (leave it out of M_STRATEGIES, or fix it): $(grep '^variants:' <<< "$why")"
+      return 1
+    fi
+  done
+  p_redis || return 1
   log "multiturn: engines $M_SHAPES, strategies $M_STRATEGIES, $M_RATE (three: $M_RATE_THREE) conversations/s for ${M_DURATION}s each"
   for shape in "${shapes[@]}"; do
     for ((r = 1; r <= M_REPS; r++)); do

@@ -11,9 +11,11 @@ A key the gateway does not know (FleetOptions has no such field, e.g. a knob ano
 has yet to add) is left out with a warning and listed in the run's `routing_ignored`, instead
 of failing the gateway's start: the run is then the plain policy, and the report says so.
 
-    python -c "import sys; from fleetgate_tools.bench.variants import main; sys.exit(main())" NAME [CONFIG]
+    python -c "import sys; from fleetgate_tools.bench.variants import main; sys.exit(main())" [--check] NAME [CONFIG]
 prints the gateway's policy, then its extra arguments, one per line (scripts/gpu_bench_*.sh);
-the ignored keys go to stderr.
+the ignored keys go to stderr. With --check it prints nothing and exits 1, saying why, when
+the gateway would refuse those settings (checked as `python -m gateway` checks them at start),
+so that a GPU run finds out before it starts any engine.
 """
 
 from __future__ import annotations
@@ -86,6 +88,22 @@ def gateway_args(name: str, config: str | os.PathLike[str] | None = None,
     return GatewayArgs(v.policy, args, ignored)
 
 
+def refusal(name: str, config: str | os.PathLike[str] | None = None) -> str:
+    """Why a gateway started for the strategy `name` would refuse its settings ("" if it would not)."""
+    from gateway.settings_check import SettingsError, load_checked
+
+    got = gateway_args(name, config)
+    overrides: dict[str, Any] = {"policy": got.policy}
+    if got.args:
+        overrides["routing"] = json.loads(got.args[1].split("=", 1)[1])
+    path = Path(config or os.environ.get("FLEETGATE_CONFIG") or DEFAULT_CONFIG)
+    try:
+        load_checked(path, overrides)
+    except SettingsError as exc:
+        return str(exc)
+    return ""
+
+
 def label_file(name: str) -> str:
     """A strategy name safe in a file name (`fleet+kv_events=false` stays as it is; anything
     but letters, digits and `_+=.-` becomes `_`)."""
@@ -94,9 +112,16 @@ def label_file(name: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    check = bool(args) and args[0] == "--check"
+    args = args[1:] if check else args
     if not 1 <= len(args) <= 2:
         print(__doc__, file=sys.stderr)
         return 2
+    if check:
+        why = refusal(args[0], args[1] if len(args) > 1 else None)
+        if why:
+            print(f"variants: a gateway for {args[0]} would not start: {why}", file=sys.stderr)
+        return 1 if why else 0
     got = gateway_args(args[0], args[1] if len(args) > 1 else None)
     for key in got.ignored:
         print(f"variants: routing option {key!r} is unknown to this gateway: {args[0]} runs without it",

@@ -190,3 +190,18 @@ def test_live_context_holds_each_conversation_from_its_turn_to_the_next() -> Non
     log = TurnLog(planned=3, sent=3, turn_of={0: 0, 1: 1, 1000: 0})
     stats = conversation_stats([*turns, *other], log, 2, window_s=3.5, kv_tokens=100)
     assert stats["live_tokens_max"] == 210 and stats["live_over_kv"] == pytest.approx(stats["live_tokens_mean"] / 100, abs=0.02)
+
+
+def test_a_gateway_that_would_refuse_its_routing_options_is_found_before_a_run(tmp_path: Path) -> None:
+    """variants.refusal checks the settings as the gateway does at start: a known option with a
+    value of the wrong type is refused with the gateway's reason; a good one passes; and a
+    gateway's log tail is boiled down to its `error:` line for the report of runs not run."""
+    from fleetgate_tools.bench.runner import _refusal
+    from fleetgate_tools.bench.variants import refusal
+
+    config = tmp_path / "gateway.yaml"
+    config.write_text("gateway:\n  routing: {balance: 0.25}\n")
+    assert "routing.balance" in refusal("fleet+balance=[1]", config)
+    assert refusal("fleet+balance=0.3", config) == "" and refusal("round_robin", config) == ""
+    tail = "fleetgate: running the source\nusage: python -m gateway [-h]\npython -m gateway: error: bad setting `x`\n"
+    assert _refusal(tail) == "python -m gateway: error: bad setting `x`"
