@@ -52,7 +52,7 @@ from gateway.lora_state import LoraState
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import ModelsOperation, StoredResponseOperation, proxied_operation
 from gateway.placement import Placement
-from gateway.prefix_cache import PrefixCache
+from gateway.prefix_cache import KvIndexCollector, PrefixCache
 from gateway.priorities import Priorities, PriorityCollector
 from gateway.proxy import Proxy
 from gateway.ratelimit import RateLimiter
@@ -295,6 +295,7 @@ def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None,
         metrics.registry.register(ScalingCollector(lambda: current(watcher, inflight, admission)))
         metrics.registry.register(PriorityCollector(admission, list(priorities.classes)))
         metrics.registry.register(placer.collector())
+        metrics.registry.register(KvIndexCollector(kv_mirror, lambda: watcher.snapshot.by_id.keys()))
         metrics.registry.register(front.collector())
         tenancy = await open_tenancy(settings, redis, registry.keys, metrics.registry, watcher.known.label,
                                      reload_seed)

@@ -20,11 +20,13 @@ only when a worker that can serve the request publishes a usable index.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from pathlib import Path
 
 import msgspec
 import structlog
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from fleetgate.chat_template import ChatTemplate, load_chat_template
 from fleetgate.kv_index import chain_keys
@@ -35,7 +37,7 @@ from gateway.wire import Message, Probe
 
 log = structlog.get_logger("gateway.prefix_cache")
 
-__all__ = ["PrefixCache", "PromptTokens"]
+__all__ = ["KvIndexCollector", "PrefixCache", "PromptTokens"]
 
 
 def _given(raw: msgspec.Raw) -> bool:
@@ -139,3 +141,32 @@ class PrefixCache:
             found = self._prompts[id(counter)] = PromptTokens(counter, template)
             self._counters.append(counter)
         return found
+
+
+class KvIndexCollector(Collector):
+    """Each worker's index as this gateway mirrors it, at each scrape: whether its events can be
+    trusted (1) or were lost (0: routing falls back to the placement for it), and its blocks.
+    Workers that publish no events have no series."""
+
+    def __init__(self, mirror: KvMirror, workers: Callable[[], Collection[str]]) -> None:
+        self.mirror = mirror
+        self.workers = workers
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("fleetgate_worker_kv_events_up", "1 while the worker's KV cache events "
+                               "follow its engine (precise prefix routing), 0 when they were lost.",
+                               labels=["worker"])
+        blocks = GaugeMetricFamily("fleetgate_worker_kv_index_blocks",
+                                   "Blocks in the worker's prefix-cache index, as this gateway mirrors it.",
+                                   labels=["worker"])
+        for wid in sorted(self.workers()):
+            wkv = self.mirror.status(wid)
+            if wkv is None:
+                continue
+            up.add_metric([wid], 1.0 if wkv.usable else 0.0)
+            blocks.add_metric([wid], float(len(wkv.keys)))
+        yield up
+        yield blocks

@@ -56,7 +56,16 @@ def corpus_files(limit: int = 120) -> list[str]:
 
 
 def make_tokenizer(out: Path):  # type: ignore[no-untyped-def]
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     # The pipeline transformers' Qwen2Tokenizer builds (the class config.json's model type picks),

@@ -112,3 +112,36 @@ def test_an_evicted_prefix_moves_the_next_request_to_the_engine_that_still_holds
     while (choice := routed(url, chat(system, f"after eviction {time.monotonic()}"))) != (other, "fleet:kv-hit"):
         assert time.monotonic() < deadline, choice
         time.sleep(0.1)
+
+
+def test_a_worker_whose_publisher_dies_falls_back_to_the_placement_and_nothing_fails(
+    fleet_factory: Callable[[], Fleet],
+) -> None:
+    """vLLM's publisher gone while its engine serves on (the simulator's `kv_events_down`
+    fault): within about a second the gateway reads that worker's index as lost
+    (/admin/workers, fleetgate_worker_kv_events_up 0) and no longer trusts what its index
+    held (a prompt warmed there before is placed, not kv-placed), the other worker's events
+    still route, and every request is answered."""
+    fleet = fleet_factory()
+    url, engines = start(fleet)
+    warm(fleet, url, engines["b"], "b", chat(system_prompt(20), "first"), "/v1/chat/completions")
+    assert routed(url, chat(system_prompt(20), "second")) == ("b", "fleet:kv-placed")
+    warm(fleet, url, engines["b"], "b", chat(system_prompt(21), "warm"), "/v1/chat/completions")
+    assert httpx.post(f"{engines['b']}/sim/faults", json={"kv_events_down": 1}, timeout=10).status_code == 200
+    cut = time.monotonic()
+    while (state := fleet.workers(url)["b"]["kv_events"]["state"]) != "lost":  # type: ignore[index]
+        assert time.monotonic() - cut < 10, state
+        time.sleep(0.05)
+    lost_after = time.monotonic() - cut
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert 'fleetgate_worker_kv_events_up{worker="b"} 0.0' in metrics
+    assert 'fleetgate_worker_kv_events_up{worker="a"} 1.0' in metrics
+    fallback = routed(url, chat(system_prompt(21), "after"))
+    warm(fleet, url, engines["a"], "a", chat(system_prompt(22), "first"), "/v1/chat/completions")
+    still = routed(url, chat(system_prompt(22), "second"))
+    answered = [routed(url, chat(system_prompt(30 + i), "load"))[1] for i in range(10)]
+    print(f"kv-fallback: lost after {lost_after:.2f} s, fallback {fallback}, a still {still}, reasons {answered}")
+    assert lost_after < 3.0
+    assert fallback[1] == "fleet:prefix-placed"
+    assert still == ("a", "fleet:kv-placed")
+    assert all(not r.startswith("fleet:kv-") for r in answered)

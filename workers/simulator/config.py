@@ -26,6 +26,8 @@ class Faults:
     slow: every engine step takes this many times its profile's time (2: half speed; 1 or
     null: the profile's): a throttled card, a neighbour on the same GPU. The profile, and
     so the speed the worker registered, stay; only the engine's counters show it.
+    kv_events_down: 1 closes the KV cache events publisher for good (its sockets, the replay
+    too) while the engine serves on: vLLM's publisher thread gone.
     """
 
     die_after: int | None = None
@@ -34,6 +36,7 @@ class Faults:
     hang_before_headers: int | None = None
     die_at: float | None = None
     slow: float = 1.0
+    kv_events_down: int | None = None
 
     def update(self, values: dict[str, Any]) -> None:
         """Set faults from a JSON object or KEY=VALUE pairs; null clears one."""

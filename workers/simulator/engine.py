@@ -91,8 +91,14 @@ class Simulator:
         if self._die_timer:
             self._die_timer.cancel()
         await self.responses.aclose()
-        if self.kv_events is not None:
-            await self.kv_events.aclose()
+        await self.stop_kv_events()
+
+    async def stop_kv_events(self) -> None:
+        """Close the KV cache events publisher for good; the engine serves on without it."""
+        publisher, self.kv_events = self.kv_events, None
+        if publisher is not None:
+            self.scheduler.pool.events = None
+            await publisher.aclose()
 
     def arm_die_timer(self) -> None:
         if self._die_timer:

@@ -208,6 +208,8 @@ async def set_faults(request: web.Request) -> web.Response:
         raise SimError(400, "bad_request", str(exc)) from exc
     if "die_at" in body:
         sim.arm_die_timer()
+    if sim.faults.kv_events_down:
+        await sim.stop_kv_events()
     sim.scheduler.slowdown = sim.faults.slow
     return _json(sim.faults.as_dict())
 
