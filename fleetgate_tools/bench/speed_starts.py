@@ -225,7 +225,8 @@ def markdown(rows: Sequence[Mapping[str, Any]]) -> str:
             str(r["start"]), f"{_f(r.get('engine_start_s'))} / {_f(r.get('ready_s'))}", _pair(r["probe"]), _pct(r.get("probe_diff")),
             _pair(r["speed"]) + f" ({', '.join(sorted(set(map(str, r['speed_source'].values()))))})",
             _pct(r.get("speed_diff")), _pct(r.get("speed_diff_max")), mark[c["speed"][1]],
-            " / ".join(str(n) for n in r["split"].values()) + f" of {r['sent']}", _pct(r.get("split_off_even")),
+            " / ".join(str(n) for n in r["split"].values()) + f" of {r['sent']}"
+            + "".join(f", {k} {n}" for k, n in (r.get("errors") or {}).items()), _pct(r.get("split_off_even")),
             mark[c["split"][1]], cell["running"], cell["waiting"], kv, _f(r.get("ttft_p50"), "s"),
             _f(r.get("out_tok_s")),
         ])  # fmt: skip
