@@ -90,11 +90,14 @@ MAX_NUM_SEQS=${MAX_NUM_SEQS:-256}
 DEADLINE_S=${DEADLINE_S:-0}                    # >0: no bench run starts that would end after T0+this
 T0=${T0:-$(date +%s)}
 TOKEN=${FLEETGATE_ADMIN_TOKEN:-gpu-bench-admin}
-REDIS_PORT=6399
-VL_PORTS=(8001 8002)
+# GPU_BENCH_PORT_SHIFT: Redis's, the engines' (the families' too) and the gateways' ports this
+# much higher, so that a dry run can go beside another on one machine (each its own GPU_BENCH_DIR).
+PORT_SHIFT=${GPU_BENCH_PORT_SHIFT:-0}
+REDIS_PORT=$((6399 + PORT_SHIFT))
+VL_PORTS=($((8001 + PORT_SHIFT)) $((8002 + PORT_SHIFT)))
 LMD_PORT=23333
-GW_PORT=8100                                   # the benchmark's gateway (a fresh one per run)
-MIX_PORT=8103                                  # the mixed vLLM + LMDeploy fleet's gateway
+GW_PORT=$((8100 + PORT_SHIFT))                 # the benchmark's gateway (a fresh one per run)
+MIX_PORT=$((8103 + PORT_SHIFT))                # the mixed vLLM + LMDeploy fleet's gateway
 REDIS_URL=redis://127.0.0.1:$REDIS_PORT/0
 
 if [ "$MODE" = sim ]; then

@@ -77,7 +77,7 @@ m_client_side() { case $1 in direct_round_robin|conversation_affinity|tenant_aff
 
 m_subst() {  # text k -> text with {k}, {events}, {replay} replaced for engine k
   local s=$1 k=$2
-  s=${s//\{k\}/$k}; s=${s//\{events\}/$((5570 + k))}; s=${s//\{replay\}/$((5580 + k))}
+  s=${s//\{k\}/$k}; s=${s//\{events\}/$((5570 + PORT_SHIFT + k))}; s=${s//\{replay\}/$((5580 + PORT_SHIFT + k))}
   printf '%s' "$s"
 }
 

@@ -60,7 +60,7 @@ P_MAX_NUM_SEQS=${P_MAX_NUM_SEQS:-1024}
 # Each vLLM's share of the card: only vLLM's start-up check (free memory >= share x total)
 # reads it, as --kv-cache-memory-bytes sizes the cache; 3 x 0.28 fits an 80 GB H100.
 P_GPU_UTIL=${P_GPU_UTIL:-0.28}
-P_PORTS=(8001 8002 8003)
+P_PORTS=($((8001 + PORT_SHIFT)) $((8002 + PORT_SHIFT)) $((8003 + PORT_SHIFT)))
 P_DIR=$W/pres
 P_PREFIX=gpup                                  # Redis prefix of the pressure fleet
 KV_BYTES_PER_BLOCK=$((16 * 57344))
