@@ -44,9 +44,11 @@
 # Resumable like `pressure`: a finished run leaves $W/mt/mt<engines>-<strategy>-r<round>.json and
 # is not run again; no run starts that would end past T0 + DEADLINE_S; each call writes the
 # tables of everything done so far. GPU time (H100 or H200): setup ~4 min (call 3), two engines
-# ~90 s to start (+1 engine for mt3 ~60 s), ~35 s of arrivals + up to ~45 s of conversations
-# still running + drain + ~15 s a run, 6 runs: about 10-11 min after the two payload calls,
-# i.e. calls 3 and 4 of 9 min each.
+# ~90 s to start (+1 engine for mt3 ~60 s), a run ~110 s (35 s of arrivals, ~45 s more while the
+# last conversations finish, the gateway's start and the engines' reset; the sim dry run with
+# 15 s of arrivals took ~88 s a run), 6 runs: ~17 min after the two payload calls, i.e. calls 3
+# to 5 at DEADLINE_S=540 (each run is only started when ~130 s are left). M_SHAPES=2 (two
+# engines only): ~11 min, calls 3 and 4.
 #
 # GPU_BENCH_ENGINE=sim: the same steps on standalone simulators (python -m workers.simulator
 # --model .cache/tiny/model, the pressure family's KV size, --kv-events-config), at time scale
