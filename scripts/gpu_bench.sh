@@ -36,6 +36,14 @@
 #   T0=$(date +%s) DEADLINE_S=540 OUT=$OUT bash scripts/gpu_bench.sh multiturn-all  # call 3, carry .vl2 .whl
 #   T0=$(date +%s) DEADLINE_S=540 OUT=$OUT bash scripts/gpu_bench.sh multiturn-all  # calls 4.., carry nothing
 #
+# Issue 37's speed proof (scripts/gpu_bench_speed.sh has the details: two identical vLLM with
+# the pressure runs' flags, attached `--engine external --url`, started afresh three times; 35 s
+# of a uniform workload through a fleet gateway each; speeds from /admin/workers, request split,
+# engines' running / waiting / KV; results-speed.md / .json) is run the same way, resuming
+# across calls (~2 calls of 9 min after calls 1 and 2):
+#   T0=$(date +%s) DEADLINE_S=540 OUT=$OUT bash scripts/gpu_bench.sh speed-starts  # call 3, carry .vl2 .whl
+#   T0=$(date +%s) DEADLINE_S=540 OUT=$OUT bash scripts/gpu_bench.sh speed-starts  # calls 4.., carry nothing
+#
 # Steps (each also runs alone, e.g. `gpu_bench.sh bench collect` in a later call while the
 # machine is still warm; engines, Redis and agents are started with setsid and survive):
 #   setup     verify + unpack the payloads, install the wheels, build the two models
@@ -584,18 +592,21 @@ source "$ROOT/scripts/gpu_bench_pressure.sh"
 source "$ROOT/scripts/gpu_bench_lora.sh"
 # shellcheck source=scripts/gpu_bench_multiturn.sh
 source "$ROOT/scripts/gpu_bench_multiturn.sh"
+# shellcheck source=scripts/gpu_bench_speed.sh
+source "$ROOT/scripts/gpu_bench_speed.sh"
 
 [ $# -gt 0 ] || set -- all
 for step in "$@"; do
   case $step in
     all) setup; start; bench; lmdeploy_checks; collect ;;
-    setup|start|bench|summarise|lmdeploy_checks|collect|stop|pressure|pcollect|lora|lcollect|multiturn|mcollect) "$step" ;;
+    setup|start|bench|summarise|lmdeploy_checks|collect|stop|pressure|pcollect|lora|lcollect|multiturn|mcollect|speed|scollect) "$step" ;;
     pressure-all) pressure_all ;;
     lora-all) lora_all ;;
     multiturn-all) multiturn_all ;;
+    speed-starts) speed_all ;;  # issue 37: scripts/gpu_bench_speed.sh (steps speed, scollect)
     pcapacity) mkdir -p "$P_DIR"; p_fleet_yaml; p_redis && p_capacity ;;
     vllm) start_vllm ;;  # the engines alone (after a failed start: agents already wait for them)
     lmdeploy) lmdeploy_checks ;;
-    *) echo "unknown step $step (all|setup|start|bench|lmdeploy|collect|stop|pressure-all|pressure|pcapacity|pcollect|lora-all|lora|lcollect|multiturn-all|multiturn|mcollect)" >&2; exit 2 ;;
+    *) echo "unknown step $step (all|setup|start|bench|lmdeploy|collect|stop|pressure-all|pressure|pcapacity|pcollect|lora-all|lora|lcollect|multiturn-all|multiturn|mcollect|speed-starts|speed|scollect)" >&2; exit 2 ;;
   esac
 done
