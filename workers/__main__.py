@@ -282,7 +282,7 @@ def run_instances(argv: list[str], args: argparse.Namespace) -> int:
     """
     if args.engine == "external":
         raise SystemExit("--instances starts engines; it does not apply to --engine external")
-    args.port = args.port or free_port(args.host)
+    args.port = args.port or free_port(args.host, count=args.instances)  # instance k: port + k
     plans = [plan(argparse.Namespace(**{**vars(args), "instance": k})) for k in range(args.instances)]
     first, why = plans[0]
     engine = _engine(first)

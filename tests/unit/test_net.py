@@ -47,3 +47,26 @@ def test_an_empty_range_is_refused(own_turn: dict[str, str]) -> None:
     os.environ[PORT_RANGE_ENV] = f"{LOW}-{LOW}"
     with pytest.raises(ValueError):
         free_port()
+
+
+def test_a_block_of_ports_in_a_row_is_free_whole_and_handed_out_whole(own_turn: dict[str, str]) -> None:
+    """`--instances 3` puts engines on port, port + 1, port + 2: a block that holds a busy port
+    is passed over, one that would run past the range's end too, and the next turn starts
+    after the block."""
+    first = free_port()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", LOW + (first - LOW + 2) % SIZE))
+        held.listen()
+        block = free_port(count=3)
+        busy = held.getsockname()[1]
+        assert busy not in range(block, block + 3) and LOW <= block and block + 3 <= LOW + SIZE
+        after = free_port()
+    assert after == (block + 3 if block + 3 < LOW + SIZE else LOW) or after == busy + 1
+
+
+def test_without_a_range_the_os_picks_a_block_that_is_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PORT_RANGE_ENV, raising=False)
+    port = free_port(count=4)
+    for k in range(4):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port + k))
