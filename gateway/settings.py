@@ -64,7 +64,7 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     rate_limit_burst: int = 0
     policy: str = "fleet"
     # Knobs of the `fleet` policy (gateway/routing/fleet.py: FleetOptions).
-    routing: dict[str, float | int] = msgspec.field(default_factory=dict)
+    routing: dict[str, float | int | bool] = msgspec.field(default_factory=dict)
     # LoRA adapters the gateway may place on runtime-loading workers: name -> path, base.
     adapters: dict[str, AdapterSpec] = msgspec.field(default_factory=dict)
     # Public model names -> the models/adapters they send to, by weight; and model -> the

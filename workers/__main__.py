@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host the gateway reaches the engine at (default: --host)")
     p.add_argument("--url", default="", help="--engine external: the running engine's base URL")
     p.add_argument("--flavor", default="vllm", help="--engine external: its API flavour (vllm|lmdeploy|sim)")
+    p.add_argument("--kv-events", default="", metavar="ENDPOINT",
+                   help="--engine external: where the running vLLM publishes its KV cache events "
+                        "(its --kv-events-config endpoint, e.g. tcp://127.0.0.1:5557)")
+    p.add_argument("--kv-replay", default="", metavar="ENDPOINT",
+                   help="--engine external: the engine's replay_endpoint (e.g. tcp://127.0.0.1:5558)")
+    p.add_argument("--kv-topic", default="", help="--engine external: the engine's KV events topic")
     p.add_argument("--max-model-len", type=int, default=0)
     p.add_argument("--sim-profile", default="", help="simulated card, e.g. h100-7b, t4-7b")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -211,6 +217,7 @@ def plan(args: argparse.Namespace) -> tuple[AgentOptions, list[str]]:
         warmup=not args.no_warmup, engine_log=args.engine_log or None, speed=max(0.0, args.speed),
         probe_timeout_s=args.probe_timeout, unhealthy_after=args.unhealthy_after,
         warmup_attempts=max(1, args.warmup_attempts),
+        kv_events=args.kv_events, kv_replay=args.kv_replay, kv_topic=args.kv_topic,
     )
     return opts, why
 

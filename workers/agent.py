@@ -118,6 +118,10 @@ class Agent:
                 env = {**os.environ, **self.engine.environment(spec)}
                 self.process = EngineProcess(self.engine.command(spec), env, self.opts.engine_log, self.log)
                 await self.process.start()
+            elif self.opts.kv_events:
+                self.kv_events = AgentKvEvents(
+                    self.opts.worker_id, attached=(self.opts.kv_events, self.opts.kv_replay, self.opts.kv_topic))
+                self.kv_events.start(redis, self.opts.redis_prefix)
             self.info = self._initial_info()
             await self._register_quietly("starting")
             if not await self._wait_healthy():

@@ -26,15 +26,27 @@ __all__ = ["AgentKvEvents"]
 
 
 class AgentKvEvents:
-    def __init__(self, worker_id: str, *, host: str = "127.0.0.1", silence_s: float = 1.0) -> None:
+    """For an engine the agent starts, `AgentKvEvents(worker_id)` picks the ports and
+    `engine_config()` is the flag to start it with. For an engine someone else started with
+    its own `--kv-events-config` (`--engine external`), `attached=(endpoint, replay, topic)`:
+    the engine binds (vLLM does for an endpoint with a wildcard, `tcp://*:5557`) and the agent
+    connects."""
+
+    def __init__(
+        self, worker_id: str, *, host: str = "127.0.0.1", silence_s: float = 1.0,
+        attached: tuple[str, str, str] | None = None,
+    ) -> None:  # fmt: skip
         self.worker_id = worker_id
-        self.topic = f"kv@{worker_id}"
-        self.endpoint = f"tcp://{host}:{free_port(host)}"
-        self.replay_endpoint = f"tcp://{host}:{free_port(host)}"
+        if attached is None:
+            self.topic = f"kv@{worker_id}"
+            self.endpoint = f"tcp://{host}:{free_port(host)}"
+            self.replay_endpoint = f"tcp://{host}:{free_port(host)}"
+        else:
+            self.endpoint, self.replay_endpoint, self.topic = attached
         self.index = BlockIndex()
         self.subscriber = KvEventSubscriber(
-            self.endpoint, replay_endpoint=self.replay_endpoint, topic=self.topic, bind=True,
-            index=self.index, silence_s=silence_s, name=worker_id,
+            self.endpoint, replay_endpoint=self.replay_endpoint or None, topic=self.topic,
+            bind=attached is None, index=self.index, silence_s=silence_s, name=worker_id,
         )  # fmt: skip
         self.writer: KvIndexWriter | None = None
         self._tasks: list[asyncio.Task[None]] = []

@@ -18,6 +18,11 @@ class AgentOptions(msgspec.Struct, kw_only=True):
     # False for `--engine external`: the engine is someone else's; attach, never start or stop.
     managed: bool = True
     url: str = ""
+    # An attached engine's KV cache events (its --kv-events-config endpoint, replay endpoint
+    # and topic): the agent subscribes and publishes the index. "": none.
+    kv_events: str = ""
+    kv_replay: str = ""
+    kv_topic: str = ""
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_prefix: str = DEFAULT_PREFIX
     heartbeat_interval_s: float = 1.0

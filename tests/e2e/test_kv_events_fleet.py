@@ -95,3 +95,40 @@ def test_the_gateway_lists_each_workers_index_from_its_engines_events(fleet_fact
         time.sleep(0.1)
     assert after["state"] == "events" and after["block_size"] == 16 and after["reason"] == ""
     assert kv("lm") is None
+
+
+def test_an_attached_engines_events_reach_the_gateway(fleet_factory: Callable[[], Fleet]) -> None:
+    """An engine someone else started with its own `--kv-events-config` (binding its sockets,
+    as vLLM does for `tcp://*:PORT`), attached the README's way (`--engine external`) with
+    `--kv-events/--kv-replay/--kv-topic`: its index reaches the gateway and grows with what
+    it serves."""
+    import json
+    import sys
+
+    from fleetgate.net import free_port
+    from tests.e2e.test_simulator import Sim
+
+    fleet = fleet_factory()
+    _, url = fleet.gateway()
+    port, events, replay = free_port(), free_port(), free_port()
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",
+              "replay_endpoint": f"tcp://*:{replay}", "topic": "kv"}
+    engine = Sim([sys.executable, "-m", "workers.simulator", "--port", str(port), "--served-model-name", MODEL,
+                  "--block-size", "16", "--time-scale", "0.05", "--kv-events-config", json.dumps(config)], port)
+    try:
+        fleet.worker("ext", "--url", engine.url, "--flavor", "sim",
+                     "--kv-events", f"tcp://127.0.0.1:{events}", "--kv-replay", f"tcp://127.0.0.1:{replay}",
+                     "--kv-topic", "kv", engine="external")
+        fleet.wait_ready(url, "ext")
+        deadline = time.monotonic() + 30
+        while (kv := fleet.workers(url)["ext"]["kv_events"]) is None or kv["state"] != "events":  # type: ignore[index]
+            assert time.monotonic() < deadline, kv
+            time.sleep(0.1)
+        prompt = "An attached engine's cache, seen through its own events. " * 16
+        resp = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4}, timeout=30)
+        assert resp.status_code == 200 and resp.headers["x-fleetgate-worker"] == "ext"
+        while int((kv := fleet.workers(url)["ext"]["kv_events"])["blocks"]) < 8:  # type: ignore[index]
+            assert time.monotonic() < deadline, kv
+            time.sleep(0.1)
+    finally:
+        engine.stop()
