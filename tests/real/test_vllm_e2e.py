@@ -173,48 +173,6 @@ def test_fleet_policy_gets_more_real_prefix_cache_hits_than_round_robin(vllm_fle
     assert fleet_hits > rr_hits
 
 
-def test_zz_real_vllm_worker_killed_mid_stream_is_resumed_on_the_other(vllm_fleet: tuple[Fleet, str]) -> None:
-    """Chaos on real engines (runs last: it kills a worker): SIGKILL the vLLM serving a stream;
-    the stream is continued on the other vLLM (continue_final_message) and concurrent
-    requests all succeed.
-
-    The stream is long (the tiny model writes a token in about a millisecond on a CPU): a short
-    one could be whole in the gateway's and the socket's buffers before the client reads its
-    8th event, and the kill would then find nothing left to resume (CI saw that with 64 tokens)."""
-    fleet, url = vllm_fleet
-    max_tokens = 1500
-    body = {"model": "tiny", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True},
-            "messages": [{"role": "user", "content": "Tell me a long story."}]}
-    events: list[dict[str, object]] = []
-    done = False
-    statuses: list[int] = []
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as resp:
-        victim = resp.headers["x-fleetgate-worker"]
-        agent = next(p for p in fleet.procs if p.log_path.name == f"{victim}.log")
-        for line in resp.iter_lines():
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                events.append(json.loads(line[6:]))
-                if len(events) == 8:
-                    for pid in children(agent.pid):
-                        os.killpg(pid, signal.SIGKILL)  # the engine and its EngineCore
-                    plain = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
-                    statuses = [httpx.post(f"{url}/v1/chat/completions", json=plain, timeout=60).status_code
-                                for _ in range(4)]
-    assert done and not any("error" in e for e in events)
-    assert len({e["id"] for e in events}) == 1
-    finishes = [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]  # type: ignore[union-attr]
-    assert finishes == ["length"]
-    usage = events[-1]["usage"]
-    assert usage["completion_tokens"] >= 0.9 * max_tokens  # type: ignore[index]  (re-tokenized at the resume)
-    assert statuses == [200] * 4
-    gateway_log = next(p for p in fleet.procs if "gateway" in p.log_path.name).output()
-    assert "gateway.stream_resumed" in gateway_log
-    print(f"real vLLM mid-stream failover: {victim} killed after 8 events; completion_tokens={usage['completion_tokens']}")  # type: ignore[index]
-
-
 def test_the_gateways_prompt_ids_are_vllms_and_a_prompt_warmed_on_one_engine_is_routed_there(
     vllm_fleet: tuple[Fleet, str],
 ) -> None:
@@ -271,3 +229,45 @@ def test_the_gateways_prompt_ids_are_vllms_and_a_prompt_warmed_on_one_engine_is_
         {"role": "system", "content": system}, {"role": "user", "content": "second"}]})
     assert resp.status_code == 200
     assert (resp.headers["x-fleetgate-worker"], resp.headers["x-fleetgate-route"]) == ("vllm-b", "fleet:kv-placed")
+
+
+def test_zz_real_vllm_worker_killed_mid_stream_is_resumed_on_the_other(vllm_fleet: tuple[Fleet, str]) -> None:
+    """Chaos on real engines (runs last: it kills a worker): SIGKILL the vLLM serving a stream;
+    the stream is continued on the other vLLM (continue_final_message) and concurrent
+    requests all succeed.
+
+    The stream is long (the tiny model writes a token in about a millisecond on a CPU): a short
+    one could be whole in the gateway's and the socket's buffers before the client reads its
+    8th event, and the kill would then find nothing left to resume (CI saw that with 64 tokens)."""
+    fleet, url = vllm_fleet
+    max_tokens = 1500
+    body = {"model": "tiny", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "Tell me a long story."}]}
+    events: list[dict[str, object]] = []
+    done = False
+    statuses: list[int] = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as resp:
+        victim = resp.headers["x-fleetgate-worker"]
+        agent = next(p for p in fleet.procs if p.log_path.name == f"{victim}.log")
+        for line in resp.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                if len(events) == 8:
+                    for pid in children(agent.pid):
+                        os.killpg(pid, signal.SIGKILL)  # the engine and its EngineCore
+                    plain = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+                    statuses = [httpx.post(f"{url}/v1/chat/completions", json=plain, timeout=60).status_code
+                                for _ in range(4)]
+    assert done and not any("error" in e for e in events)
+    assert len({e["id"] for e in events}) == 1
+    finishes = [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]  # type: ignore[union-attr]
+    assert finishes == ["length"]
+    usage = events[-1]["usage"]
+    assert usage["completion_tokens"] >= 0.9 * max_tokens  # type: ignore[index]  (re-tokenized at the resume)
+    assert statuses == [200] * 4
+    gateway_log = next(p for p in fleet.procs if "gateway" in p.log_path.name).output()
+    assert "gateway.stream_resumed" in gateway_log
+    print(f"real vLLM mid-stream failover: {victim} killed after 8 events; completion_tokens={usage['completion_tokens']}")  # type: ignore[index]
