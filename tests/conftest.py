@@ -30,9 +30,10 @@ import structlog
 from fleetgate.net import PORT_RANGE_ENV
 from fleetgate_tools.redis_server import EmbeddedRedis, free_port, ping
 
-# Below Linux's ephemeral ports (32768-60999), so no outgoing connection takes one; every
-# process the tests start inherits it.
-os.environ.setdefault(PORT_RANGE_ENV, "20000-32000")
+# Below Linux's ephemeral ports (32768-60999), so no outgoing connection takes one, and
+# above the Redis Cluster test's nodes and their bus ports (tests/e2e/test_redis_cluster.py);
+# every process the tests start inherits it.
+os.environ.setdefault(PORT_RANGE_ENV, "22000-32000")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # pytest-xdist starts its workers with COLUMNS=80 and LINES=24: a rich console made at
     # import (the fleetgate CLI's) would keep that size and ignore the COLUMNS a test gives
@@ -64,8 +65,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("xdist_group") is not None:
             continue
-        path = item.path
-        group = "real-engines" if path.is_relative_to(REAL_ENGINES) else str(path.relative_to(ROOT))
+        group = "real-engines" if item.path.is_relative_to(REAL_ENGINES) else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
 
 

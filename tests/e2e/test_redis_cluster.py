@@ -28,8 +28,9 @@ def _cluster_port(taken: list[int]) -> int:
     """A free port whose cluster-bus twin (port + 10000, so at most 55535) is free too."""
     rng = random.Random()
     for _ in range(200):
-        # Below the ephemeral range (32768+), bus port included, so no outgoing connection takes it.
-        port = rng.randrange(12000, 22000)
+        # Below the ephemeral range (32768+), bus port included, so no outgoing connection takes it,
+        # and below the ports the other tests' servers take (22000+, tests/conftest.py).
+        port = rng.randrange(10000, 12000)
         if any(abs(port - t) in (0, 10000) for t in taken):
             continue
         try:
