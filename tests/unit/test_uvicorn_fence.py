@@ -167,7 +167,13 @@ def test_the_idle_limit_reaches_the_protocol_as_its_keep_alive_timeout() -> None
     """gateway/__main__.py passes idle_timeout_s (a float) as uvicorn's timeout_keep_alive."""
     config = Config(app=_app, http="httptools", timeout_keep_alive=1.5)  # type: ignore[arg-type]
     config.load()
-    assert HttpToolsProtocol(config, ServerState(), {}).timeout_keep_alive == 1.5
+    # A loop of its own: with none given the protocol asks for the current one, which an
+    # asyncio.run() earlier in this process (another test) leaves unset.
+    loop = asyncio.new_event_loop()
+    try:
+        assert HttpToolsProtocol(config, ServerState(), {}, _loop=loop).timeout_keep_alive == 1.5
+    finally:
+        loop.close()
 
 
 class _Callbacks:
