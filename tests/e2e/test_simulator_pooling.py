@@ -12,6 +12,9 @@ from __future__ import annotations
 import base64
 import json
 import math
+import os
+import signal
+import socket
 import struct
 import sys
 import threading
@@ -276,17 +279,33 @@ def test_metrics_count_an_embedding_batch(pool: Sim) -> None:
 
 def test_embedding_requests_queue_for_batch_slots() -> None:
     """With max_num_seqs 1 and slow steps, concurrent embedding requests wait in the queue and finish one by one."""
+    step = 0.5
     sim = start("--runner", "pooling", "--max-num-seqs", "1", "--time-scale", "1",
-                "--profile-param", "base_step_s=0.15")  # fmt: skip
+                "--profile-param", f"base_step_s={step}")  # fmt: skip
     try:
+        # All four requests are in the engine's sockets before it reads one (it is stopped
+        # meanwhile), so they arrive together however slowly this machine starts threads.
+        body = json.dumps({"model": "tiny", "input": "request"}).encode()
+        head = (f"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
+        port = int(sim.url.rsplit(":", 1)[1])
+        os.kill(sim.proc.pid, signal.SIGSTOP)
+        try:
+            socks = [socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(4)]
+            for sock in socks:
+                sock.sendall(head + body)
+        finally:
+            os.kill(sim.proc.pid, signal.SIGCONT)
         done: list[float] = []
         t0 = time.monotonic()
 
-        def one(i: int) -> None:
-            assert embed(sim, input=f"request {i}").status_code == 200
+        def one(sock: socket.socket) -> None:
+            with sock:
+                answer = b"".join(iter(lambda: sock.recv(65536), b""))
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
             done.append(time.monotonic() - t0)
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        threads = [threading.Thread(target=one, args=(sock,)) for sock in socks]
         for t in threads:
             t.start()
         waiting = 0.0
@@ -296,8 +315,8 @@ def test_embedding_requests_queue_for_batch_slots() -> None:
         for t in threads:
             t.join()
         assert waiting >= 2
-        assert len(done) == 4 and max(done) >= 4 * 0.15 * 0.9  # one step each, serially
-        assert sim.metrics()["vllm:request_queue_time_seconds_sum"] > 0.15
+        assert len(done) == 4 and max(done) >= 4 * step * 0.9  # one step each, serially
+        assert sim.metrics()["vllm:request_queue_time_seconds_sum"] > step
     finally:
         sim.stop()
 
