@@ -75,6 +75,17 @@ def test_no_429_while_the_gateways_account_has_room(fleet_factory: Callable[[], 
                              "max_tokens": 4})
         return r.status_code, r.text
 
+    def accepted() -> int:
+        return sum(int(httpx.get(f"{e}/sim/state").json()["accepted"]) for e in engines.values())
+
+    def slow(factor: float | None) -> None:
+        for engine in engines.values():
+            assert httpx.post(f"{engine}/sim/faults", json={"slow": factor}).status_code == 200
+
+    before = accepted()
+    # The engines run ten times slower until the gateway's requests are in, so the queue the
+    # gateway must see lasts however slowly this machine sends the flood and reports loads.
+    slow(10)
     with concurrent.futures.ThreadPoolExecutor(24) as pool:
         # Other clients flood both engines directly: 8 each, on a batch of 2.
         foreign = [pool.submit(direct, e) for e in engines.values() for _ in range(8)]
@@ -86,7 +97,12 @@ def test_no_429_while_the_gateways_account_has_room(fleet_factory: Callable[[], 
         from tests.conftest import wait_until
 
         wait_until(queued, timeout=30, interval=0.2)
-        answers = [f.result() for f in [pool.submit(through_gateway, n) for n in range(6)]]
+        mine = [pool.submit(through_gateway, n) for n in range(6)]
+        # Each of the gateway's requests is in an engine's queue, or was answered (a 429).
+        wait_until(lambda: accepted() - before - len(foreign) + sum(f.done() for f in mine) >= len(mine),
+                   timeout=30, interval=0.1)
+        slow(None)
+        answers = [f.result() for f in mine]
         assert all(f.result() == 200 for f in foreign)
     refused = [json.loads(text) for status, text in answers if status == 429]
     assert not refused, refused
