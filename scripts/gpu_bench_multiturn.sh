@@ -13,16 +13,12 @@
 # serving M_MODEL: a copy of the GPU model's folder (/tmp/vl/m7) with Qwen2's ChatML chat
 # template (make_config_model.py writes a plain `role: content` one; ChatML is what the tiny
 # model has, and what a gateway that renders the chat template is tested against), and with
-# vLLM's KV cache events on (M_KV_EVENTS_CONFIG; the publisher binds on 127.0.0.1 ports
-# 5570+k / replay 5580+k). Each is attached as README says: `python -m workers --engine
+# vLLM's KV cache events on (M_KV_EVENTS_CONFIG; the publisher binds `tcp://*:5570+k`, its
+# replay 127.0.0.1:5580+k). Each is attached as README says: `python -m workers --engine
 # external --url http://...`, given `--model M_MODEL --served-model-name m7` so that its
 # tokenizer (and template) registers, plus M_AGENT_ARGS ({k}, {events}, {replay} replaced by the
-# engine's index and its event / replay endpoints).
-#
-# NOTE: today an `--engine external` agent subscribes to no KV events (workers/agent.py starts
-# the subscriber only for an engine it launches itself), so attached this way no worker has an
-# index and `fleet+kv_events=true` routes as `fleet+kv_events=false` would. M_AGENT_ARGS is the
-# hook for the flag that will tell an external agent where its engine publishes.
+# engine's index and its event / replay ports): by default the agent's `--kv-events`,
+# `--kv-replay` and `--kv-topic`, so that it subscribes and publishes the engine's index.
 #
 # Workload `multiturn` (fleetgate_tools/bench/conversations.py; config/bench/multiturn.yaml has
 # the sizing): Poisson arrivals of conversations at M_RATE (two engines) / M_RATE_THREE (three)
@@ -64,8 +60,8 @@ M_RATE=${M_RATE:-2}                            # conversations a second, two eng
 M_RATE_THREE=${M_RATE_THREE:-3}                # three engines
 M_KV=${M_KV:-$P_KV_PRESSURE}
 M_PARAMS=${M_PARAMS:-"system_prompts: 4, system_tokens: 1000, context_tokens: 2000, turns_min: 3, turns_max: 8, user_tokens: 100, max_tokens: 64, think_s: 5.0, think_min_s: 1.0"}
-M_KV_EVENTS_CONFIG=${M_KV_EVENTS_CONFIG-'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:{events}", "replay_endpoint": "tcp://127.0.0.1:{replay}", "topic": "kv@vl{k}"}'}
-M_AGENT_ARGS=${M_AGENT_ARGS:-}
+M_KV_EVENTS_CONFIG=${M_KV_EVENTS_CONFIG-'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:{events}", "replay_endpoint": "tcp://127.0.0.1:{replay}", "topic": "kv@vl{k}"}'}
+M_AGENT_ARGS=${M_AGENT_ARGS-"--kv-events tcp://127.0.0.1:{events} --kv-replay tcp://127.0.0.1:{replay} --kv-topic kv@vl{k}"}
 M_SIM_TIME_SCALE=${M_SIM_TIME_SCALE:-1}
 M_DIR=$W/mt
 M_PREFIX=gpumt                                 # Redis prefix of the multi-turn fleet
