@@ -60,7 +60,7 @@ TEST_WORKERS ?= 4
 
 test: venv vllm swift helm
 	FLEETGATE_REQUIRE_VLLM=1 FLEETGATE_REQUIRE_SWIFT=1 FLEETGATE_REQUIRE_HELM=1 $(PY) -m pytest -q \
-		-n $(TEST_WORKERS) --dist loadgroup --durations=40
+		-n $(TEST_WORKERS) --dist loadfile --durations=40
 
 # The fast in-process unit tests (tests/unit/); tests/e2e/ runs real processes,
 # tests/real/ real engines, and `make test` runs all three.

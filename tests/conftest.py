@@ -5,7 +5,7 @@ Redis: the one at 127.0.0.1:6379 when it answers, else a redis-server the tests 
 in its own database, so a running demo fleet, and the other tests running beside it, are
 never touched.
 
-In parallel (`pytest -n 4 --dist loadgroup`, as `make test` runs): ports come from one
+In parallel (`pytest -n 4 --dist loadfile`, as `make test` runs): ports come from one
 range in a turn that every process shares (fleetgate/net.py, FLEETGATE_PORT_RANGE), so two
 servers started at once never get the same one; a module runs on one pytest-xdist worker
 (its module-scoped fleet starts once), and the real engines' tests all on one, in turn.
@@ -54,19 +54,26 @@ def _structlog_defaults() -> Iterator[None]:
 ROOT = Path(__file__).resolve().parent.parent
 TEST_DB = 13
 ADMIN_TOKEN = "test-admin-token"
-REAL_ENGINES = ROOT / "tests" / "real"
+REAL_ENGINES_SCOPE = "tests/real/"
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """xdist groups (used by `--dist loadgroup`): each module's tests go to one worker, so a
-    module-scoped fleet is started once; tests/real's all go to one worker, where its real
-    engines (vLLM, ms-swift: seconds to start, a core each) run one at a time."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is not None:
-            continue
-        group = "real-engines" if item.path.is_relative_to(REAL_ENGINES) else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`--dist loadfile`, as `make test` runs it: each module's tests go to one worker, so a
+    module-scoped fleet is started once, and tests/real's all go to one worker, where its real
+    engines (vLLM, ms-swift: seconds to start, a core each) run one at a time. (pytest 9 keeps
+    the node id where pytest-xdist 3.8's `xdist_group` marks no longer reach, so the grouping
+    is by path, in the scheduler.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ByModuleRealEnginesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return REAL_ENGINES_SCOPE if path.startswith(REAL_ENGINES_SCOPE) else path
+
+    return ByModuleRealEnginesTogether(config, log)
 
 
 def require_setup(what: str, paths: list[Path], make_target: str, env_var: str) -> None:
