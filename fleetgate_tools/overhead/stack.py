@@ -97,6 +97,10 @@ class Stack:
     # Run each gateway under valgrind's callgrind, instrumentation off until asked for
     # (scripts/bench_instructions.py): its dumps go to <run_dir>/callgrind.<target>.out[.N].
     callgrind: bool = False
+    # More arguments for every fleetgate gateway (`--set KEY=VALUE`...).
+    gateway_args: tuple[str, ...] = ()
+    # More one-process gateways of this checkout on the same workers, by target name.
+    extra_gateways: tuple[str, ...] = ()
     api_key: str = field(default_factory=lambda: "fg-bench-" + secrets.token_hex(8))
     procs: list[Proc] = field(default_factory=list)
     targets: dict[str, Target] = field(default_factory=dict)
@@ -148,6 +152,8 @@ class Stack:
         for n in self.gateway_workers:
             name = "fleetgate" if n == 1 else f"fleetgate-w{n}"
             self.targets[name] = self._gateway(name, n, prefix)
+        for name in self.extra_gateways:
+            self.targets[name] = self._gateway(name, 1, prefix)
         if self.baseline is not None:
             self.targets["baseline"] = self._gateway("baseline", 1, prefix, self.baseline)
         if self.router:
@@ -169,7 +175,7 @@ class Stack:
                     f"--callgrind-out-file={self.run_dir / f'callgrind.{name}.out'}"] if self.callgrind else []
         gateway = self._spawn(name, [
             *valgrind, sys.executable, "-m", "gateway", "--port", str(port), "--redis-url", self.redis_url,
-            "--redis-prefix", prefix, "--policy", "fleet", "--workers", str(workers),
+            "--redis-prefix", prefix, "--policy", "fleet", "--workers", str(workers), *self.gateway_args,
         ], {"FLEETGATE_API_KEYS": self.api_key, "FLEETGATE_ADMIN_TOKEN": secrets.token_hex(8),
             **({"PYTHONPATH": str(checkout)} if checkout else {})}, cwd=checkout)
 
