@@ -140,15 +140,22 @@ class FleetPolicy:
         self, scored: list[tuple[float, str, Slot]], facts: RequestFacts, live: Live,
         home: tuple[float, str, Slot] | None, second: tuple[float, str, Slot] | None,
     ) -> tuple[float, str, Slot] | None:
-        """The worker whose engine holds clearly more of the prompt than the key's home (or
-        its second home) by its KV cache events, and has room; None: the home logic decides.
+        """The worker whose engine holds clearly more of the prompt than the home logic's
+        choice would, by its KV cache events, and has room; None: the home logic decides.
 
-        Clearly more: it saves `kv_gain` of what the home would compute again. The home
+        Clearly more: it saves `kv_gain` of what that choice would compute again. The home
         lost the prefix (evicted, restarted) or never had it (the conversation's turns went
-        elsewhere, another client or replica warmed it). Among such workers, those within
-        that margin of the most held, the least loaded."""
+        elsewhere, another client or replica warmed it); of a key's two homes, which the home
+        logic shares by load, one holds the conversation and the other only the shared
+        prefix. Among such workers, those within that margin of the most held, the least
+        loaded."""
         held = facts.cached
-        known = max(held.get(home[1], 0) if home is not None else 0, held.get(second[1], 0) if second is not None else 0)
+        if home is None:
+            known = 0
+        elif second is None:
+            known = held.get(home[1], 0)
+        else:  # the home logic may choose either
+            known = min(held.get(home[1], 0), held.get(second[1], 0))
         margin = max(1.0, self.opts.kv_gain * (facts.prompt_tokens - known))
         holders = [x for x in scored if held.get(x[1], 0) >= known + margin and not self.saturated(x[2], live)]
         if not holders:
