@@ -24,7 +24,8 @@ connection: under attack that log would be the attacker's.
 
 Memory: a head is held by the parser only until it is over max_header_bytes, read by read,
 so a connection holds at most that plus one read of the transport (uvloop reads up to
-256 KiB at once) before it is refused; a body at most max_body_bytes (413 beyond).
+256 KiB at once) before it is refused, two where the head began in a read after the end of
+another request; a body at most max_body_bytes (413 beyond).
 """
 
 from __future__ import annotations

@@ -61,8 +61,8 @@ class Hooks:
         self.in_head = False  # a request's head is arriving
         self.head_started = 0.0  # when its first byte came (the loop's clock)
         self.head_bytes = 0  # its target and whole header lines so far
-        self.unparsed = 0  # raw bytes of it that reads after its first one brought
-        self.first_read = False  # it began in the read being parsed
+        self.unparsed = 0  # raw bytes of it so far, as far as reads tell
+        self.began = 0  # messages begun in the read being parsed
         self.in_body = False  # its body is arriving
         self.body_bytes = 0
         self.refusal = ""  # the limit (gateway/front_limits.py) a callback stopped the parser at
@@ -80,6 +80,8 @@ class Hooks:
         parser = self.parser
         if parser is None:
             return
+        idle = not self.in_head and not self.in_body  # the read starts between two messages
+        self.began = 0
         try:
             parser.feed_data(data)
         except (HttpParserError, HttpParserUpgrade) as exc:
@@ -92,15 +94,17 @@ class Hooks:
                     protocol.parse_failed(exc)
             return
         if self.in_head:  # a head still unfinished: what the parser holds of it is bounded
-            if self.first_read:
-                self.first_read = False  # (what of this read was the head is not known)
-            else:
+            began = self.began
+            if began == 0:  # the whole read was more of it
                 self.unparsed += len(data)
-                if self.unparsed > self.max_head:
-                    protocol = self.protocol
-                    if protocol is not None:
-                        self.parser = None
-                        protocol.refuse("header_too_large")
+            elif began == 1 and idle:  # the whole read was the start of it
+                self.unparsed = len(data)
+            # (else it began after another message in this read: its share of the read is not known)
+            if self.unparsed > self.max_head:
+                protocol = self.protocol
+                if protocol is not None:
+                    self.parser = None
+                    protocol.refuse("header_too_large")
 
     def _refuse(self, reason: str) -> _Refused:
         self.refusal = reason
@@ -108,7 +112,7 @@ class Hooks:
 
     def on_message_begin(self) -> None:
         self.in_head = True
-        self.first_read = True
+        self.began += 1
         self.head_started = self.clock()
         self.head_bytes = 0
         self.unparsed = 0
