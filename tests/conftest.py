@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -72,6 +73,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             return REAL_ENGINES_SCOPE if path.startswith(REAL_ENGINES_SCOPE) else path
+
+        def _assign_work_unit(self, node: Any) -> None:
+            # The real engines' unit is the longest (minutes of vLLM start-ups): first out.
+            if REAL_ENGINES_SCOPE in self.workqueue:
+                self.workqueue.move_to_end(REAL_ENGINES_SCOPE, last=False)
+            super()._assign_work_unit(node)
 
     return ByModuleRealEnginesTogether(config, log)
 
