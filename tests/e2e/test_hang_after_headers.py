@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from tests.conftest import Fleet, children
+from tests.conftest import Fleet, children, wait_until
 
 MODEL = "hang-model"
 FIRST_EVENT_S = 1.0
@@ -194,17 +194,26 @@ def test_a_stream_queued_in_its_engine_keeps_its_place_past_the_first_event_limi
         assert seat.status_code == 200
         lines = seat.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))  # it runs: the seat is taken
+        # Another client's request queues in the engine first, and the gateway has the engine's
+        # report of it before its stream is sent: reports take a second or two to arrive, as
+        # long as the first-event limit itself, so the gateway must not be left to race them.
+        other = threading.Thread(target=lambda: httpx.post(
+            f"{q_url}/v1/chat/completions", timeout=60,
+            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}))
+        other.start()
+        wait_until(lambda: int(fleet.workers(url)["q"]["load"]["waiting"]) >= 1, timeout=10)  # type: ignore[index]
         results: list[tuple[str, float, list[dict[str, object]], bool]] = []
         waiter = threading.Thread(target=lambda: results.append(_stream(url)))
         waiter.start()
-        # The precondition, from the engine itself: the second request waits in its queue.
+        # The precondition, from the engine itself: the gateway's stream waits in its queue too.
         deadline = time.monotonic() + 10
-        while httpx.get(f"{q_url}/sim/state").json()["waiting"] < 1:
+        while httpx.get(f"{q_url}/sim/state").json()["waiting"] < 2:
             assert time.monotonic() < deadline, "the second request never queued in the engine"
             time.sleep(0.05)
         time.sleep(4.5)  # past two first-event limits, waiting in the queue
         assert waiter.is_alive() and not results
-    # Closing the long stream frees the seat; the queued one runs.
+    # Closing the long stream frees the seat; the queued ones run.
+    other.join(30)
     waiter.join(30)
     [(worker, elapsed, events, done)] = results
     content = [c for e in events for c in e["choices"] if c["delta"].get("content")]  # type: ignore[index, union-attr]
