@@ -120,8 +120,13 @@ class KvEventSubscriber:
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         tick_ms = int(min(self.probe_every_s, 0.1) * 1000)
+        me = asyncio.current_task()
         try:
             while True:
+                if me is not None and me.cancelling():
+                    # pyzmq's asyncio poll can lose a cancel (the task waits on a fresh poll,
+                    # cancelling but never cancelled): without this the agent never stops.
+                    raise asyncio.CancelledError
                 ready = dict(await poller.poll(tick_ms))
                 if monitor in ready:
                     await self._drain_monitor(monitor)
