@@ -18,7 +18,6 @@ per step would bury the logs. An `Outage` says it once each way:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
 
 
@@ -59,8 +58,11 @@ async def stop_tasks(*tasks: asyncio.Task[Any] | None) -> None:
     for task in live:
         task.cancel()
     for task in live:
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
+        # Not `await task`: a cancel of the caller (a timeout on its close, say) would be passed
+        # on to the task and, once it ended, taken for the task's own and swallowed.
+        await asyncio.wait({task})
+        if not task.cancelled():
+            task.exception()  # retrieved: asyncio would log it as never retrieved
 
 
 __all__ = ["Outage", "stop_tasks"]

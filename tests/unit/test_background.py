@@ -65,3 +65,24 @@ async def test_stop_tasks_cancels_and_waits_for_every_task_even_one_that_failed(
     await stop_tasks(*tasks, None)
     assert sorted(ended) == ["a", "b"] and all(t.done() for t in tasks)
     assert tasks[0].cancelled() and not tasks[1].cancelled()
+
+
+async def test_a_caller_cancelled_while_it_stops_tasks_is_cancelled_itself() -> None:
+    """A timeout on a close that waits for a task which will not end reaches the closer: stop_tasks
+    does not take the caller's own cancel for the task's."""
+    stubborn = True
+
+    async def misses_its_cancel() -> None:
+        while stubborn:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                pass
+
+    task = asyncio.create_task(misses_its_cancel())
+    await asyncio.sleep(0)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(stop_tasks(task), 0.2)
+    stubborn = False
+    task.cancel()
+    await asyncio.wait({task})
