@@ -92,11 +92,12 @@ def test_request_done_is_cheap() -> None:
     """The per-request call costs microseconds, far inside the gateway's ~0.5 ms CPU budget."""
     metrics = GatewayMetrics()
     n = 3000
-    start = time.perf_counter()
+    # CPU time, the budget's unit: wall time also counts what other processes ran meanwhile.
+    start = time.thread_time()
     for i in range(n):
         metrics.request_done(MODEL, f"w{i % 4}", 200, True, 0.5, 0.05, 100, 20)
         metrics.record_decision("req", MODEL, f"w{i % 4}", "fleet:affinity", 1, 200)
-    per_call = (time.perf_counter() - start) / n
+    per_call = (time.thread_time() - start) / n
     assert per_call < 50e-6, f"{per_call * 1e6:.1f} µs per request"
 
 
