@@ -48,10 +48,23 @@ def blocks(fleet: Fleet, url: str, wid: str) -> int:
     return int(fleet.workers(url)[wid]["kv_events"]["blocks"])  # type: ignore[index]
 
 
+def settled_blocks(fleet: Fleet, url: str, wid: str) -> int:
+    """Worker `wid`'s block count once the gateway's mirror has caught up with what the engine
+    served before (the same in three reads 0.2 s apart; the mirror refreshes every 0.1 s)."""
+    counts = [blocks(fleet, url, wid)]
+    deadline = time.monotonic() + 10
+    while len(counts) < 3 or len(set(counts[-3:])) > 1:
+        assert time.monotonic() < deadline, counts
+        time.sleep(0.2)
+        counts.append(blocks(fleet, url, wid))
+    return counts[-1]
+
+
 def warm(fleet: Fleet, url: str, engine: str, wid: str, body: dict[str, object], path: str) -> None:
     """Send `body` straight to worker `wid`'s engine (another client), and wait until the
-    gateway's mirror holds its blocks."""
-    before = blocks(fleet, url, wid)
+    gateway's mirror holds its blocks (counted from a settled start, so that the blocks of a
+    request served just before are not taken for these)."""
+    before = settled_blocks(fleet, url, wid)
     assert httpx.post(f"{engine}{path}", json=body, timeout=30).status_code == 200
     deadline = time.monotonic() + 10
     while blocks(fleet, url, wid) < before + 16:

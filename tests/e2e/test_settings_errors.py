@@ -50,7 +50,7 @@ def test_unknown_routing_knob_in_the_config_file(tmp_path: Path, policy: str) ->
     ("gateway", "wanted"),
     [
         ({"polcy": "fleet"}, ("unknown setting `polcy`", "gateway.yaml", "did you mean `policy`?")),
-        ({"routing": {"kv_high": "high"}}, ("bad setting `routing.kv_high`", "expected `int | float`, got `str`")),
+        ({"routing": {"kv_high": "high"}}, ("bad setting `routing.kv_high`", "expected `bool | int | float`, got `str`")),
         ({"rate_limit_rpm": "many"}, ("bad setting `rate_limit_rpm`", "expected `float`", "'many'")),
         ({"aliases": {"chat": [{"model": "m", "wieght": 2}]}},
          ("bad setting `aliases.chat[0]`", "unknown field `wieght`", "fields: model, weight")),
