@@ -78,13 +78,24 @@ def test_openai_client_through_gateway_to_real_vllm(vllm_fleet: tuple[Fleet, str
     assert completion.model == model
     assert completion.usage is not None and completion.usage.completion_tokens == 8
 
+    # Random weights sample any token, and a byte-level token that is part of a character
+    # streams no text of its own (vLLM holds it back), so the stream may sample only tokens
+    # that are whole ASCII pieces. vLLM merges the deltas of tokens that its API server had
+    # not sent yet into one chunk (a loaded machine): each chunk's logprobs name its tokens,
+    # so every one of the 8 is checked to have streamed, however they were grouped.
+    from tokenizers import Tokenizer
+
+    whole = sorted(set(Tokenizer.from_file(str(TINY / "model" / "tokenizer.json")).encode(
+        "Hello world, tokens!", add_special_tokens=False).ids))
     with client.chat.completions.with_streaming_response.create(
-        model=model, messages=messages, max_tokens=8, stream=True,  # type: ignore[arg-type]
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        model=model, messages=messages, max_tokens=8, stream=True, logprobs=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "allowed_token_ids": whole},
     ) as resp:
         assert resp.headers["x-fleetgate-worker"] in VLLM_WORKERS
         chunks = list(resp.parse())
-    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content is not None) >= 8
+    streamed = [c.choices[0] for c in chunks if c.choices and c.choices[0].delta.content]
+    tokens = [t.token for c in streamed for t in (c.logprobs.content if c.logprobs and c.logprobs.content else [])]
+    assert len(tokens) == 8 and "".join(tokens) == "".join(c.delta.content or "" for c in streamed), (tokens, streamed)
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
 
 
