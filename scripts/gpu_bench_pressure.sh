@@ -120,30 +120,51 @@ p_redis() {
   sleep 1
 }
 
+# P_KV_EVENTS=1: every engine publishes vLLM's KV cache events (the multi-turn family's
+# M_KV_EVENTS_CONFIG) and serves the model with a chat template (m_model), and every agent
+# subscribes (M_AGENT_ARGS) and registers that tokenizer: the fleet policy routes on what the
+# engines hold (issue 31's precise routing) unless a strategy turns it off
+# (`fleet+kv_events=false`).
+p_events() {  # k -> the engine's extra arguments (model folder, events) under P_KV_EVENTS=1
+  [ "${P_KV_EVENTS:-0}" = 1 ] || return 0
+  printf '%s\n' --kv-events-config "$(m_subst "$M_KV_EVENTS_CONFIG" "$1")"
+}
+
 p_engine_up() {  # k kv_bytes: engine k (a vLLM server; in sim mode the simulator) on P_PORTS[k]
-  local k=$1 port=${P_PORTS[$1]} blocks=$(( $2 / KV_BYTES_PER_BLOCK ))
+  local k=$1 port=${P_PORTS[$1]} blocks=$(( $2 / KV_BYTES_PER_BLOCK )) events=() model=/tmp/vl/m7
+  mapfile -t events < <(p_events "$k")
+  [ "${P_KV_EVENTS:-0}" = 1 ] && model=$M_MODEL
   if [ "$MODE" = sim ]; then
     # The simulator run standalone, like a vLLM server, with the GPU run's KV size and batch limit.
+    [ "${P_KV_EVENTS:-0}" = 1 ] && events+=(--model "$M_MODEL")
     spawn "vllm$k" env PYTHONPATH="$FG_PATH" "$FG_PY" -m workers.simulator --served-model-name m7 \
       --profile h200-7b --max-model-len 8192 --num-gpu-blocks "$blocks" --block-size 16 \
       --max-num-seqs "$P_MAX_NUM_SEQS" --time-scale "$SIM_TIME_SCALE" --seed $((k + 1)) \
-      --host 127.0.0.1 --port "$port"
+      "${events[@]}" --host 127.0.0.1 --port "$port"
   else
-    spawn "vllm$k" env "${VL_ENV[@]}" python3 -m vllm.entrypoints.cli.main serve /tmp/vl/m7 --served-model-name m7 \
+    # P_SPLIT_CARDS=1 (a machine of several GPUs): engine k on card k mod the cards, so two
+    # "identical" engines do not share one card's time; by default every engine shares card 0.
+    local card=()
+    [ "${P_SPLIT_CARDS:-0}" = 1 ] && card=(CUDA_VISIBLE_DEVICES=$(( k % $(nvidia-smi -L | wc -l) )))
+    spawn "vllm$k" env "${VL_ENV[@]}" "${card[@]}" python3 -m vllm.entrypoints.cli.main serve "$model" --served-model-name m7 \
       --load-format dummy --max-model-len 8192 --enforce-eager --gpu-memory-utilization "$P_GPU_UTIL" \
-      --kv-cache-memory-bytes "$2" --max-num-seqs "$P_MAX_NUM_SEQS" --host 127.0.0.1 --port "$port"
+      --kv-cache-memory-bytes "$2" --max-num-seqs "$P_MAX_NUM_SEQS" "${events[@]}" --host 127.0.0.1 --port "$port"
   fi
 }
 
 p_agent_up() {  # k: attach engine k as README says (`--engine external --url`, no --option)
+  local extra=()
+  # shellcheck disable=SC2206  # M_AGENT_ARGS is a list of words by design
+  [ "${P_KV_EVENTS:-0}" = 1 ] && extra=(--model "$M_MODEL" --served-model-name m7 $(m_subst "$M_AGENT_ARGS" "$1"))
   spawn "agent-vl$1" env PYTHONPATH="$FG_PATH" "$FG_PY" -m workers --engine external \
     --url "http://127.0.0.1:${P_PORTS[$1]}" --flavor vllm --id "vl$1" \
-    --redis-url "$REDIS_URL" --redis-prefix "$P_PREFIX"
+    --redis-url "$REDIS_URL" --redis-prefix "$P_PREFIX" "${extra[@]}"
 }
 
 p_engines() {  # kv_bytes count: `count` engines with that KV cache and their agents; others stopped
   local kv=$1 n=$2 k blocks=$(( $1 / KV_BYTES_PER_BLOCK )) missing=()
-  if [ "$(cat "$P_DIR/engines.kv" 2>/dev/null)" != "$kv" ]; then
+  [ "${P_KV_EVENTS:-0}" = 1 ] && { m_model || return 1; }
+  if [ "$(cat "$P_DIR/engines.kv" 2>/dev/null)" != "$kv${P_KV_EVENTS:+ events$P_KV_EVENTS}" ]; then
     for k in "${!P_PORTS[@]}"; do p_stop "agent-vl$k"; p_stop "vllm$k" 60; done
     rm -f "$P_DIR/engines.kv"
   fi
@@ -151,7 +172,7 @@ p_engines() {  # kv_bytes count: `count` engines with that KV cache and their ag
   for ((k = 0; k < n; k++)); do
     { p_alive "vllm$k" && p_alive "agent-vl$k"; } || missing+=("$k")
   done
-  if [ "${#missing[@]}" = 0 ]; then echo "$kv" > "$P_DIR/engines.kv"; return 0; fi
+  if [ "${#missing[@]}" = 0 ]; then echo "$kv${P_KV_EVENTS:+ events$P_KV_EVENTS}" > "$P_DIR/engines.kv"; return 0; fi
   p_fits "$ENGINE_START_S" || { log "pressure: no time left to start engine(s) ${missing[*]} with $blocks blocks"; return 1; }
   for k in "${missing[@]}"; do
     p_stop "agent-vl$k"; p_stop "vllm$k" 60
@@ -165,7 +186,7 @@ p_engines() {  # kv_bytes count: `count` engines with that KV cache and their ag
   done
   [ "$MODE" = sim ] || grep -h "GPU KV cache size\|Maximum concurrency" "$W"/logs/vllm*.log 2>/dev/null | tail -3
   for k in "${missing[@]}"; do p_agent_up "$k"; done
-  echo "$kv" > "$P_DIR/engines.kv"
+  echo "$kv${P_KV_EVENTS:+ events$P_KV_EVENTS}" > "$P_DIR/engines.kv"
   log "pressure: $n engines healthy"
 }
 
@@ -253,6 +274,13 @@ p_run() {  # scenario strategy round
   # fleet_nohold: the fleet policy without the KV hold (gateway.settings hold_kv 0), side by
   # side: bench-specific gateway tuning, so not among the default strategies.
   [ "$strategy" = fleet_nohold ] && { policy=fleet bench=fleet extra=(--set hold_kv=0); }
+  # `fleet+kv_events=false`: a policy with routing options (fleetgate_tools/bench/variants.py)
+  if [[ $strategy == *+* ]]; then
+    local gw=()
+    mapfile -t gw < <(fg -c "import sys; from fleetgate_tools.bench.variants import main; sys.exit(main())" "$strategy" 2>>"$W/logs/p-variants.log")
+    [ "${#gw[@]}" -gt 0 ] || { log "pressure: cannot read strategy $strategy"; return 1; }
+    policy=${gw[0]} extra=("${gw[@]:1}")
+  fi
   p_gateway "$policy" "gateway-$name" "$n" "${extra[@]}" || return 1
   log "pressure: $name, $wl at $rate req/s on $n engines (${P_DURATION}s + up to ${P_DRAIN}s drain)"
   fg scripts/bench_fleet.py --attach "http://127.0.0.1:$GW_PORT" --admin-token "$TOKEN" --fleet "$fleet" \

@@ -76,7 +76,11 @@ s_start() {  # k: one fresh start, measured
   for e in 0 1; do p_port_free "${P_PORTS[$e]}" "engine $e" || return 1; done
   log "speed: $name: two engines afresh ($(( P_KV_PRESSURE / KV_BYTES_PER_BLOCK )) KV blocks each)"
   t0=$(date +%s)
-  for e in 0 1; do p_engine_up "$e" "$P_KV_PRESSURE"; done
+  # S_ALTERNATE=1: even starts launch engine 1 first (6 s ahead), odd ones engine 0, so a
+  # difference that follows the order (the first process on a shared card) shows as such.
+  local order=(0 1)
+  [ "${S_ALTERNATE:-1}" = 1 ] && [ $(( k % 2 )) = 0 ] && order=(1 0)
+  p_engine_up "${order[0]}" "$P_KV_PRESSURE"; sleep 6; p_engine_up "${order[1]}" "$P_KV_PRESSURE"
   for e in 0 1; do
     wait_http "http://127.0.0.1:${P_PORTS[$e]}/health" 600 "$W/pids/vllm$e" \
       || { log "speed: $name: engine $e NOT healthy"; tail -20 "$W/logs/vllm$e.log" 2>/dev/null; s_stop_fleet; s_keep_logs "$k"; return 1; }
@@ -95,7 +99,7 @@ s_start() {  # k: one fresh start, measured
   fg -m fleetgate_tools.bench.speed_starts run --gateway "http://127.0.0.1:$GW_PORT" --admin-token "$TOKEN" \
     --start "$k" --rate "$S_RATE" --duration "$S_DURATION" --settle "$S_SETTLE" --drain "$S_DRAIN" \
     --seed "$S_SEED" --prompt-tokens "$S_PROMPT_TOKENS" --max-tokens "$S_MAX_TOKENS" \
-    --engine-start-s "$up" --ready-s "$ready" --out "$S_DIR/$name.tmp.json" > "$W/logs/speed-$name.txt" 2>&1
+    --engine-start-s "$up" --ready-s "$ready" --first "vl${order[0]}" --out "$S_DIR/$name.tmp.json" > "$W/logs/speed-$name.txt" 2>&1
   rc=$?
   curl -s -m 5 -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$GW_PORT/admin/workers" \
     > "$S_DIR/$name-workers.json" 2>/dev/null

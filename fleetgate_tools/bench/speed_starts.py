@@ -44,6 +44,9 @@ from fleetgate_tools.bench.progress import Progress
 from fleetgate_tools.bench.report import percentile
 from fleetgate_tools.bench.tables import _f, _md, done_when
 from fleetgate_tools.bench.workloads import BYTES_PER_TOKEN, BenchRequest, poisson_arrivals, words
+from workers.engines.base import EngineWork
+from workers.engines.vllm import parse_vllm_work
+from workers.speedometer import sample_speed
 
 SPEED_TOL = 0.05  # the two speeds: max / min - 1
 SPLIT_TOL = 0.05  # a worker's share against an even one: |share x n - 1|
@@ -90,6 +93,18 @@ async def _poll_admin(client: httpx.AsyncClient, gateway: str, token: str, out: 
         await asyncio.sleep(every_s)
 
 
+async def engine_work(client: httpx.AsyncClient, workers: Sequence[engines.WorkerRef]) -> dict[str, dict[str, float]]:
+    """Every engine's cumulative work counters (vLLM's, as the agents read them), by worker."""
+    async def one(w: engines.WorkerRef) -> tuple[str, dict[str, float]]:
+        try:
+            resp = await client.get(w.url + "/metrics", timeout=5)
+        except httpx.HTTPError:
+            return w.id, {}
+        return w.id, msgspec.to_builtins(parse_vllm_work(resp.text)) if resp.status_code == 200 else {}
+
+    return dict(await asyncio.gather(*(one(w) for w in workers)))
+
+
 async def run_start(gateway: str, token: str, requests: Sequence[BenchRequest], *, drain_s: float,
                     progress: Progress | None = None) -> dict[str, Any]:  # fmt: skip
     """One start's load: outcomes, the admin readings and the engines' gauge samples."""
@@ -97,6 +112,7 @@ async def run_start(gateway: str, token: str, requests: Sequence[BenchRequest], 
     async with httpx.AsyncClient(timeout=10) as client:
         workers = await engines.list_workers(client, gateway, token)
         before = await _read_admin(client, gateway, token)
+        work_before = await engine_work(client, workers)
         poller = asyncio.create_task(_poll_admin(client, gateway, token, readings))
         async with engines.LoadSampler(client, workers) as sampler:
             on_progress = (lambda s, d, t: progress.update(s, d, t)) if progress else None
@@ -105,8 +121,42 @@ async def run_start(gateway: str, token: str, requests: Sequence[BenchRequest], 
         poller.cancel()
         await asyncio.gather(poller, return_exceptions=True)
         after = await _read_admin(client, gateway, token)
+        work_after = await engine_work(client, workers)
     return {"workers": [w.id for w in workers], "idle": before, "end": after, "readings": readings,
-            "samples": sampler.samples, "outcomes": outcomes, "wall_s": round(wall, 2)}  # fmt: skip
+            "samples": sampler.samples, "outcomes": outcomes, "wall_s": round(wall, 2),
+            "work": {"before": work_before, "after": work_after}}  # fmt: skip
+
+
+def client_tpot(outcomes: Sequence[Outcome]) -> dict[str, float | None]:
+    """Per worker, the median time between a streamed answer's tokens as the client saw it
+    (seconds after the first token over the tokens after it): the truth the speeds estimate."""
+    per: dict[str, list[float]] = {}
+    for o in outcomes:
+        if not o.error and o.worker and o.ttft is not None and o.e2e is not None and o.out_tokens > 1:
+            per.setdefault(o.worker, []).append((o.e2e - o.ttft) / (o.out_tokens - 1))
+    return {w: round(statistics.median(v), 5) for w, v in sorted(per.items())}
+
+
+def engine_windows(work: Mapping[str, Any] | None, wall_s: float) -> dict[str, dict[str, float | None]]:
+    """Per engine, over the whole run, from its own counters: the mean time between a
+    sequence's tokens (step_s), sequences decoding and prompt tokens computed per step, and
+    the speed the agents' estimator reads from that one window (speedometer.sample_speed)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for wid, after in ((work or {}).get("after") or {}).items():
+        before = ((work or {}).get("before") or {}).get(wid)
+        if not after or not before:
+            continue
+        a, b = msgspec.convert(after, EngineWork), msgspec.convert(before, EngineWork)
+        d = EngineWork(generated=a.generated - b.generated, prefilled=a.prefilled - b.prefilled,
+                       steps=a.steps - b.steps, latency_sum=a.latency_sum - b.latency_sum,
+                       latency_count=a.latency_count - b.latency_count)  # fmt: skip
+        out[wid] = {
+            "step_s": round(d.latency_sum / d.latency_count, 5) if d.latency_count > 0 else None,
+            "decoding": round(d.generated / d.steps, 2) if d.steps > 0 else None,
+            "prefill": round(d.prefilled / d.steps, 1) if d.steps > 0 else None,
+            "speed": None if (v := sample_speed(d, wall_s)) is None else round(v, 3),
+        }
+    return out
 
 
 def engine_figures(samples: Sequence[engines.Sample], window_s: float) -> dict[str, dict[str, float | None]]:
@@ -173,6 +223,9 @@ def summarise_start(start: int, run: Mapping[str, Any], *, duration_s: float, se
         "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
         "out_tok_s": round(sum(o.out_tokens for o in ok) / run["wall_s"], 1) if run.get("wall_s") else None,
         "engines": figures, "waiting_share_max": wait_share,
+        "client_tpot": (tpot := client_tpot(ok)),
+        "tpot_diff": _diff(*list(tpot.values())[:2]) if len(tpot) >= 2 else None,
+        "engine_window": engine_windows(run.get("work"), float(run.get("wall_s") or 0.0)),
         "trace": [(t, {w: r[w]["speed"] for w in ids if w in r}) for t, r in run["readings"]],
     }  # fmt: skip
 
@@ -200,6 +253,18 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.1f}%"
 
 
+def _ms_pair(values: Mapping[str, Any]) -> str:
+    return " / ".join("-" if v is None else f"{1000 * v:.1f}" for v in values.values()) or "-"
+
+
+def _window(windows: Mapping[str, Mapping[str, Any]]) -> str:
+    """Each engine's whole-run window: its mean step, the step's size, the speed it reads as."""
+    return "; ".join(
+        "-" if w.get("step_s") is None else
+        f"{1000 * w['step_s']:.1f} ({_f(w.get('decoding'))}+{_f(w.get('prefill'))}) -> {_f(w.get('speed'))}"
+        for w in windows.values()) or "-"  # fmt: skip
+
+
 def markdown(rows: Sequence[Mapping[str, Any]]) -> str:
     mark = {True: "PASS", False: "FAIL", None: "-"}
     lines = ["# Worker speed on two identical engines, three fresh starts (issue 37)", ""]
@@ -212,7 +277,11 @@ def markdown(rows: Sequence[Mapping[str, Any]]) -> str:
                   "- probe: the agent's start-up figure (`start_speed`); speed: `/admin/workers` at the end "
                   "of the arrivals; diff: max / min - 1 (worst: over every reading after the settle time); "
                   "off even: the largest |share x workers - 1|; engine columns: the engines' own /metrics, "
-                  "read twice a second while requests arrived, mean / max, one engine after the other (;)"]  # fmt: skip
+                  "read twice a second while requests arrived, mean / max, one engine after the other (;); "
+                  "client TPOT: the median time between a streamed answer's tokens as the client saw them, "
+                  "per worker (the truth the speeds estimate); eng step: each engine's own mean time "
+                  "between tokens over the whole run, the sequences decoding and prompt tokens computed "
+                  "per step, and the speed the agents' estimator reads from that one window"]  # fmt: skip
     lines += ["", "## Per start", ""]
     table = []
     for r in rows:
@@ -222,19 +291,21 @@ def markdown(rows: Sequence[Mapping[str, Any]]) -> str:
                 for key in ("running", "waiting")}  # fmt: skip
         kv = "; ".join(f"{_pct(f.get('kv_mean'))}/{_pct(f.get('kv_max'))}" for f in eng) or "-"
         table.append([
-            str(r["start"]), f"{_f(r.get('engine_start_s'))} / {_f(r.get('ready_s'))}", _pair(r["probe"]), _pct(r.get("probe_diff")),
+            str(r["start"]) + (f" ({r['first']} first)" if r.get("first") else ""), f"{_f(r.get('engine_start_s'))} / {_f(r.get('ready_s'))}", _pair(r["probe"]), _pct(r.get("probe_diff")),
             _pair(r["speed"]) + f" ({', '.join(sorted(set(map(str, r['speed_source'].values()))))})",
             _pct(r.get("speed_diff")), _pct(r.get("speed_diff_max")), mark[c["speed"][1]],
             " / ".join(str(n) for n in r["split"].values()) + f" of {r['sent']}"
             + "".join(f", {k} {n}" for k, n in (r.get("errors") or {}).items()), _pct(r.get("split_off_even")),
             mark[c["split"][1]], cell["running"], cell["waiting"], kv, _f(r.get("ttft_p50"), "s"),
-            _f(r.get("out_tok_s")),
+            _f(r.get("out_tok_s")), _ms_pair(r.get("client_tpot") or {}), _pct(r.get("tpot_diff")),
+            _window(r.get("engine_window") or {}),
         ])  # fmt: skip
     lines += _md(["start", "engines healthy / workers ready s", "probe speeds", "probe diff",
                   "speeds after load (source)", "diff", "worst diff", "speed check", "requests",
                   "off even", "split check",
                   "eng running mean/max", "eng waiting mean/max", "eng KV mean/max", "TTFT p50 s",
-                  "out tok/s"], table)  # fmt: skip
+                  "out tok/s", "client TPOT ms", "TPOT diff", "eng step ms (decoding+prefill/step) -> speed"],
+                 table)  # fmt: skip
     lines += done_when("issue 37, on the GPU", checks(rows))
     return "\n".join(lines) + "\n"
 
@@ -259,7 +330,7 @@ def _run(args: argparse.Namespace) -> int:
         progress.close()
     meta = {"rate": args.rate, "duration_s": args.duration, "settle_s": args.settle, "seed": args.seed,
             "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-            "engine_start_s": args.engine_start_s, "ready_s": args.ready_s}  # fmt: skip
+            "engine_start_s": args.engine_start_s, "ready_s": args.ready_s, "first": args.first}  # fmt: skip
     row = summarise_start(args.start, run, duration_s=args.duration, settle_s=args.settle, meta=meta)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(row, indent=1))
@@ -296,6 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--model", default="m7")
     r.add_argument("--engine-start-s", type=float, default=None, help="recorded beside the row")
     r.add_argument("--ready-s", type=float, default=None, help="recorded beside the row")
+    r.add_argument("--first", default=None, help="the engine launched first (recorded beside the row)")
     r.add_argument("--out", type=Path, required=True)
     t = sub.add_parser("table", help="results-speed.md / .json from DIR's start<k>.json")
     t.add_argument("folder", type=Path)
