@@ -35,7 +35,7 @@ SUBJECT = "fleet"
 # Rows in this order (others after them, by name).
 STRATEGY_ORDER = ("tenant_affinity", "direct_round_robin", "round_robin", "least_outstanding", "fleet")
 SCENARIO_ORDER = ("pressure", "long", "longcut", "half", "skew", "three", "ample")
-_NAME = re.compile(r"(?P<scenario>[a-z][a-z0-9]*)-(?P<strategy>[a-z_]+)-r(?P<round>\d+)")
+_NAME = re.compile(r"(?P<scenario>[a-z][a-z0-9]*)-(?P<strategy>[a-z_]+(?:\+[a-z_]+=[a-z0-9._]+)*)-r(?P<round>\d+)")
 MEAN_KEYS = ("requests", "ok", "ttft_p50", "ttft_p99", "e2e_p99", "out_tok_s", "http_429", "other_errors",
              "preemptions", "prefix_hit_rate", "herded_windows", "off_majority", "eng_waiting_max",
              "eng_running_mean", "eng_running_max", "eng_kv_mean", "out_tokens_mean")  # fmt: skip
