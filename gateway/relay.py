@@ -1,11 +1,13 @@
 """Relaying one engine stream to the client as it arrives, and continuing it if it breaks.
 
-Events are relayed as they arrive; what arrived in one read leaves in one write, as it came
-unless the tracker must look at an event on its own ([DONE], the usage chunk, a resumed
-stream's events: `StreamTracker.on_block`). If the
-engine dies or stalls mid-stream, the stream is continued on another worker
-(gateway/resume.py) through the request's `Attempt`; the one summary log line and the
-request's metrics are written when the stream ends, however it ends.
+Three parts: gateway/sse.py cuts the engine's bytes into runs of whole events; `relay`, the
+one generator, reads, gives up on a stall and yields what the client gets; `_Relayed` keeps
+the stream's books across its segments: what the tracker lets through
+(`StreamTracker.on_block`: a run leaves in one write, as it came, unless the tracker must look
+at an event on its own: [DONE], the usage chunk, a resumed stream's events), the failover to
+another worker when the engine dies or stalls mid-stream (gateway/resume.py, through the
+request's `Attempt`), and the one summary log line and the request's metrics, written when
+the stream ends, however it ends.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics, usage_of
 from gateway.quota import Ticket
 from gateway.responses import ResponsesTracker, remember
-from gateway.resume import StreamTracker, continuation
+from gateway.resume import DONE, StreamTracker, continuation
 from gateway.routing import Choice
+from gateway.sse import SSEFrames, events
 from gateway.upstream import Response
 from gateway.waiting import WorkerWentAway
 
-log = structlog.get_logger("gateway.proxy")
+log = structlog.get_logger("gateway.relay")
 
 
 # A stream is given up after `stall_timeout_s` of silence, and at most this factor of it.
@@ -41,6 +44,10 @@ REPORT_FRESH_S = 5.0
 
 class StreamBroke(Exception):
     """The engine's stream ended without finishing."""
+
+
+# How an engine's stream can break mid-way; each is continued elsewhere when it can be.
+BROKEN = (ConnectionError, TimeoutError, StreamBroke, WorkerWentAway)
 
 
 def queued_in_engine(attempt: Attempt, worker_id: str) -> bool:
@@ -78,143 +85,201 @@ async def relay(
     metrics: GatewayMetrics, started: float, fields: dict[str, object], stores: bool, ticket: Ticket | None = None,
 ) -> AsyncIterator[bytes]:
     """Relay the engine's stream to the client; continue it on another worker if it breaks."""
-    dispatch = attempt.dispatch
-    settings = dispatch.settings
-    loop = asyncio.get_running_loop()
-    worker = choice.worker
-    outcome = "completed"
-    first_chunk_ms: float | None = None
-    resumes = 0
-    counted = True  # `worker` holds one of this gateway's in-flight counts
-    tokens = (0, 0)
+    books = _Relayed(attempt, choice, resp, tracker, metrics, started, fields, stores, ticket)
+    pieces = books.pieces
+    clock = asyncio.get_running_loop().time
+    stall_s = attempt.dispatch.settings.stall_timeout_s
     try:
-        while True:
+        last: bytes | None = None  # what ends the client's stream; None: another segment
+        while last is None:  # one segment per engine that serves the stream
             try:
-                buffer = b""
-                # The first event may wait behind the engine's queue; later ones may not stall.
-                read = resp.readany  # b"" at the end
-                stall = settings.stall_timeout_s
-                armed = -math.inf  # the stall deadline set last
-                # Waiting for the first event counts as waiting for a first byte
-                # (gateway/waiting.py): the engine has sent the client nothing yet.
-                with dispatch.waits.waiting(worker.id):
-                    data = await first_event(read, attempt, worker.id)
+                feed = SSEFrames().feed
+                read = books.resp.readany  # b"" at the end
+                data = await books.first_read()
                 async with asyncio.timeout(None) as deadline:
+                    armed = -math.inf  # the stall deadline set last
                     while data:
-                        # The stall deadline moves only when it is less than `stall` away, to
-                        # STALL_MARGIN times that: never before `stall` s of silence, at most a
+                        # The stall deadline moves only when it is less than `stall_s` away, to
+                        # STALL_MARGIN times that: never before `stall_s` of silence, at most a
                         # tenth of it late, and one timer set per few seconds, not one per read.
-                        now = loop.time()
-                        if armed - now < stall:
-                            armed = now + stall * STALL_MARGIN
+                        now = clock()
+                        if armed - now < stall_s:
+                            armed = now + stall_s * STALL_MARGIN
                             deadline.reschedule(armed)
-                        if buffer:
-                            data = buffer + data
-                        end = data.rfind(b"\n\n") + 2
-                        if end < 2:
-                            buffer = data
-                            data = await read()
-                            continue
-                        # What arrived in one read leaves in one write: as it came, when the
-                        # tracker need not look at its events one by one.
-                        block, buffer = (data, b"") if end == len(data) else (data[:end], data[end:])
-                        joined, rest = tracker.on_block(block)
-                        if rest:
-                            out = [x for e in rest[:-2].split(b"\n\n")
-                                   if (x := tracker.on_event(e.strip(b"\r\n"))) is not None]
-                            if not out and not joined:
-                                data = await read()
-                                continue
-                            for piece in out:
-                                # find(), not `in`: see gateway/resume.py's _usage_only.
-                                if piece.find(b'"usage":{') >= 0 or piece.find(b'"usage": {') >= 0:
-                                    usage = usage_of(piece)
-                                    if usage[1]:
-                                        tokens = usage
-                            if out:
-                                joined = b"".join((joined, *out)) if joined else b"".join(out)
-                        if first_chunk_ms is None:
-                            first_chunk_ms = round((time.perf_counter() - started) * 1000, 2)
-                        if stores and tracker.response_id:
-                            # Recorded before the client can see the id, so a follow-up finds it.
-                            await remember(dispatch.watcher, tracker.response_id, worker.id,
-                                           settings.responses_ttl_s)
-                            stores = False
-                        yield joined
-                        if tracker.done:
-                            break
+                        piece = pieces(feed(data))
+                        if piece:
+                            if books.before_first:
+                                await books.first_out()
+                            yield piece
+                            if tracker.done:
+                                break
                         data = await read()
-                if tracker.done:
-                    dispatch.breakers.success(worker.id)
-                    return
-                if tracker.finished:  # a finish_reason came, only [DONE] is missing
-                    yield b"data: [DONE]\n\n"
-                    return
-                raise StreamBroke("the engine closed the stream before it finished")
-            except (ConnectionError, TimeoutError, StreamBroke, WorkerWentAway) as exc:
-                reason = "stalled" if isinstance(exc, TimeoutError) else type(exc).__name__
-                dispatch.breakers.failure(worker.id, f"stream {reason}")
-                attempt.trace.stream_broke(worker.id, reason)
-                resp.close()
-                attempt.release(worker.id)
-                counted = False
-                tracker.analyse()
-                log.warning("gateway.stream_broke", worker=worker.id, reason=reason,
-                            sent_chunks=tracker.content_chunks, request_id=fields["request_id"])
-                if not tracker.resumable or resumes >= settings.max_resumes:
-                    outcome = f"broken:{reason}"
-                    yield tracker.error_event("The engine serving this stream failed and the stream cannot be "
-                                              f"resumed elsewhere{tracker.why_not}; the answer is incomplete.")
-                    return
-                assert isinstance(tracker, StreamTracker)  # the only resumable kind
-                plan = continuation(attempt.body, attempt.kind, tracker.text, tracker.content_chunks,
-                                    continues_trailing_assistant(worker.info))
-                if plan is None:
-                    yield tracker.final_length_chunk()
-                    return
-                resumes += 1
-                try:  # shaped for whichever engine takes over, by what its worker declares
-                    choice, resp = await attempt.resume(shaped(plan.body))
-                except GatewayError as err:
-                    outcome = f"broken:{reason}"
-                    yield tracker.error_event(f"The stream could not be resumed on another worker: {err.message}")
-                    return
-                worker = choice.worker
-                counted = True
-                metrics.resumed_stream(str(fields["model"]))
-                attempt.trace.resumed(worker.id, resumes)
-                tracker.start_segment()
-                log.info("gateway.stream_resumed", worker=worker.id, resumes=resumes,
-                         sent_chunks=tracker.content_chunks, request_id=fields["request_id"])
+                last = books.ending()
+            except BROKEN as exc:
+                last = await books.fail_over(exc)
+        if last:
+            yield last
     except BaseException:
         # The client went away (cancellation) or the server is stopping: abort the
         # engine's request by closing its connection instead of reading it to the end.
-        outcome = "client_gone"
+        books.outcome = "client_gone"
         raise
     finally:
-        if counted:
-            if outcome == "completed":
-                resp.release()
+        await books.close()
+
+
+class _Relayed:
+    """One relayed stream's books across its segments: the worker serving it now and whether this
+    gateway counts the stream there, what the client was sent, and how the stream ended."""
+
+    __slots__ = ("attempt", "before_first", "counted", "fields", "first_chunk_ms", "metrics", "outcome", "resp",
+                 "resumes", "started", "stores", "ticket", "tokens", "tracker", "worker")
+
+    def __init__(self, attempt: Attempt, choice: Choice, resp: Response, tracker: StreamTracker | ResponsesTracker,
+                 metrics: GatewayMetrics, started: float, fields: dict[str, object], stores: bool,
+                 ticket: Ticket | None) -> None:
+        self.attempt = attempt
+        self.worker = choice.worker
+        self.resp = resp
+        self.tracker = tracker
+        self.metrics = metrics
+        self.started = started
+        self.fields = fields
+        self.stores = stores  # the response id is still to be recorded (a stored Responses API answer)
+        self.ticket = ticket
+        self.outcome = "completed"
+        self.first_chunk_ms: float | None = None
+        self.before_first = True  # `first_out` has work left: the first piece, or the id to record
+        self.resumes = 0
+        self.counted = True  # `worker` holds one of this gateway's in-flight counts
+        self.tokens = (0, 0)
+
+    async def first_read(self) -> bytes:
+        # Waiting for the first event counts as waiting for a first byte (gateway/waiting.py):
+        # the engine has sent the client nothing yet; it may wait behind the engine's queue.
+        worker_id = self.worker.id
+        with self.attempt.dispatch.waits.waiting(worker_id):
+            return await first_event(self.resp.readany, self.attempt, worker_id)
+
+    def pieces(self, run: bytes) -> bytes:
+        """What the client gets of a run of whole events (b"": nothing, or no whole event yet)."""
+        if not run:
+            return run
+        tracker = self.tracker
+        joined, rest = tracker.on_block(run)
+        if not rest:
+            return joined
+        out = [x for e in events(rest) if (x := tracker.on_event(e)) is not None]
+        for piece in out:
+            # find(), not `in`: see gateway/resume.py's _usage_only.
+            if piece.find(b'"usage":{') >= 0 or piece.find(b'"usage": {') >= 0:
+                usage = usage_of(piece)
+                if usage[1]:
+                    self.tokens = usage
+        if not out:
+            return joined
+        return b"".join((joined, *out)) if joined else b"".join(out)
+
+    async def first_out(self) -> None:
+        """Before a piece leaves: the time to the first, and a stored response's id, recorded
+        before the client can see it so that a follow-up finds it."""
+        if self.first_chunk_ms is None:
+            self.first_chunk_ms = round((time.perf_counter() - self.started) * 1000, 2)
+        if self.stores and self.tracker.response_id:
+            settings = self.attempt.dispatch.settings
+            await remember(self.attempt.dispatch.watcher, self.tracker.response_id, self.worker.id,
+                           settings.responses_ttl_s)
+            self.stores = False
+        self.before_first = self.stores
+
+    def ending(self) -> bytes:
+        """What ends the client's stream once the engine's ended: nothing more after [DONE],
+        [DONE] after a finish_reason without it; StreamBroke before either."""
+        if self.tracker.done:
+            self.attempt.dispatch.breakers.success(self.worker.id)
+            return b""
+        if self.tracker.finished:  # a finish_reason came, only [DONE] is missing
+            return DONE
+        raise StreamBroke("the engine closed the stream before it finished")
+
+    async def fail_over(self, exc: BaseException) -> bytes | None:
+        """The engine's stream broke: continue it on another worker (None, and `resp` is the
+        new worker's stream), else the last bytes the client gets."""
+        reason = self._broke(exc)
+        tracker = self.tracker
+        if not tracker.resumable or self.resumes >= self.attempt.dispatch.settings.max_resumes:
+            self.outcome = f"broken:{reason}"
+            return tracker.error_event("The engine serving this stream failed and the stream cannot be "
+                                       f"resumed elsewhere{tracker.why_not}; the answer is incomplete.")
+        assert isinstance(tracker, StreamTracker)  # the only resumable kind
+        attempt = self.attempt
+        plan = continuation(attempt.body, attempt.kind, tracker.text, tracker.content_chunks,
+                            continues_trailing_assistant(self.worker.info))
+        if plan is None:
+            return tracker.final_length_chunk()
+        self.resumes += 1
+        try:  # shaped for whichever engine takes over, by what its worker declares
+            choice, self.resp = await attempt.resume(shaped(plan.body))
+        except GatewayError as err:
+            self.outcome = f"broken:{reason}"
+            return tracker.error_event(f"The stream could not be resumed on another worker: {err.message}")
+        self.worker = choice.worker
+        self.counted = True
+        self.metrics.resumed_stream(str(self.fields["model"]))
+        attempt.trace.resumed(self.worker.id, self.resumes)
+        tracker.start_segment()
+        log.info("gateway.stream_resumed", worker=self.worker.id, resumes=self.resumes,
+                 sent_chunks=tracker.content_chunks, request_id=self.fields["request_id"])
+        return None
+
+    def _broke(self, exc: BaseException) -> str:
+        """Count the break against the worker and let go of it; returns the reason."""
+        reason = "stalled" if isinstance(exc, TimeoutError) else type(exc).__name__
+        worker_id = self.worker.id
+        self.attempt.dispatch.breakers.failure(worker_id, f"stream {reason}")
+        self.attempt.trace.stream_broke(worker_id, reason)
+        self.resp.close()
+        self.attempt.release(worker_id)
+        self.counted = False
+        self.tracker.analyse()
+        log.warning("gateway.stream_broke", worker=worker_id, reason=reason,
+                    sent_chunks=self.tracker.content_chunks, request_id=self.fields["request_id"])
+        return reason
+
+    async def close(self) -> None:
+        """The stream ended, however it did: let go of the worker, settle the key's tokens,
+        count the request and write its one summary line."""
+        worker_id = self.worker.id
+        if self.counted:
+            if self.outcome == "completed":
+                self.resp.release()
             else:
-                resp.close()
-            attempt.release(worker.id)
-        attempt.trace.end(200, outcome)
-        elapsed = time.perf_counter() - started
-        tokens = tokens if tokens[1] else tracker.hidden_usage
-        if ticket is not None:
-            if not tokens[1] and isinstance(tracker, StreamTracker) and tracker.sent:
-                tracker.analyse()  # no usage came (the client left first): count what was sent
-                tokens = (ticket.charged, tracker.content_chunks)
-            if outcome == "client_gone":  # this task is being cancelled: settle beside it
-                ticket.settle_soon(*tokens, 200)
-            else:
-                await ticket.settle(*tokens, 200)
-        metrics.request_done(
-            str(fields["model"]), worker.id, 200, True, elapsed,
+                self.resp.close()
+            self.attempt.release(worker_id)
+        self.attempt.trace.end(200, self.outcome)
+        elapsed = time.perf_counter() - self.started
+        tokens = self.tokens if self.tokens[1] else self.tracker.hidden_usage
+        if self.ticket is not None:
+            tokens = await self._settle(self.ticket, tokens)
+        first_chunk_ms = self.first_chunk_ms
+        self.metrics.request_done(
+            str(self.fields["model"]), worker_id, 200, True, elapsed,
             first_chunk_ms / 1000 if first_chunk_ms is not None else None, *tokens,
         )
         log.bind().info(  # bind(): see _Answered.run in gateway/proxy.py
-            "gateway.request", **fields, final_worker=worker.id, status=200, outcome=outcome,
-            resumes=resumes, ttft_ms=first_chunk_ms, ms=round(elapsed * 1000, 2),
+            "gateway.request", **self.fields, final_worker=worker_id, status=200, outcome=self.outcome,
+            resumes=self.resumes, ttft_ms=first_chunk_ms, ms=round(elapsed * 1000, 2),
             prompt_tokens=tokens[0], completion_tokens=tokens[1],
         )
+
+    async def _settle(self, ticket: Ticket, tokens: tuple[int, int]) -> tuple[int, int]:
+        """Settle the key's ticket for the stream's tokens; returns the tokens counted."""
+        tracker = self.tracker
+        if not tokens[1] and isinstance(tracker, StreamTracker) and tracker.sent:
+            tracker.analyse()  # no usage came (the client left first): count what was sent
+            tokens = (ticket.charged, tracker.content_chunks)
+        if self.outcome == "client_gone":  # this task is being cancelled: settle beside it
+            ticket.settle_soon(*tokens, 200)
+        else:
+            await ticket.settle(*tokens, 200)
+        return tokens
