@@ -120,47 +120,62 @@ def _fits_one_fewer(p: Policy, o: Observed, sat: float | None) -> bool:
 def decide(p: Policy, o: Observed, h: History, now: float) -> Decision:
     sat = saturation(o)
     active = o.ready + o.starting
-    hot = _hot(p, o, sat)
-
-    def hold(reason: str) -> Decision:
-        return Decision(action="hold", count=0, reason=reason, history=h, saturation=sat)
-
     if active < p.min_workers:
         return Decision(action="up", count=p.min_workers - active, reason=f"{active} < min {p.min_workers}",
                         history=replace(h, last_up=now, cold_since=None), saturation=sat)
+    hot = _hot(p, o, sat)
     if hot:
-        h = replace(h, cold_since=None)
-        if active >= p.max_workers:
-            return hold(f"{hot}, at max {p.max_workers}")
-        if o.starting:
-            return hold(f"{hot}, {o.starting} starting")
-        if now - h.last_up < p.up_cooldown_s:
-            return hold(f"{hot}, up cool-down {p.up_cooldown_s - (now - h.last_up):.0f}s")
-        return Decision(action="up", count=_wanted(p, o, active), reason=hot,
-                        history=replace(h, last_up=now), saturation=sat)
+        return _when_hot(p, o, replace(h, cold_since=None), now, sat, active, hot)
     cold = (sat is None or sat <= p.down_saturation) and o.queue_depth == 0
     if not cold:
-        h = replace(h, cold_since=None)
-        return hold("steady")
-    if h.cold_since is None:
-        h = replace(h, cold_since=now)
+        return _hold("steady", replace(h, cold_since=None), sat)
+    return _when_cold(p, o, h if h.cold_since is not None else replace(h, cold_since=now), now, sat, active)
+
+
+def _hold(reason: str, h: History, sat: float | None) -> Decision:
+    return Decision(action="hold", count=0, reason=reason, history=h, saturation=sat)
+
+
+def _when_hot(p: Policy, o: Observed, h: History, now: float, sat: float | None, active: int, hot: str) -> Decision:
+    """Up, unless at max, still starting one, or within the up cool-down."""
+    if active >= p.max_workers:
+        return _hold(f"{hot}, at max {p.max_workers}", h, sat)
+    if o.starting:
+        return _hold(f"{hot}, {o.starting} starting", h, sat)
+    if now - h.last_up < p.up_cooldown_s:
+        return _hold(f"{hot}, up cool-down {p.up_cooldown_s - (now - h.last_up):.0f}s", h, sat)
+    return Decision(action="up", count=_wanted(p, o, active), reason=hot,
+                    history=replace(h, last_up=now), saturation=sat)
+
+
+def _when_cold(p: Policy, o: Observed, h: History, now: float, sat: float | None, active: int) -> Decision:
+    """Down by one once cold long enough, unless something in `_why_not_down` holds it."""
     cold_s = now - h.cold_since if h.cold_since is not None else 0.0
-    if active <= p.min_workers:
-        return hold(f"cold, at min {p.min_workers}")
-    if o.starting or o.draining:
-        return hold(f"cold, {o.starting} starting, {o.draining} draining")
-    if cold_s < p.down_after_s:
-        return hold(f"cold for {cold_s:.0f}s of {p.down_after_s:g}s")
-    since = now - max(h.last_up, h.last_down)
-    if since < p.down_cooldown_s:
-        return hold(f"cold, down cool-down {p.down_cooldown_s - since:.0f}s")
-    if not o.retirable:
-        return hold("cold, no worker this autoscaler may retire")
-    if not _fits_one_fewer(p, o, sat):
-        return hold("cold, but one worker fewer would be hot")
+    why_not = _why_not_down(p, o, h, now, sat, active, cold_s)
+    if why_not:
+        return _hold(why_not, h, sat)
     return Decision(action="down", count=1, reason=f"saturation {sat or 0:.2f} <= {p.down_saturation:g}"
                     f" for {cold_s:.0f}s", history=replace(h, last_down=now, cold_since=None),
                     saturation=sat)
+
+
+def _why_not_down(p: Policy, o: Observed, h: History, now: float, sat: float | None, active: int,
+                  cold_s: float) -> str:
+    """Why a cold model keeps its workers for now ('' when it may lose one)."""
+    if active <= p.min_workers:
+        return f"cold, at min {p.min_workers}"
+    if o.starting or o.draining:
+        return f"cold, {o.starting} starting, {o.draining} draining"
+    if cold_s < p.down_after_s:
+        return f"cold for {cold_s:.0f}s of {p.down_after_s:g}s"
+    since = now - max(h.last_up, h.last_down)
+    if since < p.down_cooldown_s:
+        return f"cold, down cool-down {p.down_cooldown_s - since:.0f}s"
+    if not o.retirable:
+        return "cold, no worker this autoscaler may retire"
+    if not _fits_one_fewer(p, o, sat):
+        return "cold, but one worker fewer would be hot"
+    return ""
 
 
 __all__ = ["Action", "Decision", "History", "Observed", "Policy", "decide", "saturation"]

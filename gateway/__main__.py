@@ -23,7 +23,7 @@ from gateway.settings_check import SettingsError, load_checked
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "gateway.yaml"
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__)
     parser.add_argument("--config", default=os.environ.get("FLEETGATE_CONFIG", str(DEFAULT_CONFIG)))
     parser.add_argument("--host")
@@ -39,7 +39,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any setting of config/gateway.yaml (YAML value); repeatable")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _overrides(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, object]:
+    """The settings given on the command line: its options, then each `--set KEY=VALUE`."""
     overrides = {
         k: v for k, v in vars(args).items()
         if k not in ("config", "set", "workers", "reuse_port") and v is not None
@@ -52,6 +56,13 @@ def main(argv: list[str] | None = None) -> None:
             overrides[key.strip().replace("-", "_")] = yaml.safe_load(value)
         except yaml.YAMLError:
             parser.error(f"--set {key.strip()}: the value is not valid YAML: {value!r}")
+    return overrides
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    overrides = _overrides(parser, args)
     if args.config != str(DEFAULT_CONFIG) and not Path(args.config).exists():
         parser.error(f"--config {args.config}: no such file")
     try:

@@ -65,25 +65,37 @@ def problems(aliases: Aliases, fallbacks: Fallbacks) -> list[str]:
     """What is wrong with the `aliases` and `fallbacks` settings, one line each ([]: nothing)."""
     out: list[str] = []
     for name, targets in aliases.items():
-        if not targets:
-            out.append(f"alias `{name}` names no model")
-        for t in targets:
-            if not t.model:
-                out.append(f"alias `{name}` has a target with an empty `model`")
-            elif t.model in aliases:
-                out.append(f"alias `{name}` names another alias `{t.model}`; name models or adapters only")
-            if not t.weight >= 0:  # 0: listed, gets no traffic (a canary switched off)
-                out.append(f"alias `{name}`: the weight of `{t.model}` must be 0 or above, got {t.weight}")
-        if targets and all(t.weight >= 0 for t in targets) and not any(t.weight > 0 for t in targets):
-            out.append(f"alias `{name}`: at least one weight must be above 0")
+        out += _alias_problems(name, targets, aliases)
     for model, chain in fallbacks.items():
-        if not chain:
-            out.append(f"fallbacks of `{model}` is empty")
-        for fallback in chain:
-            if fallback == model:
-                out.append(f"`{model}` names itself as its fallback")
-            elif not fallback:
-                out.append(f"fallbacks of `{model}` has an empty name")
+        out += _fallback_problems(model, chain)
+    return out
+
+
+def _alias_problems(name: str, targets: Sequence[AliasTarget], aliases: Aliases) -> list[str]:
+    out: list[str] = []
+    if not targets:
+        out.append(f"alias `{name}` names no model")
+    for t in targets:
+        if not t.model:
+            out.append(f"alias `{name}` has a target with an empty `model`")
+        elif t.model in aliases:
+            out.append(f"alias `{name}` names another alias `{t.model}`; name models or adapters only")
+        if not t.weight >= 0:  # 0: listed, gets no traffic (a canary switched off)
+            out.append(f"alias `{name}`: the weight of `{t.model}` must be 0 or above, got {t.weight}")
+    if targets and all(t.weight >= 0 for t in targets) and not any(t.weight > 0 for t in targets):
+        out.append(f"alias `{name}`: at least one weight must be above 0")
+    return out
+
+
+def _fallback_problems(model: str, chain: Sequence[str]) -> list[str]:
+    out: list[str] = []
+    if not chain:
+        out.append(f"fallbacks of `{model}` is empty")
+    for fallback in chain:
+        if fallback == model:
+            out.append(f"`{model}` names itself as its fallback")
+        elif not fallback:
+            out.append(f"fallbacks of `{model}` has an empty name")
     return out
 
 

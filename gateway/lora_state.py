@@ -17,6 +17,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -178,63 +179,100 @@ def residency(
     """
     slots = list(slots)
     live_by = state.live()
-    last_used = state.last_used
-    ran: dict[str, set[str]] = {}  # worker -> adapters sent there within hold_s
-    since = now - hold_s
+    lives = {slot.id: live_adapters(slot, live_by.get(slot.id, ()), state.last_used) for slot in slots}
+    survey = _Survey.of(slots, lives, _ran_since(state, now - hold_s), model, state.last_used, now - recent_s)
+    survey.hand_out_held_slots()
+    survey.warm_again_where_it_last_ran()
+    survey.spread_over_the_roomiest()
+    survey.keep_within_the_fleets_slots(slots, fleet_spare(slots, lives, state, now, recent_s), model, state)
+    return frozenset(survey.warm), frozenset(survey.full)
+
+
+def _ran_since(state: LoraState, since: float) -> dict[str, set[str]]:
+    """Worker -> the adapters sent there since `since` (each holds a slot there while idle)."""
+    ran: dict[str, set[str]] = {}
     for (w, a), at in state.used.items():
         if at >= since:
             ran.setdefault(w, set()).add(a)
-    lives = {slot.id: live_adapters(slot, live_by.get(slot.id, ()), last_used) for slot in slots}
-    spare = fleet_spare(slots, lives, state, now, recent_s)
-    warm: list[str] = []
-    full: list[str] = []
-    crowded: list[str] = []  # warm, and its engine has more adapters than slots
-    held_only: list[str] = []  # a free slot only by taking one an idle adapter holds
-    room: dict[str, float] = {}  # free slots that no idle adapter holds (inf: unknown)
-    recent: list[tuple[float, str]] = []
-    for slot in slots:
-        wid = slot.id
-        live = lives[wid]
-        limit = 0 if slot.adapters_fit else slot.max_loras
-        if model in live:
-            warm.append(wid)
-            if limit and len(live) > limit:
-                full.append(wid)
-                crowded.append(wid)
-            continue
-        if limit and len(live) >= limit:
-            full.append(wid)
-            continue
+    return ran
+
+
+@dataclass(slots=True)
+class _Survey:
+    """`residency`'s workings for one adapter: each engine serving it, sorted by what it has
+    for it (`of`), then the fleet-wide rules applied one by one."""
+
+    warm: list[str] = field(default_factory=list)
+    full: list[str] = field(default_factory=list)
+    crowded: list[str] = field(default_factory=list)  # warm, and its engine has more adapters than slots
+    held_only: list[str] = field(default_factory=list)  # a free slot only by taking one an idle adapter holds
+    room: dict[str, float] = field(default_factory=dict)  # free slots that no idle adapter holds (inf: unknown)
+    recent: list[tuple[float, str]] = field(default_factory=list)  # (when it last ran there, worker)
+
+    @classmethod
+    def of(cls, slots: Sequence[Slot], lives: Mapping[str, set[str]], ran: Mapping[str, set[str]], model: str,
+           last_used: Callable[[str, str], float], recent: float) -> _Survey:
+        survey = cls()
+        for slot in slots:
+            wid = slot.id
+            live = lives[wid]
+            limit = 0 if slot.adapters_fit else slot.max_loras
+            if model in live:
+                survey.warm.append(wid)
+                if limit and len(live) > limit:
+                    survey.full.append(wid)
+                    survey.crowded.append(wid)
+            elif limit and len(live) >= limit:
+                survey.full.append(wid)
+            else:
+                survey._idle_there(wid, live, ran.get(wid, set()), limit, model, last_used(wid, model), recent)
+        return survey
+
+    def _idle_there(self, wid: str, live: set[str], ran: set[str], limit: int, model: str, last: float,
+                    recent: float) -> None:
+        """An engine with a slot for the adapter, which is not live there."""
         # The adapter's own hold there is its own slot.
-        free = limit - len((live | ran.get(wid, set())) - {model}) if limit else math.inf
+        free = limit - len((live | ran) - {model}) if limit else math.inf
         if free > 0:
-            room[wid] = free
+            self.room[wid] = free
         else:
-            held_only.append(wid)
-        if last_used(wid, model) >= now - recent_s:
-            recent.append((last_used(wid, model), wid))
-    # Held slots go to an adapter that needs one (live nowhere, or only where it is crowded)
-    # when no engine has a free unheld one; never to a hot adapter's extra engine.
-    if room or any(w not in full for w in warm):
-        full.extend(held_only)
-    if not warm:
-        back = [x for x in recent if x[1] not in full]
-        if back:
-            warm.append(max(back)[1])
-    if room:
-        most = max(room.values())
-        full.extend(w for w, free in room.items() if free < most and w not in warm)
-    by_id = {s.id: s for s in slots}
-    homes = [w for w in warm if w not in full]
-    if spare < 1 and homes and not all(_overloaded(by_id[w]) for w in homes):
-        # Live with room: another engine only with a slot to spare in the whole fleet.
-        full.extend(s.id for s in slots if s.id not in warm)
-    if spare < 0 and len(warm) > 1:
-        keep = _primary(warm, crowded, model, state)
-        if not _overloaded(by_id[keep]):
-            full.extend(w for w in warm if w != keep)
-            warm = [keep]
-    return frozenset(warm), frozenset(full)
+            self.held_only.append(wid)
+        if last >= recent:
+            self.recent.append((last, wid))
+
+    def hand_out_held_slots(self) -> None:
+        """Held slots go to an adapter that needs one (live nowhere, or only where it is crowded)
+        when no engine has a free unheld one; never to a hot adapter's extra engine."""
+        if self.room or any(w not in self.full for w in self.warm):
+            self.full.extend(self.held_only)
+
+    def warm_again_where_it_last_ran(self) -> None:
+        """Live nowhere: warm where it ran last within `recent_s`, if that engine has a slot."""
+        if not self.warm:
+            back = [x for x in self.recent if x[1] not in self.full]
+            if back:
+                self.warm.append(max(back)[1])
+
+    def spread_over_the_roomiest(self) -> None:
+        """Of the engines with free slots, only those with the most are not full."""
+        if self.room:
+            most = max(self.room.values())
+            self.full.extend(w for w, free in self.room.items() if free < most and w not in self.warm)
+
+    def keep_within_the_fleets_slots(self, slots: Sequence[Slot], spare: float, model: str,
+                                     state: LoraState) -> None:
+        """The fleet's slot budget (`fleet_spare`): no second engine for an adapter live with
+        room unless a slot is spare, and one engine for an adapter live on several when short."""
+        by_id = {s.id: s for s in slots}
+        homes = [w for w in self.warm if w not in self.full]
+        if spare < 1 and homes and not all(_overloaded(by_id[w]) for w in homes):
+            # Live with room: another engine only with a slot to spare in the whole fleet.
+            self.full.extend(s.id for s in slots if s.id not in self.warm)
+        if spare < 0 and len(self.warm) > 1:
+            keep = _primary(self.warm, self.crowded, model, state)
+            if not _overloaded(by_id[keep]):
+                self.full.extend(w for w in self.warm if w != keep)
+                self.warm = [keep]
 
 
 def fleet_spare(

@@ -106,23 +106,33 @@ class Supervisor:
         while self.children:
             time.sleep(0.2)
             if self.stopping and time.monotonic() - self._stop_at > _STOP_S:
-                for proc, _ in self.children.values():
-                    if proc.poll() is None:
-                        log.warning("gateway.worker_killed", pid=proc.pid, after_s=_STOP_S)
-                        proc.kill()
-            for slot, (proc, started) in list(self.children.items()):
-                code = proc.poll()
-                if code is None:
-                    continue
-                del self.children[slot]
-                if self.stopping:
-                    continue
-                log.warning("gateway.worker_exited", slot=slot, pid=proc.pid, code=code)
-                if time.monotonic() - started < _STARTUP_S:
-                    status = code or 1
-                    self._signal(signal.SIGTERM, None)
-                    continue
-                time.sleep(1.0)
-                self._start(slot)
+                self._kill_stragglers()
+            status = self._reap() or status
         log.info("gateway.workers_stopped", code=status)
+        return status
+
+    def _kill_stragglers(self) -> None:
+        for proc, _ in self.children.values():
+            if proc.poll() is None:
+                log.warning("gateway.worker_killed", pid=proc.pid, after_s=_STOP_S)
+                proc.kill()
+
+    def _reap(self) -> int:
+        """Forget the children that exited and start again one that died in service; returns the
+        exit code of one that failed at start-up, which stops the group (0: none did)."""
+        status = 0
+        for slot, (proc, started) in list(self.children.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            del self.children[slot]
+            if self.stopping:
+                continue
+            log.warning("gateway.worker_exited", slot=slot, pid=proc.pid, code=code)
+            if time.monotonic() - started < _STARTUP_S:
+                status = code or 1
+                self._signal(signal.SIGTERM, None)
+                continue
+            time.sleep(1.0)
+            self._start(slot)
         return status
