@@ -99,85 +99,116 @@ def _transits(buffer: bytes, now: float) -> list[float]:
 
 
 async def run_job(job: Job) -> Result:
-    res = Result()
     cpu0 = os.times()
-    payloads = bodies(job)
-    urls = [u.rstrip("/") + job.path for u in job.urls]
-    headers = {"content-type": "application/json"}
-    if job.api_key:
-        headers["authorization"] = f"Bearer {job.api_key}"
+    run = _Run(job)
     connector = aiohttp.TCPConnector(limit=job.concurrency, limit_per_host=0, keepalive_timeout=30)
     timeout = aiohttp.ClientTimeout(total=120)
-    counter = 0
-    started = time.perf_counter()
-    measure_from = started + (0.0 if job.requests else job.warmup_s)
-    end = measure_from + job.duration_s
-    remaining = job.requests
+    run.start()
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        await asyncio.gather(*(run.client(session) for _ in range(job.concurrency)))
+    res = run.res
+    res.window_s = (time.perf_counter() - run.started) if job.requests else job.duration_s
+    cpu1 = os.times()
+    res.cpu_s = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+    return res
 
-    def next_index() -> int | None:
-        nonlocal counter, remaining
-        if job.requests:
-            if remaining <= 0:
+
+class _Stream:
+    """What a client read of one streamed answer: when its first bytes came, how many events,
+    and (record_chunks) each stamped event's transit."""
+
+    __slots__ = ("arrivals", "buffer", "events", "first", "tail")
+
+    def __init__(self) -> None:
+        self.first = 0.0
+        self.events = 0
+        self.arrivals: list[float] = []
+        self.tail = self.buffer = b""
+
+    async def read(self, resp: aiohttp.ClientResponse, record_chunks: bool) -> None:
+        async for data in resp.content.iter_any():
+            now = time.perf_counter()
+            if not self.first:
+                self.first = now
+            # Events end with a blank line, which may straddle two reads.
+            n = (self.tail + data[:1]).count(b"\n\n") + data.count(b"\n\n")
+            self.tail = data[-1:]
+            self.events += n
+            if record_chunks:
+                self.buffer += data
+                self.arrivals.extend(_transits(self.buffer, time.monotonic()))
+                self.buffer = self.buffer[self.buffer.rfind(b"\n\n") + 2:] if n else self.buffer
+
+
+class _Run:
+    """One job's clients: the requests they take in turn, and the `Result` they fill."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.res = Result()
+        self.payloads = bodies(job)
+        self.urls = [u.rstrip("/") + job.path for u in job.urls]
+        self.headers = {"content-type": "application/json"}
+        if job.api_key:
+            self.headers["authorization"] = f"Bearer {job.api_key}"
+        self.counter = 0
+        self.remaining = job.requests
+        self.started = self.measure_from = self.end = 0.0
+
+    def start(self) -> None:
+        job = self.job
+        self.started = time.perf_counter()
+        self.measure_from = self.started + (0.0 if job.requests else job.warmup_s)
+        self.end = self.measure_from + job.duration_s
+
+    def next_index(self) -> int | None:
+        if self.job.requests:
+            if self.remaining <= 0:
                 return None
-            remaining -= 1
-        elif time.perf_counter() >= end:
+            self.remaining -= 1
+        elif time.perf_counter() >= self.end:
             return None
-        counter += 1
-        return counter
+        self.counter += 1
+        return self.counter
 
-    async def one(session: aiohttp.ClientSession, i: int) -> None:
-        t0 = time.perf_counter()
-        first = 0.0
-        events = 0
-        arrivals: list[float] = []
-        async with session.post(urls[i % len(urls)], data=payloads[i % PROMPTS], headers=headers) as resp:
-            if job.stream:
-                tail = buffer = b""
-                async for data in resp.content.iter_any():
-                    now = time.perf_counter()
-                    if not first:
-                        first = now
-                    # Events end with a blank line, which may straddle two reads.
-                    n = (tail + data[:1]).count(b"\n\n") + data.count(b"\n\n")
-                    tail = data[-1:]
-                    events += n
-                    if job.record_chunks:
-                        buffer += data
-                        arrivals.extend(_transits(buffer, time.monotonic()))
-                        buffer = buffer[buffer.rfind(b"\n\n") + 2:] if n else buffer
-            else:
-                await resp.read()
-            status = resp.status
-        t1 = time.perf_counter()
-        res.total += 1
-        if status != 200:
-            res.errors += 1
-            res.first_error = res.first_error or f"HTTP {status}"
-            return
-        if t0 >= measure_from and (job.requests or t1 <= end):
-            res.completed += 1
-            res.latencies_ms.append((t1 - t0) * 1000)
-            if job.stream:
-                res.ttfc_ms.append((first - t0) * 1000)
-                res.chunks += max(events - 1, 0)  # the [DONE] event is no chunk
-                if job.record_chunks:
-                    res.chunk_times_ms.append(arrivals)
-
-    async def client(session: aiohttp.ClientSession) -> None:
-        while (i := next_index()) is not None:
+    async def client(self, session: aiohttp.ClientSession) -> None:
+        res = self.res
+        while (i := self.next_index()) is not None:
             try:
-                await one(session, i)
+                await self.one(session, i)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 res.total += 1
                 res.errors += 1
                 res.first_error = res.first_error or repr(exc)
 
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        await asyncio.gather(*(client(session) for _ in range(job.concurrency)))
-    res.window_s = (time.perf_counter() - started) if job.requests else job.duration_s
-    cpu1 = os.times()
-    res.cpu_s = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
-    return res
+    async def one(self, session: aiohttp.ClientSession, i: int) -> None:
+        job = self.job
+        t0 = time.perf_counter()
+        stream = _Stream()
+        async with session.post(self.urls[i % len(self.urls)], data=self.payloads[i % PROMPTS],
+                                headers=self.headers) as resp:
+            if job.stream:
+                await stream.read(resp, job.record_chunks)
+            else:
+                await resp.read()
+            status = resp.status
+        self.done(t0, time.perf_counter(), status, stream)
+
+    def done(self, t0: float, t1: float, status: int, stream: _Stream) -> None:
+        job, res = self.job, self.res
+        res.total += 1
+        if status != 200:
+            res.errors += 1
+            res.first_error = res.first_error or f"HTTP {status}"
+            return
+        if t0 >= self.measure_from and (job.requests or t1 <= self.end):
+            res.completed += 1
+            res.latencies_ms.append((t1 - t0) * 1000)
+            if job.stream:
+                res.ttfc_ms.append((stream.first - t0) * 1000)
+                res.chunks += max(stream.events - 1, 0)  # the [DONE] event is no chunk
+                if job.record_chunks:
+                    res.chunk_times_ms.append(stream.arrivals)
 
 
 def _run(job: Job) -> Result:

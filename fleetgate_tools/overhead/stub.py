@@ -226,34 +226,43 @@ class _Conn(asyncio.Protocol):
         transport = self.transport
         assert transport is not None
         a = self.answers
-        first, middle, last = a.chat_chunks if chat else a.text_chunks
         if delay > 0:
             await asyncio.sleep(delay)
-        write = transport.write
-        write(a.stream_head)
+        transport.write(a.stream_head)
         if chunk_delay > 0:
-            # Paced streams carry their send time (CLOCK_MONOTONIC, shared by every process on
-            # the host), so a client measures each chunk's transit, free of the pacing's jitter.
-            events = a.chat_events if chat else a.text_events
-            for i in range(n):
-                if i:
-                    await asyncio.sleep(chunk_delay)
-                if self.closed:
-                    return
-                event = events[0] if i == 0 else events[2] if i == n - 1 else events[1]
-                write(_chunked(b'data: {"stub_sent":%.6f,%s' % (time.monotonic(), event[7:])))
+            await self._paced(a.chat_events if chat else a.text_events, n, chunk_delay)
         else:
-            for i in range(n):
-                if self.closed:
-                    return
-                # One write per chunk, as an engine emits them (separate segments under TCP_NODELAY).
-                write(first if i == 0 else last if i == n - 1 else middle)
+            self._at_once(a.chat_chunks if chat else a.text_chunks, n)
         if not self.closed:
             if usage:
-                write(a.chat_usage if chat else a.text_usage)
-            write(a.stream_end)
+                transport.write(a.chat_usage if chat else a.text_usage)
+            transport.write(a.stream_end)
             if not keep:
                 transport.close()
+
+    async def _paced(self, events: tuple[bytes, bytes, bytes], n: int, chunk_delay: float) -> None:
+        """Chunks `chunk_delay` apart, each carrying its send time (CLOCK_MONOTONIC, shared by
+        every process on the host), so a client measures each chunk's transit, free of the
+        pacing's jitter."""
+        assert self.transport is not None
+        write = self.transport.write
+        for i in range(n):
+            if i:
+                await asyncio.sleep(chunk_delay)
+            if self.closed:
+                return
+            event = events[0] if i == 0 else events[2] if i == n - 1 else events[1]
+            write(_chunked(b'data: {"stub_sent":%.6f,%s' % (time.monotonic(), event[7:])))
+
+    def _at_once(self, chunks: tuple[bytes, ...], n: int) -> None:
+        """One write per chunk, as an engine emits them (separate segments under TCP_NODELAY)."""
+        assert self.transport is not None
+        write = self.transport.write
+        first, middle, last = chunks
+        for i in range(n):
+            if self.closed:
+                return
+            write(first if i == 0 else last if i == n - 1 else middle)
 
 
 async def serve(cfg: StubConfig, host: str, port: int) -> None:
