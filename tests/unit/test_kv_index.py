@@ -12,7 +12,7 @@ from typing import Any
 from fleetgate.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from fleetgate.kv_index import BlockIndex, chain_keys
 from fleetgate.kv_registry import pack_keys, unpack_keys
-from workers.simulator.kvcache import GENERATED_TOKEN, BlockPool, block_hashes
+from workers.simulator.kvcache import BlockPool, block_hashes
 
 BS = 4
 PROMPT = list(range(100, 112))  # three blocks
@@ -132,17 +132,18 @@ class Recorder:
 
 def test_pool_reports_stored_runs_chained_to_the_block_before() -> None:
     """cache_full_blocks reports the newly cached blocks with the hashes the pool looks up,
-    their tokens (generated ones as GENERATED_TOKEN) and the previous block as parent."""
+    their tokens (generated ones with their ids, as vLLM's all_token_ids) and the previous
+    block as parent."""
     rec = Recorder()
     pool = BlockPool(8, events=rec)
-    hashes = block_hashes(PROMPT, BS, "")
+    tokens = [*PROMPT, 7, 8, 9, 10]  # a prompt of three blocks and a block of generated tokens
+    hashes = block_hashes(tokens, BS, "")
     blocks = pool.allocate(4)
-    hashes.append(hash((hashes[-1], "generated")))
-    pool.cache_full_blocks(blocks, hashes, 0, 2, PROMPT, BS)
-    pool.cache_full_blocks(blocks, hashes, 2, 4, PROMPT, BS, None)
+    pool.cache_full_blocks(blocks, hashes, 0, 2, tokens, BS)
+    pool.cache_full_blocks(blocks, hashes, 2, 4, tokens, BS, None)
     assert rec.events == [
         ("stored", hashes[:2], None, PROMPT[:8], None),
-        ("stored", hashes[2:4], hashes[1], PROMPT[8:] + [GENERATED_TOKEN] * BS, None),
+        ("stored", hashes[2:4], hashes[1], [*PROMPT[8:], 7, 8, 9, 10], None),
     ]
     assert pool.lookup(hashes, 4) == blocks  # the published hashes are the lookup's
 

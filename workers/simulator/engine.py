@@ -125,7 +125,7 @@ class Simulator:
         prompt = prompt or prep.prompts[0]
         namespace = prep.adapter or ""
         seed = self.config.seed + prep.seed + stable_hash(namespace, prompt.text) + index
-        source = TextSource(seed)
+        source = TextSource(seed, self.context.tokens)
         eos = source.eos_after(MEAN_OUTPUT_TOKENS)
         natural_stop = not prep.ignore_eos and eos < prompt.max_tokens
         if prep.tool_call is not None:  # structured output: it stops where the JSON ends

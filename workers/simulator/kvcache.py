@@ -5,7 +5,10 @@ an LRU of free-but-cached blocks; a new prompt whose leading full blocks hash th
 reuses them instead of recomputing. Allocation takes never-hashed blocks first, then evicts
 the least recently freed cached block, so the prefix cache holds exactly the free blocks.
 Block hashes chain (each depends on the previous one), and the chain starts from the
-adapter's name, so every adapter has its own namespace.
+adapter's name, so every adapter has its own namespace. As in vLLM, every full block of a
+sequence is hashed and cached, a prompt's or one that its generated tokens filled, with the
+same chain: a later prompt that quotes the answer hits its blocks as far as its token ids
+match the generated ones.
 
 With an event sink attached (`events`, the simulator's publisher of vLLM's KV cache events,
 workers/simulator/kv_events.py) the pool reports what vLLM's block pool reports, with the
@@ -21,10 +24,6 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from fleetgate.hashing import stable_hash
-
-# The token id reported for a generated token: the simulator samples text, not token ids, and
-# a negative id matches no prompt (nor does the block's hash, see Scheduler._cache_blocks).
-GENERATED_TOKEN = -1
 
 
 class KvEventSink(Protocol):
@@ -42,12 +41,18 @@ class KvEventSink(Protocol):
 def block_hashes(ids: Sequence[int], block_size: int, namespace: str) -> list[int]:
     """Chained hashes of the full blocks of `ids`."""
     hashes: list[int] = []
-    prev = stable_hash("prefix", namespace)
-    for start in range(0, len(ids) - block_size + 1, block_size):
+    extend_hashes(hashes, ids, block_size, namespace)
+    return hashes
+
+
+def extend_hashes(hashes: list[int], ids: Sequence[int], block_size: int, namespace: str) -> None:
+    """Append to `hashes` (those of the first blocks of `ids`) the chained hashes of the
+    further full blocks of `ids`: a sequence's generated tokens continue its prompt's chain."""
+    prev = hashes[-1] if hashes else stable_hash("prefix", namespace)
+    for start in range(len(hashes) * block_size, len(ids) - block_size + 1, block_size):
         # Python's hash of a tuple of ints is not salted: stable across processes.
         prev = hash((prev, tuple(ids[start : start + block_size])))
         hashes.append(prev)
-    return hashes
 
 
 class BlockPool:
@@ -133,8 +138,9 @@ class BlockPool:
         token_ids: Sequence[int], block_size: int, lora_name: str | None = None,
     ) -> None:  # fmt: skip
         """Register blocks[num_cached:num_full] under their hashes, as vLLM's
-        BlockPool.cache_full_blocks; `token_ids` are the sequence's known tokens (the prompt:
-        the rest are reported as GENERATED_TOKEN). A block whose hash another block already
+        BlockPool.cache_full_blocks; `token_ids` are the sequence's tokens from its first on,
+        prompt and generated, at least to the end of these blocks (BlockStored carries them,
+        as vLLM's carries `request.all_token_ids`). A block whose hash another block already
         holds is not cached (first holder wins), so the events report runs of the blocks
         that were, each chained to the block before it."""
         if self.events is None:
@@ -155,7 +161,8 @@ class BlockPool:
     ) -> None:  # fmt: skip
         assert self.events is not None
         tokens = list(token_ids[start * block_size : end * block_size])
-        tokens += [GENERATED_TOKEN] * ((end - start) * block_size - len(tokens))
+        if len(tokens) != (end - start) * block_size:
+            raise ValueError(f"blocks {start}..{end - 1} are not full: {len(tokens)} tokens known")
         parent = hashes[start - 1] if start else None
         self.events.stored(hashes[start:end], parent, tokens, block_size, lora_name)
 

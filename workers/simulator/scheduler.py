@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.simulator.kvcache import BlockPool
+from workers.simulator.kvcache import BlockPool, extend_hashes
 from workers.simulator.loras import LoraCache, LoraRequests
 from workers.simulator.seqs import Event, Limits, SchedulerHooks, Seq, StepStats
 from workers.timing import Profile
@@ -311,18 +311,15 @@ class Scheduler:
     def _cache_blocks(self, seq: Seq, num_tokens: int) -> None:
         """Enter the full blocks among the first `num_tokens` into the prefix cache when
         they are scheduled, as vLLM V1 does (not once computed): a sequence admitted later
-        in the same step, such as the next choice of an n > 1 request, hits them.
-
-        Blocks of generated tokens are cached too (vLLM hashes every full block), under
-        hashes of their own: only this sequence, recomputed after a preemption, hits them.
-        """
-        full = num_tokens // self.limits.block_size
-        while len(seq.hashes) < full:
-            prev = seq.hashes[-1] if seq.hashes else 0
-            seq.hashes.append(hash((prev, "generated", seq.id, len(seq.hashes))))
-        self.pool.cache_full_blocks(seq.blocks, seq.hashes, seq.registered, full, seq.prompt_ids,
-                                    self.limits.block_size, seq.adapter)  # fmt: skip
-        seq.registered = max(seq.registered, full)
+        in the same step, such as the next choice of an n > 1 request, hits them. Blocks
+        that generated tokens filled are hashed on along the prompt's chain, as vLLM does."""
+        full, bs = num_tokens // self.limits.block_size, self.limits.block_size
+        if full > seq.registered:
+            ids = seq.token_ids()
+            extend_hashes(seq.hashes, ids[: full * bs], bs, seq.adapter or "")
+            self.pool.cache_full_blocks(seq.blocks, seq.hashes, seq.registered, full, ids, bs,
+                                        seq.adapter)  # fmt: skip
+            seq.registered = full
 
     def _preempt(self, seq: Seq, plan: _Plan) -> None:
         self.running.remove(seq)
@@ -388,8 +385,8 @@ class Scheduler:
         self._finish(seq, "stop", now)
 
     def _sample(self, seq: Seq, now: float) -> None:
-        piece = seq.source.piece()
-        seq.generated += 1
+        token_id, piece = seq.source.token()
+        seq.output_ids.append(token_id)
         finish = seq.target_reason if seq.generated >= seq.target else None
         if seq.stop:
             text = seq.tail + piece

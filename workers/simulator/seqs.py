@@ -42,7 +42,7 @@ class Seq:
     arrival: float = 0.0
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     status: Status = "waiting"
-    generated: int = 0
+    output_ids: list[int] = field(default_factory=list)  # the generated tokens' ids
     num_computed: int = 0
     blocks: list[int] = field(default_factory=list)
     registered: int = 0
@@ -57,8 +57,16 @@ class Seq:
         return len(self.prompt_ids)
 
     @property
+    def generated(self) -> int:
+        return len(self.output_ids)
+
+    @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + self.generated
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_ids(self) -> list[int]:
+        """Every token of the sequence, prompt and generated (vLLM's all_token_ids)."""
+        return self.prompt_ids + self.output_ids
 
 
 class SchedulerHooks(Protocol):

@@ -6,8 +6,11 @@ standing for one token id. Chat messages are rendered ChatML-style before counti
 system message that the model's chat template adds when the messages bring none (Qwen's
 templates and the tiny model's do), so that a chat prompt counts as many tokens as in vLLM.
 
-The text a sequence generates is pseudo-words from a seeded RNG, one word piece per token,
-so that what is streamed, what usage reports and what the scheduler counted agree.
+The text a sequence generates is pseudo-words from a seeded RNG, cut into the model's
+tokens, so that what is streamed, what usage reports and what the scheduler counted agree,
+and so that the ids a sequence generated are the ids its text has when a later prompt
+quotes it (a chat's next turn): vLLM caches the blocks of generated tokens too, and they
+hit only as far as the re-tokenized answer matches (TextSource).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import math
 import random
 import re
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,6 +44,10 @@ class Tokens(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
     def token_strs(self, ids: Sequence[int]) -> list[str]: ...
     def known(self, token_id: int) -> bool: ...
+    def words(self, text: str) -> list[str] | None:
+        """`text` cut where the tokenizer cuts it before encoding (its pre-tokens, which it
+        encodes one by one), covering the whole text; None: it has no such cuts."""
+        ...
 
 
 class ByteTokens:
@@ -66,6 +74,9 @@ class ByteTokens:
     def known(self, token_id: int) -> bool:
         return 0 <= token_id < 2**32
 
+    def words(self, text: str) -> list[str] | None:
+        return None
+
 
 class FileTokens:
     """A real tokenizer from a model folder's tokenizer.json."""
@@ -89,6 +100,20 @@ class FileTokens:
     def known(self, token_id: int) -> bool:
         return 0 <= token_id < self._tok.get_vocab_size(with_added_tokens=True)
 
+    def words(self, text: str) -> list[str] | None:
+        pre = self._tok.pre_tokenizer
+        if pre is None:
+            return None
+        starts = [start for _, (start, _) in pre.pre_tokenize_str(text)]
+        if not starts:
+            return []
+        starts[0] = 0
+        return [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
+
+
+_BYTES = ByteTokens()
+# Drawn text that a tokenizer never cuts is encoded as one word at this length.
+_LONGEST_WORD = 64
 
 # A ChatML system turn written as one literal in a Jinja template: the template's default.
 _DEFAULT_SYSTEM = re.compile(r"""['"]<\|im_start\|>system\\n([^'"+{}]*?)<\|im_end\|>\\n['"]""")
@@ -165,11 +190,56 @@ def render_prompt(
 
 
 class TextSource:
-    """Word pieces and an end-of-sequence point drawn from one seeded RNG."""
+    """A sequence's output: word pieces and an end-of-sequence point drawn from one seeded
+    RNG, cut into the tokens of `tokens` (the byte estimate when None).
 
-    def __init__(self, seed: int) -> None:
+    A real model emits token ids and its text is their decoding; re-tokenizing that text
+    (the next turn of a chat quotes the answer) mostly gives the same ids back, because a
+    model's tokens are the tokenizer's own cuts. So the pieces are joined into the
+    tokenizer's words (pre-tokens: a word is encoded once the piece after it shows where it
+    ends) and each word's ids are the generated tokens: the answer's ids are then the ids
+    its text encodes to, and its cached blocks hit when a later prompt quotes it. The byte
+    estimate has no words: each piece (at most 4 bytes) is one token, as before.
+    """
+
+    def __init__(self, seed: int, tokens: Tokens | None = None) -> None:
         self._rng = random.Random(seed)
         self._started = False
+        self._tokens = tokens if tokens is not None else _BYTES
+        self._ahead = ""  # drawn, not yet tokenized: the word that may still go on
+        self._ready: deque[tuple[int, str]] = deque()
+
+    def token(self) -> tuple[int, str]:
+        """The next generated token: its id and its text."""
+        while not self._ready:
+            self._ahead += self.piece()
+            words = self._tokens.words(self._ahead)
+            if words is not None and len(words) < 2 and len(self._ahead) < _LONGEST_WORD:
+                continue  # the word may go on
+            if words is None or len(words) < 2:
+                done, self._ahead = [self._ahead], ""
+            else:
+                done, self._ahead = words[:-1], words[-1]
+            for word in done:
+                self._queue(word)
+        return self._ready.popleft()
+
+    def _queue(self, word: str) -> None:
+        tokens = self._tokens
+        try:
+            ids = tokens.encode(word)
+        except Exception:  # e.g. a character outside a vocabulary without an unknown token
+            ids = []
+        if not ids or tokens.decode(ids) != word:
+            # The tokenizer cannot write this word back (unknown characters, a prefix space
+            # it adds): the byte estimate's chunks stand for it, so the text is the pieces'.
+            tokens = _BYTES
+            ids = tokens.encode(word)
+        shown = ""
+        for k in range(len(ids)):
+            text = tokens.decode(ids[: k + 1])
+            self._ready.append((ids[k], text[len(shown) :]))
+            shown = text
 
     def eos_after(self, mean: int = MEAN_OUTPUT_TOKENS) -> int:
         """Tokens before a natural stop: geometric with the given mean."""
