@@ -36,7 +36,7 @@ from redis.exceptions import RedisError
 
 from fleetgate.registry import Registry
 from fleetgate.schema import WorkerView
-from gateway.errors import NoWorkerAvailable, UpstreamError
+from gateway.errors import InvalidRequest, NoWorkerAvailable, UpstreamError
 from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
 from gateway.lora_state import LoraState, residency, slot_wait
@@ -269,7 +269,7 @@ class AdapterPlacer:
             return ""
         return min(candidates, key=lambda a: (state.last_used(worker.id, a), a))
 
-    async def _post(self, worker: WorkerView, path: str, body: dict[str, str]) -> None:
+    async def _post(self, worker: WorkerView, path: str, body: dict[str, str], operator: bool = False) -> None:
         if self.session is None:
             self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120))
         url = worker.info.url + path
@@ -278,6 +278,9 @@ class AdapterPlacer:
                 text = await resp.text()
                 if resp.status == 400 and "already been loaded" in text:
                     return
+                if operator and 400 <= resp.status < 500:  # the engine refused the operator's adapter or path
+                    raise InvalidRequest(f"Worker `{worker.id}`'s engine refused {path} ({resp.status}): {text[:200]}",
+                                         code="adapter_refused")
                 if resp.status != 200:
                     raise UpstreamError(f"{path} on {worker.id} answered {resp.status}: {text[:200]}")
         except aiohttp.ClientError as exc:
@@ -290,7 +293,7 @@ class AdapterPlacer:
             if name not in self.specs:
                 raise KeyError(name)
             path = self.specs[name].path
-        await self._post(worker, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        await self._post(worker, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, operator=True)
         if name not in self.specs or self.specs[name].path != path:
             spec = AdapterSpec(path=path, base=worker.info.model)
             # Kept in Redis: every replica, and this gateway after a restart, can place it.
@@ -301,7 +304,7 @@ class AdapterPlacer:
 
     async def unload_from(self, worker: WorkerView, name: str) -> None:
         async with self._worker_locks.setdefault(worker.id, asyncio.Lock()):
-            await self._post(worker, "/v1/unload_lora_adapter", {"lora_name": name})
+            await self._post(worker, "/v1/unload_lora_adapter", {"lora_name": name}, operator=True)
             await self._write_adapters(worker, remove=(name,))
 
     # -- adapters added through the admin API, shared by every replica ---------------------

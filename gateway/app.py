@@ -31,6 +31,7 @@ from gateway.adapters import AdapterPlacer
 from gateway.admission import Admission
 from gateway.aliases import listed
 from gateway.api.admin import HANDLERS as ADMIN_HANDLERS
+from gateway.api.options import with_options
 from gateway.api.routes import HANDLERS as ROUTE_HANDLERS
 from gateway.api.tenants import HANDLERS as TENANT_HANDLERS
 from gateway.auth import admin_guard, open_data_plane
@@ -50,7 +51,16 @@ from gateway.inflight import SharedInflight
 from gateway.known import KnownModels
 from gateway.lora_state import LoraState
 from gateway.metrics import GatewayMetrics
-from gateway.openapi import ModelsOperation, StoredResponseOperation, proxied_operation
+from gateway.openapi import (
+    ADMIN_SECURITY,
+    CLIENT_SECURITY,
+    COMPONENTS,
+    documented,
+    json_answer,
+    proxied,
+    stored,
+)
+from gateway.openapi_bodies import MODEL_LIST
 from gateway.placement import Placement
 from gateway.prefix_cache import KvIndexCollector, PrefixCache
 from gateway.priorities import Priorities, PriorityCollector
@@ -101,13 +111,10 @@ async def _proxied(request: Request, state: State, path: str, kind: str) -> Resp
 
 def _proxy_route(path: str, kind: str) -> HTTPRouteHandler:
     """The Litestar route of one proxied OpenAI POST route (the fast path serves the same)."""
-    operation, operation_id = proxied_operation(kind)
-
-    async def proxied(request: Request, state: State) -> Response:
+    async def proxied_route(request: Request, state: State) -> Response:
         return await _proxied(request, state, path, kind)
 
-    return post(path, status_code=200, operation_class=operation, operation_id=operation_id,
-                name=f"proxy-{kind}")(proxied)
+    return post(path, status_code=200, name=f"proxy-{kind}", **proxied(kind))(proxied_route)
 
 
 async def _stored(request: Request, state: State, method: str, response_id: str, suffix: str) -> Response:
@@ -115,22 +122,28 @@ async def _stored(request: Request, state: State, method: str, response_id: str,
     _check_client(gw, request)
     reply = await gw.proxy.stored(method, response_id, suffix, request.url.query)
     headers = dict(reply.headers)
+    # An engine refuses to cancel a response that is not running with a 400 (vLLM's "Cannot
+    # cancel a synchronous response"): the request is well formed and conflicts with the
+    # response's state, a 409.
+    status = 409 if suffix == "/cancel" and reply.status == 400 else reply.status
     # The engine's own type: JSON, or an event stream for `?stream=true` (relayed whole).
-    return Response(content=reply.body, status_code=reply.status, media_type=headers.pop("content-type"),
+    return Response(content=reply.body, status_code=status, media_type=headers.pop("content-type"),
                     headers=headers)
 
 
-@get("/v1/responses/{response_id:str}", operation_class=StoredResponseOperation)
+@get("/v1/responses/{response_id:str}", **stored("getResponse", "Retrieve a stored response"))
 async def retrieve_response(request: Request, state: State, response_id: str) -> Response:
     return await _stored(request, state, "GET", response_id, "")
 
 
-@post("/v1/responses/{response_id:str}/cancel", status_code=200, operation_class=StoredResponseOperation)
+@post("/v1/responses/{response_id:str}/cancel", status_code=200,
+      **stored("cancelResponse", "Cancel a background response", 409))
 async def cancel_response(request: Request, state: State, response_id: str) -> Response:
     return await _stored(request, state, "POST", response_id, "/cancel")
 
 
-@get("/v1/models", operation_class=ModelsOperation)
+@get("/v1/models", operation_id="listModels", security=CLIENT_SECURITY,
+     **documented(401, ok={200: json_answer("Models and adapters the ready fleet serves", MODEL_LIST)}))
 async def list_models(request: Request, state: State) -> Response:
     gw = gw_of(state)
     _check_client(gw, request)
@@ -138,7 +151,10 @@ async def list_models(request: Request, state: State) -> Response:
                     media_type="application/json")
 
 
-@get("/v1/models/{model_id:path}")
+@get("/v1/models/{model_id:path}", operation_id="retrieveModel", security=CLIENT_SECURITY,
+     **documented(401, 404, 503, why={404: "No worker serves this model or adapter, and no alias has its name",
+                                      503: "The model was served recently and no worker serves it now, or the "
+                                           "gateway cannot reach its registry (Retry-After)"}))
 async def get_model(request: Request, state: State, model_id: str) -> Response:
     gw = gw_of(state)
     _check_client(gw, request)
@@ -160,7 +176,7 @@ async def metrics_endpoint(state: State) -> Response:
     return Response(content=state["gw"].metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 
-@get("/health")
+@get("/health", **documented(ok={200: json_answer("The gateway is up; `degraded` when it cannot read its registry")}))
 async def health(state: State) -> Response:
     gw = gw_of(state)
     watcher = gw.watcher
@@ -343,8 +359,9 @@ def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None,
             retrieve_response, cancel_response, list_models, get_model, health,
             metrics_endpoint,
             # Every admin API route, behind one guard (the dashboard's pages ask for a login instead).
-            Router("/", route_handlers=[admin_scaling, *ADMIN_HANDLERS, *TENANT_HANDLERS, *ROUTE_HANDLERS],
-                   guards=[admin_guard]),
+            Router("/", route_handlers=with_options([admin_scaling, *ADMIN_HANDLERS, *TENANT_HANDLERS,
+                                                     *ROUTE_HANDLERS]),
+                   guards=[admin_guard], security=ADMIN_SECURITY),
             *UI_HANDLERS,
         ],
         lifespan=[lifespan],
@@ -355,7 +372,7 @@ def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None,
             Exception: _internal_error,
         },
         # Litestar's default path: the schema at /schema/openapi.json.
-        openapi_config=OpenAPIConfig(title="fleetgate", version="0.1.0"),
+        openapi_config=OpenAPIConfig(title="fleetgate", version="0.1.0", components=COMPONENTS),
         logging_config=None,
         request_max_body_size=settings.max_body_bytes,
     )

@@ -41,10 +41,13 @@ from redis import exceptions as redis_errors
 
 
 class ErrorBody(msgspec.Struct):
+    """OpenAI's error object. `code` is a string of the gateway's, or an engine's own code
+    (vLLM's is the HTTP status, an integer), relayed in this same shape."""
+
     message: str
     type: str
     param: str | None
-    code: str | None
+    code: str | int | None
 
 
 class ErrorEnvelope(msgspec.Struct):

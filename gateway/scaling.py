@@ -30,6 +30,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from fleetgate.schema import WorkerView
+from gateway.openapi import admin
 
 if TYPE_CHECKING:
     from gateway.admission import Admission
@@ -148,7 +149,7 @@ class ScalingCollector(Collector):
         yield from families.values()
 
 
-@get("/admin/scaling")
+@get("/admin/scaling", **admin())
 async def admin_scaling(request: Request, state: State) -> Response:
     """The scaling signal as JSON, for `fleetgate autoscale` (no Prometheus needed)."""
     gw: Gateway = state["gw"]

@@ -145,8 +145,12 @@ def openai_error_body(status: int, data: bytes) -> bytes:
     except msgspec.DecodeError:
         text = data.decode(errors="replace").strip()[:500]
         return _encode(text or f"engine answered {status}", status, None)
-    if isinstance(parsed.error, NestedError):
-        return data
+    if isinstance(parsed.error, NestedError):  # all four fields, as the gateway's own errors have them
+        nested = parsed.error
+        if nested.type and nested.message and _complete(data):
+            return data
+        return _encode(nested.message or f"engine answered {status}", status, nested.param, nested.type,
+                       status if nested.code is None else nested.code)
     if isinstance(parsed.error, str):
         return _encode(parsed.error, status, parsed.param)
     if parsed.message:
@@ -156,11 +160,18 @@ def openai_error_body(status: int, data: bytes) -> bytes:
     return _encode(f"engine answered {status}", status, None)
 
 
-def _encode(message: str, status: int, param: str | None, type_: str | None = None) -> bytes:
+def _encode(message: str, status: int, param: str | None, type_: str | None = None,
+            code: int | str | None = None) -> bytes:
     kind = type_ or ("invalid_request_error" if 400 <= status < 500 else "upstream_error")
     return msgspec.json.encode(
-        {"error": {"message": message, "type": kind, "param": param, "code": status}}
+        {"error": {"message": message, "type": kind, "param": param, "code": status if code is None else code}}
     )
+
+
+def _complete(data: bytes) -> bool:
+    """Whether an engine's nested error has all four fields (vLLM's do): relayed as it is."""
+    error = msgspec.json.decode(data).get("error")
+    return isinstance(error, dict) and {"message", "type", "param", "code"} <= error.keys()
 
 
 def sse_error(message: str, code: str = "stream_interrupted") -> bytes:

@@ -8,7 +8,7 @@ They live apart from the code that reads them because that code is compiled with
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -43,8 +43,9 @@ class Probe(msgspec.Struct):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    # Integers; `2.0` is the integer 2 (as JSON Schema and vLLM read it): `__post_init__`.
+    max_tokens: int | float | None = None
+    max_completion_tokens: int | float | None = None
     user: str | None = None
     messages: list[Message] | None = None
     # A string, a list of strings, token ids or lists of them: kept raw (msgspec cannot
@@ -54,7 +55,7 @@ class Probe(msgspec.Struct):
     # system prompt, and a follow-up names the response it continues.
     input: str | list[Message] | None = None
     instructions: str | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: int | float | None = None
     previous_response_id: str | None = None
     store: bool | None = None
     # What else shapes the prompt a chat template renders (vLLM's chat parameters): kept
@@ -66,14 +67,30 @@ class Probe(msgspec.Struct):
     continue_final_message: msgspec.Raw = msgspec.Raw()
     documents: msgspec.Raw = msgspec.Raw()
 
+    def __post_init__(self) -> None:
+        if float in (type(self.max_tokens), type(self.max_completion_tokens), type(self.max_output_tokens)):
+            self.max_tokens = _whole(self.max_tokens, "max_tokens")
+            self.max_completion_tokens = _whole(self.max_completion_tokens, "max_completion_tokens")
+            self.max_output_tokens = _whole(self.max_output_tokens, "max_output_tokens")
+
     @property
     def max_new_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens or self.max_output_tokens
+        value = self.max_completion_tokens or self.max_tokens or self.max_output_tokens
+        return None if value is None else int(value)
 
     @property
     def wants_usage(self) -> bool:
         """Whether a stream's client asked for the final usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage is True
+
+
+def _whole(value: int | float | None, name: str) -> int | None:
+    """`value` as an int; a fraction is refused (msgspec reports it as a ValidationError)."""
+    if not isinstance(value, float):
+        return value
+    if not value.is_integer():
+        raise ValueError(f"Expected `int`, got a number with a fractional part - at `$.{name}`")
+    return int(value)
 
 
 class Embeddings(msgspec.Struct):
@@ -82,6 +99,9 @@ class Embeddings(msgspec.Struct):
     model: str
     input: msgspec.Raw = msgspec.Raw()
     user: str | None = None
+    # vLLM's `bytes` and `bytes_only` answer raw vectors with a `metadata` header, which the
+    # gateway's whole-answer relay (JSON) would mislabel and drop: refused with a clear 400.
+    encoding_format: Literal["float", "base64"] = "float"
 
 
 # An engine's error answer: OpenAI's nested shape, or LMDeploy's, ms-swift's and FastAPI's flat ones.

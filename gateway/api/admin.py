@@ -16,10 +16,15 @@ from litestar.datastructures import State
 
 from fleetgate.kv_registry import WorkerKv
 from fleetgate.schema import WorkerView
+from gateway.api.tenants import flag
 from gateway.errors import InvalidRequest, NotFound
+from gateway.openapi import FLAG, admin
+from gateway.openapi_bodies import ADMIN_BODIES
 from gateway.state import Gateway, gw_of
 
 log = structlog.get_logger("gateway.app")
+
+_NO_WORKER = {404: "No worker has this id"}
 
 
 def _kv_json(kv: WorkerKv | None) -> dict[str, object] | None:
@@ -78,7 +83,7 @@ def _worker_json(w: WorkerView, inflight: int, kv: WorkerKv | None = None) -> di
     }
 
 
-@get("/admin/workers")
+@get("/admin/workers", **admin())
 async def admin_workers(request: Request, state: State) -> Response:
     gw = gw_of(state)
     # Read Redis directly: operators want the registry's truth, not a second-old snapshot.
@@ -107,23 +112,21 @@ async def _admin_write(gw: Gateway, worker_id: str, action: str) -> Response:
     return Response(content=msgspec.json.encode(body), media_type="application/json")
 
 
-@post("/admin/workers/{worker_id:str}/drain", status_code=200)
+@post("/admin/workers/{worker_id:str}/drain", status_code=200, **admin(400, 404, why=_NO_WORKER, params={
+    "stop": ("query", FLAG, "true: the worker's agent stops it once drained")}))
 async def admin_drain(request: Request, state: State, worker_id: str) -> Response:
     """Stop sending the worker new requests; with `?stop=true` its agent then stops it."""
     gw = gw_of(state)
-    stop = request.query_params.get("stop", "false").lower()
-    if stop not in ("true", "false", "1", "0"):
-        raise InvalidRequest("`stop` must be true or false.", param="stop")
-    return await _admin_write(gw, worker_id, "drain-and-stop" if stop in ("true", "1") else "drain")
+    return await _admin_write(gw, worker_id, "drain-and-stop" if flag(request, "stop") else "drain")
 
 
-@post("/admin/workers/{worker_id:str}/undrain", status_code=200)
+@post("/admin/workers/{worker_id:str}/undrain", status_code=200, **admin(404, why=_NO_WORKER))
 async def admin_undrain(request: Request, state: State, worker_id: str) -> Response:
     gw = gw_of(state)
     return await _admin_write(gw, worker_id, "undrain")
 
 
-@delete("/admin/workers/{worker_id:str}", status_code=200)
+@delete("/admin/workers/{worker_id:str}", status_code=200, **admin(404, why=_NO_WORKER))
 async def admin_remove(request: Request, state: State, worker_id: str) -> Response:
     gw = gw_of(state)
     return await _admin_write(gw, worker_id, "remove")
@@ -147,7 +150,8 @@ def _registered(gw: Gateway, worker_id: str) -> WorkerView:
     return worker
 
 
-@post("/admin/workers/{worker_id:str}/adapters", status_code=200)
+@post("/admin/workers/{worker_id:str}/adapters", status_code=200,
+      **admin(400, 404, 502, 504, why=_NO_WORKER, body=ADMIN_BODIES["adapter"]))
 async def admin_load_adapter(request: Request, state: State, worker_id: str) -> Response:
     """Load a LoRA adapter on a worker: body `{"name": ..., "path": ...}` (path optional if configured)."""
     gw = gw_of(state)
@@ -167,7 +171,8 @@ async def admin_load_adapter(request: Request, state: State, worker_id: str) -> 
                     media_type="application/json")
 
 
-@delete("/admin/workers/{worker_id:str}/adapters/{name:str}", status_code=200)
+@delete("/admin/workers/{worker_id:str}/adapters/{name:str}", status_code=200,
+        **admin(400, 404, 502, 504, why={404: "No worker has this id, or it has no such adapter"}))
 async def admin_unload_adapter(request: Request, state: State, worker_id: str, name: str) -> Response:
     gw = gw_of(state)
     worker = _registered(gw, worker_id)
@@ -179,7 +184,7 @@ async def admin_unload_adapter(request: Request, state: State, worker_id: str, n
                     media_type="application/json")
 
 
-@get("/admin/decisions")
+@get("/admin/decisions", **admin())
 async def admin_decisions(request: Request, state: State) -> Response:
     """This gateway's last routing decisions, newest first."""
     gw = gw_of(state)
@@ -188,7 +193,7 @@ async def admin_decisions(request: Request, state: State) -> Response:
     return Response(content=msgspec.json.encode(body), media_type="application/json")
 
 
-@get("/admin/stats")
+@get("/admin/stats", **admin())
 async def admin_stats(request: Request, state: State) -> Response:
     """This gateway's counters since start: requests per worker (for rates) and totals."""
     gw = gw_of(state)

@@ -12,6 +12,7 @@ gateway/aliases.py `problems`), lands in Redis, is announced to every replica
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -22,23 +23,46 @@ from litestar.datastructures import State
 from gateway.api.tenants import _json, decode_body
 from gateway.errors import InvalidRequest, NotFound
 from gateway.live_routes import AliasSpec, FallbackSpec, Kind, LiveRoutes, Routes
+from gateway.openapi import PUT_ANSWERS, ROUTE_NAME, ROUTE_NAME_RE, admin
+from gateway.openapi_bodies import ADMIN_BODIES
 from gateway.state import gw_of
 
 log = structlog.get_logger("gateway.app")
 
+_CONFLICT = {409: "The routes it would make have a problem the write adds (an alias naming another "
+                  "alias, a model falling back to itself)"}
+
+
+def _name_param(kind: Kind) -> dict[str, tuple[str, dict[str, str], str]]:
+    return {"name" if kind == "alias" else "model": ("path", ROUTE_NAME, f"The {kind}'s name")}
+
 
 def _name(raw: str, kind: Kind) -> str:
-    name = raw.lstrip("/")  # a model name may hold slashes (org/model): the path converter keeps them
-    if not name or len(name) > 256 or any(c.isspace() for c in name):
+    # A model name may hold slashes (org/model): the path converter keeps them; leading ones go.
+    if not re.fullmatch(ROUTE_NAME_RE, raw):
+        name = raw.lstrip("/")
         raise InvalidRequest(f"An {kind} name is 1-256 characters without spaces; got `{name}`.", param="name")
-    return name
+    return raw.lstrip("/")
 
 
-def _check(before: Routes, after: Routes, param: str) -> None:
-    """Refuse a write that adds a problem (a problem already there is not this write's)."""
+def _check(before: Routes, after: Routes, kind: Kind, value: tuple[Any, ...]) -> None:
+    """Refuse a write that adds a problem (a problem already there is not this write's): a
+    400 when the body is wrong on its own, a 409 when the routes it would make are (an alias
+    naming an alias, a model its own fallback)."""
     old = set(before.problems())
     if new := [p for p in after.problems() if p not in old]:
-        raise InvalidRequest("; ".join(new) + ".", param=param)
+        error = InvalidRequest("; ".join(new) + ".", param="targets" if kind == "alias" else "models")
+        if not _malformed(kind, value):
+            error.status, error.code = 409, "route_conflict"
+        raise error
+
+
+def _malformed(kind: Kind, value: tuple[Any, ...]) -> bool:
+    """Whether a body breaks the document's own constraints (gateway/openapi_bodies.py)."""
+    if kind == "fallback":
+        return not value or not all(value)
+    return (not value or not all(t.model for t in value) or not all(t.weight >= 0 for t in value)
+            or not any(t.weight > 0 for t in value))
 
 
 def _listing(routes: Routes, kind: Kind) -> list[dict[str, Any]]:
@@ -60,7 +84,7 @@ async def _put(request: Request, state: State, kind: Kind, raw_name: str) -> Res
     else:
         spec = await decode_body(request, FallbackSpec)
         value = spec.models  # type: ignore[union-attr]
-    _check(before, before.changed(kind, name, value), "targets" if kind == "alias" else "models")
+    _check(before, before.changed(kind, name, value), kind, value)
     created = name not in (before.aliases if kind == "alias" else before.fallbacks)
     await store.put(kind, name, spec)
     after = await store.read()
@@ -82,34 +106,38 @@ async def _delete(request: Request, state: State, kind: Kind, raw_name: str) -> 
     return _json({"name": name, "deleted": True})
 
 
-@get("/admin/aliases")
+@get("/admin/aliases", **admin())
 async def list_aliases(request: Request, state: State) -> Response:
     gw = gw_of(state)
     return _json({"data": _listing(await gw.tenants.routes.read(), "alias")})
 
 
-@put("/admin/aliases/{name:path}", status_code=200)
+@put("/admin/aliases/{name:path}", status_code=200, **admin(
+    400, 409, body=ADMIN_BODIES["alias"], ok=PUT_ANSWERS, why=_CONFLICT, params=_name_param("alias")))
 async def put_alias(request: Request, state: State, name: str) -> Response:
     return await _put(request, state, "alias", name)
 
 
-@delete("/admin/aliases/{name:path}", status_code=200)
+@delete("/admin/aliases/{name:path}", status_code=200, **admin(
+    400, 404, why={404: "No alias has this name"}, params=_name_param("alias")))
 async def delete_alias(request: Request, state: State, name: str) -> Response:
     return await _delete(request, state, "alias", name)
 
 
-@get("/admin/fallbacks")
+@get("/admin/fallbacks", **admin())
 async def list_fallbacks(request: Request, state: State) -> Response:
     gw = gw_of(state)
     return _json({"data": _listing(await gw.tenants.routes.read(), "fallback")})
 
 
-@put("/admin/fallbacks/{model:path}", status_code=200)
+@put("/admin/fallbacks/{model:path}", status_code=200, **admin(
+    400, 409, body=ADMIN_BODIES["fallback"], ok=PUT_ANSWERS, why=_CONFLICT, params=_name_param("fallback")))
 async def put_fallback(request: Request, state: State, model: str) -> Response:
     return await _put(request, state, "fallback", model)
 
 
-@delete("/admin/fallbacks/{model:path}", status_code=200)
+@delete("/admin/fallbacks/{model:path}", status_code=200, **admin(
+    400, 404, why={404: "No fallback chain for this model"}, params=_name_param("fallback")))
 async def delete_fallback(request: Request, state: State, model: str) -> Response:
     return await _delete(request, state, "fallback", model)
 

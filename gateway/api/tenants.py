@@ -14,6 +14,7 @@ read back by this replica before it answers, so the key works here at once.
 from __future__ import annotations
 
 import datetime as dt
+import re
 from typing import Any
 
 import msgspec
@@ -22,6 +23,8 @@ from litestar import Request, Response, delete, get, put
 from litestar.datastructures import State
 
 from gateway.errors import InvalidRequest, NotFound
+from gateway.openapi import DAY_RE, FLAG, FLAG_RE, PUT_ANSWERS, TENANT_ID, admin
+from gateway.openapi_bodies import ADMIN_BODIES
 from gateway.state import gw_of
 from gateway.tenants import KeySpec, TeamSpec, check_id, new_secret
 from gateway.usage import days_back, parse_day, read_usage, totals
@@ -45,7 +48,17 @@ async def decode_body(request: Request, kind: type[Any]) -> Any:
         raise InvalidRequest(f"The body is not valid JSON: {exc}") from exc
 
 
-@get("/admin/keys")
+def flag(request: Request, name: str) -> bool:
+    """A yes/no query parameter (absent: no); anything but true/false/1/0 is a 400."""
+    value = request.query_params.get(name)
+    if value is None:
+        return False
+    if not re.fullmatch(FLAG_RE, value):
+        raise InvalidRequest(f"`{name}` must be true or false.", param=name)
+    return value.lower() in ("true", "1")
+
+
+@get("/admin/keys", **admin())
 async def list_keys(request: Request, state: State) -> Response:
     gw = gw_of(state)
     keys, _ = await gw.tenants.read()
@@ -54,20 +67,25 @@ async def list_keys(request: Request, state: State) -> Response:
                   "static": sorted(static)})
 
 
-@put("/admin/keys/{key_id:str}", status_code=200)
+@put("/admin/keys/{key_id:str}", status_code=200, **admin(
+    400, 409, body=ADMIN_BODIES["key"], body_required=False, ok=PUT_ANSWERS,
+    why={409: "The key names a team that does not exist (create it first)"},
+    params={"key_id": ("path", TENANT_ID, "The key's id (not its secret)"),
+            "rotate": ("query", FLAG, "true: a new secret, shown once (unless the body gives one)")}))
 async def put_key(request: Request, state: State, key_id: str) -> Response:
     gw = gw_of(state)
     check_id("key", key_id)
     spec: KeySpec = await decode_body(request, KeySpec)
-    if request.query_params.get("rotate", "").lower() in ("1", "true"):
-        if spec.secret is not None or spec.secret_sha256 is not None:
-            raise InvalidRequest("`rotate` makes a new secret: give none.", param="secret")
+    if flag(request, "rotate") and spec.secret is None and spec.secret_sha256 is None:
+        # A new secret: generated, unless the body gives one (which replaces it as well).
         spec = msgspec.structs.replace(spec, secret=new_secret())
     if spec.team:
         _, teams = await gw.tenants.read()
         if spec.team not in {t.id for t in teams}:
-            raise InvalidRequest(f"No team `{spec.team}`: create it first (PUT /admin/teams/{spec.team}).",
-                                 param="team")
+            conflict = InvalidRequest(f"No team `{spec.team}`: create it first (PUT /admin/teams/{spec.team}).",
+                                      param="team", code="team_not_found")
+            conflict.status = 409
+            raise conflict
     existed = await gw.tenants.get_key(key_id) is not None
     record, secret = await gw.tenants.put_key(key_id, spec)
     await gw.tenants.reload()
@@ -78,7 +96,7 @@ async def put_key(request: Request, state: State, key_id: str) -> Response:
     return _json(body, 201 if not existed else 200)
 
 
-@delete("/admin/keys/{key_id:str}", status_code=200)
+@delete("/admin/keys/{key_id:str}", status_code=200, **admin(404, why={404: "No key has this id"}))
 async def delete_key(request: Request, state: State, key_id: str) -> Response:
     gw = gw_of(state)
     if not await gw.tenants.delete("key", key_id):
@@ -88,7 +106,7 @@ async def delete_key(request: Request, state: State, key_id: str) -> Response:
     return _json({"id": key_id, "deleted": True})
 
 
-@get("/admin/teams")
+@get("/admin/teams", **admin())
 async def list_teams(request: Request, state: State) -> Response:
     gw = gw_of(state)
     keys, teams = await gw.tenants.read()
@@ -99,7 +117,9 @@ async def list_teams(request: Request, state: State) -> Response:
                            for t in sorted(teams, key=lambda t: t.id)]})
 
 
-@put("/admin/teams/{team_id:str}", status_code=200)
+@put("/admin/teams/{team_id:str}", status_code=200, **admin(
+    400, body=ADMIN_BODIES["team"], body_required=False, ok=PUT_ANSWERS,
+    params={"team_id": ("path", TENANT_ID, "The team's id")}))
 async def put_team(request: Request, state: State, team_id: str) -> Response:
     gw = gw_of(state)
     spec: TeamSpec = await decode_body(request, TeamSpec)
@@ -111,13 +131,16 @@ async def put_team(request: Request, state: State, team_id: str) -> Response:
     return _json({"team": msgspec.structs.asdict(record), "created": created}, 201 if created else 200)
 
 
-@delete("/admin/teams/{team_id:str}", status_code=200)
+@delete("/admin/teams/{team_id:str}", status_code=200, **admin(
+    404, 409, why={404: "No team has this id", 409: "The team still has keys: move or delete them first"}))
 async def delete_team(request: Request, state: State, team_id: str) -> Response:
     gw = gw_of(state)
     keys, _ = await gw.tenants.read()
     if users := sorted(k.id for k in keys if k.team == team_id):
-        raise InvalidRequest(f"Team `{team_id}` still has keys ({', '.join(users)}): move or delete them first.",
-                             param="id")
+        conflict = InvalidRequest(f"Team `{team_id}` still has keys ({', '.join(users)}): move or delete them "
+                                  "first.", param="id", code="team_in_use")
+        conflict.status = 409
+        raise conflict
     if not await gw.tenants.delete("team", team_id):
         raise NotFound(f"No team `{team_id}`.", param="id", code="team_not_found")
     await gw.tenants.reload()
@@ -125,19 +148,27 @@ async def delete_team(request: Request, state: State, team_id: str) -> Response:
     return _json({"id": team_id, "deleted": True})
 
 
-@get("/admin/usage")
+@get("/admin/usage", **admin(400, params={
+    "day": ("query", {"type": "string", "format": "date", "pattern": DAY_RE},
+            "The last UTC day (YYYY-MM-DD); today when absent"),
+    "days": ("query", {"type": "integer", "minimum": 1, "maximum": 35}, "Days back from `day` (usage is kept 35)"),
+    "key": ("query", {"type": "string"}, "Only this key's usage"),
+    "model": ("query", {"type": "string"}, "Only this model's usage")}))
 async def usage(request: Request, state: State) -> Response:
     """Usage per key and model and UTC day: requests, input and output tokens, errors."""
     gw = gw_of(state)
     q = request.query_params
     try:
-        day = parse_day(q["day"]) if q.get("day") else dt.datetime.now(dt.UTC).date().isoformat()
+        if "day" in q and not re.fullmatch(DAY_RE, q["day"]):
+            raise ValueError(q["day"])
+        day = parse_day(q["day"]) if "day" in q else dt.datetime.now(dt.UTC).date().isoformat()
         days = int(q.get("days", "1"))
     except ValueError:
         raise InvalidRequest("`day` is YYYY-MM-DD and `days` a number of days.", param="day") from None
     if not 1 <= days <= 35:
         raise InvalidRequest("`days` must be 1 to 35 (usage is kept 35 days).", param="days")
-    span = days_back(days, dt.date.fromisoformat(day))
+    last = dt.date.fromisoformat(day)
+    span = days_back(min(days, (last - dt.date.min).days + 1), last)  # none before year 1
     records = await read_usage(gw.tenants.redis, gw.tenants.keys, span, q.get("key") or None,
                                q.get("model") or None)
     return _json({"data": records, "totals": totals(records), "days": span})

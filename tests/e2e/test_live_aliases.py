@@ -133,28 +133,30 @@ def test_a_live_alias_and_fallback_reach_the_other_replica(fleet_factory: Callab
 
 def test_an_invalid_write_is_refused_with_what_is_wrong(fleet_factory: Callable[[], Fleet]) -> None:
     """The YAML's rules hold for the admin API: each bad body gets a 400 OpenAI-style error
-    naming the problem and nothing is written; the admin token is required."""
+    naming the problem, a write whose routes would be wrong (an alias naming an alias, a
+    model its own fallback) a 409, and nothing is written; the admin token is required."""
     fleet = fleet_factory()
     _, url = fleet.gateway()
     assert _admin(url, "PUT", "/admin/aliases/chat", {"targets": [{"model": "alpha"}]}).status_code == 201
-    cases: list[tuple[str, Any, str]] = [
-        ("/admin/aliases/x", {"targets": []}, "alias `x` names no model"),
-        ("/admin/aliases/x", {"targets": [{"model": "alpha", "weight": -1}]}, "must be 0 or above, got -1"),
-        ("/admin/aliases/x", {"targets": [{"model": "alpha", "weight": 0}]}, "at least one weight must be above 0"),
-        ("/admin/aliases/x", {"targets": [{"model": "chat"}]}, "names another alias `chat`"),
-        ("/admin/aliases/x", {"targets": [{"model": "alpha", "wieght": 2}]}, "unknown field `wieght`"),
-        ("/admin/aliases/x", {"models": ["alpha"]}, "unknown field `models`"),
-        ("/admin/fallbacks/alpha", {"models": ["alpha"]}, "`alpha` names itself as its fallback"),
-        ("/admin/fallbacks/alpha", {"models": []}, "fallbacks of `alpha` is empty"),
+    cases: list[tuple[str, Any, str, int]] = [
+        ("/admin/aliases/x", {"targets": []}, "alias `x` names no model", 400),
+        ("/admin/aliases/x", {"targets": [{"model": "alpha", "weight": -1}]}, "must be 0 or above, got -1", 400),
+        ("/admin/aliases/x", {"targets": [{"model": "alpha", "weight": 0}]}, "at least one weight must be above 0",
+         400),
+        ("/admin/aliases/x", {"targets": [{"model": "chat"}]}, "names another alias `chat`", 409),
+        ("/admin/aliases/x", {"targets": [{"model": "alpha", "wieght": 2}]}, "unknown field `wieght`", 400),
+        ("/admin/aliases/x", {"models": ["alpha"]}, "unknown field `models`", 400),
+        ("/admin/fallbacks/alpha", {"models": ["alpha"]}, "`alpha` names itself as its fallback", 409),
+        ("/admin/fallbacks/alpha", {"models": []}, "fallbacks of `alpha` is empty", 400),
     ]
-    for path, body, wanted in cases:
+    for path, body, wanted, status in cases:
         reply = _admin(url, "PUT", path, body)
-        assert reply.status_code == 400, (body, reply.text)
+        assert reply.status_code == status, (body, reply.text)
         error = reply.json()["error"]
         assert error["type"] == "invalid_request_error" and wanted in error["message"], (body, error)
     # An alias `alpha` would make `chat` name an alias: refused, naming `chat`.
     reply = _admin(url, "PUT", "/admin/aliases/alpha", {"targets": [{"model": "beta"}]})
-    assert reply.status_code == 400 and "alias `chat` names another alias `alpha`" in reply.text
+    assert reply.status_code == 409 and "alias `chat` names another alias `alpha`" in reply.text
     assert [a["name"] for a in _admin(url, "GET", "/admin/aliases").json()["data"]] == ["chat"]
     assert _admin(url, "GET", "/admin/fallbacks").json()["data"] == []
     assert httpx.put(f"{url}/admin/aliases/y", json={"targets": [{"model": "alpha"}]}).status_code == 401

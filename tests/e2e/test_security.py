@@ -1,12 +1,12 @@
-"""Hostile input and secrets: schema fuzzing with zero 5xx, no secret in any log line, no client
-credential forwarded to engines, and only genuine (signed) workers ever routed to."""
+"""Hostile input and secrets: no secret in any log line, no client credential forwarded to
+engines, and only genuine (signed) workers ever routed to. Schema fuzzing with every check
+(no 5xx among them) is tests/e2e/test_openapi_contract.py."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -18,26 +18,11 @@ import pytest
 from fleetgate.net import free_port
 from fleetgate.registry import Registry, connect
 from fleetgate.schema import WorkerInfo
-from tests.conftest import ADMIN_TOKEN, ROOT, Fleet, wait_until
+from tests.conftest import ADMIN_TOKEN, Fleet, wait_until
 
 MODEL = "sec-model"
 API_KEY = "sk-live-0123456789abcdef"
 SECRET = "registration-secret-xyz"
-
-
-def test_schema_fuzzing_finds_no_server_error(fleet_factory: Callable[[], Fleet]) -> None:
-    """schemathesis drives every documented operation with generated input: never a 5xx."""
-    fleet = fleet_factory()
-    _, url = fleet.gateway()
-    fleet.worker("w", "--model", MODEL, "--option", "time_scale=0.02")
-    fleet.wait_ready(url, "w")
-    out = subprocess.run(
-        [str(ROOT / ".venv" / "bin" / "st"), "run", f"{url}/schema/openapi.json", "--checks", "not_a_server_error",
-         "-n", "25", "--seed", "1", "--generation-deterministic", "-H", f"Authorization: Bearer {ADMIN_TOKEN}",
-         "--request-timeout", "10"],
-        capture_output=True, text=True, timeout=240,
-    )
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
 
 
 def test_no_secret_ever_reaches_a_log_line(fleet_factory: Callable[[], Fleet]) -> None:
