@@ -148,15 +148,7 @@ def decide(
     model_routes = routes.by_model.get(facts.model)
     if model_routes is None:
         return Decision("unknown_model")
-    routable: Sequence[Slot]
-    if facts.pinned is not None:
-        pinned = facts.pinned
-        routable = [s for s in model_routes.slots
-                    if s.id == pinned and s.id not in exclude and not s.view.circuit]
-    elif exclude:
-        routable = [s for s in model_routes.routable if s.id not in exclude]
-    else:
-        routable = model_routes.routable
+    routable = _routable(model_routes, facts, exclude)
     if not routable:
         return Decision("no_worker")
     if facts.pooling is not None and model_routes.pooling is not facts.pooling:
@@ -165,21 +157,9 @@ def decide(
         routable = [s for s in routable if s.pooling == facts.pooling]
         if not routable:
             return Decision("wrong_task")
-    need = facts.prompt_tokens
-    fitting: Sequence[Slot]
-    if need and need + (facts.max_tokens or 0) <= model_routes.min_len and facts.pinned is None:
-        fitting = routable  # fits every routable worker (these are among them): nothing to filter
-    elif need:
-        # Like vLLM, an engine cuts max_tokens to what fits; the prompt itself must fit,
-        # and where the client asked for a completion length, that should fit too.
-        total = need + (facts.max_tokens or 0)
-        fitting = [s for s in routable if s.max_len >= total] or (
-            [s for s in routable if s.max_len > need] if facts.max_tokens is None else []
-        )
-        if not fitting:
-            return Decision("context_length", limit=max(s.max_len for s in routable))
-    else:
-        fitting = routable
+    fitting = _fitting(routable, facts, model_routes)
+    if not fitting:
+        return Decision("context_length", limit=max(s.max_len for s in routable))
     if facts.pinned is not None:  # one candidate: nothing for the policy to weigh
         choices: tuple[Choice, ...] = (Choice(fitting[0], "response-pinned"),)
     else:
@@ -190,3 +170,27 @@ def decide(
     ):
         return Decision("saturated", why=why)
     return Decision("ok", choices)
+
+
+def _routable(model_routes: ModelRoutes, facts: RequestFacts, exclude: Collection[str]) -> Sequence[Slot]:
+    """The workers the request may go to, less those excluded: the one it is pinned to while no
+    circuit breaker took it out (draining or not), else the model's routable ones."""
+    if facts.pinned is not None:
+        pinned = facts.pinned
+        return [s for s in model_routes.slots if s.id == pinned and s.id not in exclude and not s.view.circuit]
+    if exclude:
+        return [s for s in model_routes.routable if s.id not in exclude]
+    return model_routes.routable
+
+
+def _fitting(routable: Sequence[Slot], facts: RequestFacts, model_routes: ModelRoutes) -> Sequence[Slot]:
+    """Those of `routable` whose context fits the request (none: it fits none of them)."""
+    need = facts.prompt_tokens
+    if not need or (need + (facts.max_tokens or 0) <= model_routes.min_len and facts.pinned is None):
+        return routable  # fits every routable worker (these are among them): nothing to filter
+    # Like vLLM, an engine cuts max_tokens to what fits; the prompt itself must fit,
+    # and where the client asked for a completion length, that should fit too.
+    total = need + (facts.max_tokens or 0)
+    return [s for s in routable if s.max_len >= total] or (
+        [s for s in routable if s.max_len > need] if facts.max_tokens is None else []
+    )

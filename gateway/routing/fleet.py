@@ -116,25 +116,30 @@ class FleetPolicy:
             return _with_rest(held, reason, scored, limit)
         if key is None or len(candidates) == 1:
             return [Choice(x[2], "least-load") for x in best(scored, limit)]
-        kind = facts.affinity_kind or "prefix"
-        if home is None:
-            pick, reason = self._place(key, scored, facts, live, routes), f"{kind}-placed"
-        elif second is not None:
-            # A second home while the first was saturated: the two share the key by load.
-            pick, reason = (home, f"{kind}-hit") if home[0] <= second[0] else (second, f"{kind}-spill")
-        elif not self.saturated(home[2], live):
-            pick, reason = home, f"{kind}-hit"
-        elif facts.heavy:
-            # A hot key saturating its home: a worker with room, clearly less loaded, shares it.
-            bar = home[0] * (1.0 - opts.spill_margin)
-            room = [x for x in scored if x[1] != home[1] and x[0] < bar and not self.saturated(x[2], live)]
-            pick, reason = (min(room), f"{kind}-spill") if room else (home, f"{kind}-hit")
-        else:
-            # A light key stays where its prefix is cached even on a saturated home; the
-            # engine queues it, and the background rebalance moves light keys off a worker
-            # whose placed work is above its share.
-            pick, reason = home, f"{kind}-hit"
+        pick, reason = self._by_home(key, facts.affinity_kind or "prefix", scored, facts, live, routes, home, second)
         return _with_rest(pick, reason, scored, limit)
+
+    def _by_home(
+        self, key: int, kind: str, scored: list[tuple[float, str, Slot]], facts: RequestFacts, live: Live,
+        routes: ModelRoutes, home: tuple[float, str, Slot] | None, second: tuple[float, str, Slot] | None,
+    ) -> tuple[tuple[float, str, Slot], str]:
+        """The pick for a request with an affinity key, by its homes, and why."""
+        if home is None:
+            return self._place(key, scored, facts, live, routes), f"{kind}-placed"
+        if second is not None:
+            # A second home while the first was saturated: the two share the key by load.
+            return (home, f"{kind}-hit") if home[0] <= second[0] else (second, f"{kind}-spill")
+        if not self.saturated(home[2], live):
+            return home, f"{kind}-hit"
+        if facts.heavy:
+            # A hot key saturating its home: a worker with room, clearly less loaded, shares it.
+            bar = home[0] * (1.0 - self.opts.spill_margin)
+            room = [x for x in scored if x[1] != home[1] and x[0] < bar and not self.saturated(x[2], live)]
+            return (min(room), f"{kind}-spill") if room else (home, f"{kind}-hit")
+        # A light key stays where its prefix is cached even on a saturated home; the engine
+        # queues it, and the background rebalance moves light keys off a worker whose placed
+        # work is above its share.
+        return home, f"{kind}-hit"
 
     def _holder(
         self, scored: list[tuple[float, str, Slot]], facts: RequestFacts, live: Live,
