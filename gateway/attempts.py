@@ -45,14 +45,14 @@ from gateway.inflight import SharedInflight
 from gateway.metrics import GatewayMetrics
 from gateway.placement import Placement
 from gateway.priorities import Priority
-from gateway.routing import Choice, FullAt, Live, Policy, RequestFacts, decide
+from gateway.routing import Choice, Decision, FullAt, Live, Policy, RequestFacts, decide
 from gateway.routing.table import REPORT_GROWTH_TOKENS, Slot
 from gateway.settings import GatewaySettings
 from gateway.tracing import NO_TRACE, RequestTrace
 from gateway.upstream import RETRYABLE_STATUS, Response, Upstream, openai_error_body
 from gateway.waiting import FirstByteWaits
 
-log = structlog.get_logger("gateway.proxy")
+log = structlog.get_logger("gateway.attempts")
 
 FORWARD_HEADERS = {"content-type": "application/json"}
 # What a request without max_tokens is expected to generate, for the KV account.
@@ -188,10 +188,7 @@ class Attempt:
         """Send the request (or `body(worker)`, shaped for the chosen worker) to the best worker left."""
         dispatch = self.dispatch
         if self.key is not None and self.count == 0:
-            # Looked up now, not when the request arrived: it may have waited in the queue.
-            home, second, heavy = dispatch.placement.lookup(self.key)
-            if home != self.facts.home or second != self.facts.second or heavy != self.facts.heavy:
-                self.facts = replace(self.facts, home=home, second=second, heavy=heavy)
+            self._placed()
         choice = self._choose()
         worker = choice.worker
         if self.count == 0:
@@ -220,19 +217,29 @@ class Attempt:
             self.release(worker.id)
             raise
         self.release(worker.id)
-        if resp.status == 429:  # full, not sick: retried elsewhere, never held against it
+        return choice, None, (resp.status, self._answered(worker, resp.status, data))
+
+    def _placed(self) -> None:
+        """Where the key is placed: looked up now, not on arrival (the request may have queued)."""
+        home, second, heavy = self.dispatch.placement.lookup(self.key)
+        if home != self.facts.home or second != self.facts.second or heavy != self.facts.heavy:
+            self.facts = replace(self.facts, home=home, second=second, heavy=heavy)
+
+    def _answered(self, worker: WorkerView, status: int, data: bytes) -> bytes:
+        """A whole answer's body for the client; raises Retryable for one another worker may answer."""
+        if status == 429:  # full, not sick: retried elsewhere, never held against it
             self._failed(worker, Overloaded(f"Worker {worker.id} is at capacity.", retry_after=1), sick=False)
-        if resp.status in RETRYABLE_STATUS:
-            message = openai_error_body(resp.status, data).decode()
-            self._failed(worker, UpstreamError(f"engine {worker.id} answered {resp.status}: {message[:300]}"))
-        if resp.status < 400:  # the client's 4xx says nothing of the engine's health
-            dispatch.breakers.success(worker.id)
-        if resp.status >= 400:
-            data = openai_error_body(resp.status, data)
-            if (tokens := refused_prompt_tokens(resp.status, data)) is not None:
+        if status in RETRYABLE_STATUS:
+            message = openai_error_body(status, data).decode()
+            self._failed(worker, UpstreamError(f"engine {worker.id} answered {status}: {message[:300]}"))
+        if status < 400:  # the client's 4xx says nothing of the engine's health
+            self.dispatch.breakers.success(worker.id)
+        else:
+            data = openai_error_body(status, data)
+            if (tokens := refused_prompt_tokens(status, data)) is not None:
                 self._refused(worker, tokens, data)
         self.trace.attempt_end()
-        return choice, None, (resp.status, data)
+        return data
 
     def _refused(self, worker: WorkerView, tokens: int, data: bytes) -> None:
         """The engine's context is too small for the prompt: try a roomier worker, if any."""
@@ -278,31 +285,27 @@ class Attempt:
             decision = decide(routes, roomiest, dispatch.live, dispatch.policy, self.tried, limit=1)
         if decision.choices:
             return decision.choices[0]
+        raise self._refusal(decision)
+
+    def _refusal(self, decision: Decision) -> GatewayError:
+        """Why no worker can take the request, for the client."""
+        model, asked = self.facts.model, self.floor + (self.facts.max_tokens or 0)
         if decision.verdict == "unknown_model":
-            raise ModelNotFound(
-                f"The model `{self.facts.model}` does not exist or no worker serves it.", param="model"
-            )
+            return ModelNotFound(f"The model `{model}` does not exist or no worker serves it.", param="model")
         if decision.verdict == "wrong_task":
             if self.facts.pooling:
-                raise InvalidRequest(f"`{self.facts.model}` generates text; it does not serve embeddings. "
-                                     "Name an embedding model.", param="model", code="model_not_supported")
-            raise InvalidRequest(f"`{self.facts.model}` is an embedding model: it serves /v1/embeddings, not "
-                                 f"{self.path}.", param="model", code="model_not_supported")
+                return InvalidRequest(f"`{model}` generates text; it does not serve embeddings. "
+                                      "Name an embedding model.", param="model", code="model_not_supported")
+            return InvalidRequest(f"`{model}` is an embedding model: it serves /v1/embeddings, not "
+                                  f"{self.path}.", param="model", code="model_not_supported")
         if decision.verdict == "context_length":
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {decision.limit} tokens. However, you "
-                f"requested {self.floor + (self.facts.max_tokens or 0)} tokens or more "
-                f"({self.floor} in the prompt, {self.facts.max_tokens or 0} for the completion). "
-                "Please reduce the length of the prompt or of max_tokens.",
-                param="messages",
-            )
-        if (error := self.final_error()) is not None:
-            raise error
-        raise NoWorkerAvailable(
-            f"No worker can serve `{self.facts.model}` right now (all draining or unhealthy); "
-            "try again shortly.",
-            retry_after=1,
-        )
+            return ContextLengthExceeded(
+                f"This model's maximum context length is {decision.limit} tokens. However, you requested "
+                f"{asked} tokens or more ({self.floor} in the prompt, {self.facts.max_tokens or 0} for the "
+                "completion). Please reduce the length of the prompt or of max_tokens.", param="messages")
+        return self.final_error() or NoWorkerAvailable(
+            f"No worker can serve `{model}` right now (all draining or unhealthy); try again shortly.",
+            retry_after=1)
 
     def final_error(self) -> GatewayError | None:
         """What the client gets when the attempts end: the last one's error, unless no worker
