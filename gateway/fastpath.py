@@ -2,9 +2,9 @@
 
 The two proxied routes are the gateway's whole hot path, and Litestar's routing,
 signature model, middleware and response objects cost about a third of the CPU of a
-proxied request. This app answers POST /v1/chat/completions and /v1/completions
-itself, with exactly the logic of the Litestar routes (`Proxy.serve`); everything
-else (lifespan, admin, models, metrics, docs) goes to Litestar unchanged.
+proxied request. This app answers the proxied POST routes (`requests.KINDS`) itself, with
+exactly the logic of the Litestar routes (`Proxy.serve`), through gateway/asgi_answer.py;
+everything else (lifespan, admin, models, metrics, docs) goes to Litestar unchanged.
 
 Under the gateway's own server protocol (gateway/server.py) those routes skip ASGI as
 well: the protocol parses the request into an `Exchange`, and `serve_exchange` writes the
@@ -17,32 +17,23 @@ between (X-Forwarded-For is honoured as that middleware would, when a request ha
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Collection, MutableMapping
+from collections.abc import AsyncIterator, Callable, Collection
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 import structlog
 from litestar import Litestar
 
-from gateway import front
+from gateway import asgi_answer, front
+from gateway.asgi_answer import Receive, Scope, Send
 from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge
-from gateway.proxy import Reply
-from gateway.requests import KINDS
+from gateway.requests import KINDS, header_reader, headers_by_name
 from gateway.upstream import header_lines
 
 if TYPE_CHECKING:
     from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 log = structlog.get_logger("gateway.fastpath")
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
-_JSON = (b"content-type", b"application/json")
-_SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-        (b"x-accel-buffering", b"no")]
 
 
 # The proxied routes by their raw path (a path with %-escapes or a query is the ASGI app's).
@@ -68,16 +59,15 @@ class FastPath:
     async def serve_exchange(self, ex: Exchange, watched: list[front.Hangup]) -> None:
         """Answer one proxied request straight onto its connection (see the module's docstring)."""
         scope = ex.scope
-        names = _names(scope["headers"])
+        names = headers_by_name(scope["headers"])
         if self.proxy_headers is not None and (b"x-forwarded-for" in names or b"x-forwarded-proto" in names):
             await self.proxy_headers(scope, _nothing, _nothing)  # type: ignore[arg-type]
         gw = self.app.state["gw"]
-        header = _by_name(names)
         client = scope["client"]
         out = _Out(ex)
         try:
             # `watched`: the connection tells the hang-up itself, so no receive is watched.
-            reply, hangup = await front.serve(gw, header, client[0] if client else None, ex.read_body,
+            reply, hangup = await front.serve(gw, header_reader(names), client[0] if client else None, ex.read_body,
                                               _nothing, scope["path"], ex.kind, watched, ex.task)  # type: ignore[arg-type]
         except front.ClientGone:
             return
@@ -93,29 +83,9 @@ class FastPath:
         if reply.stream is None:
             watched.remove(hangup)
             out.whole(reply.status, headers, reply.body)
-            _after(reply)
+            reply.written()
             return
-        stream = reply.stream
-        try:
-            out.start_stream(reply.status, headers)
-            async for chunk in stream:
-                if out.chunk(chunk):
-                    await ex.flow.drain()
-            hangup.finish()
-            out.end_stream()
-        except asyncio.CancelledError:
-            hangup.finish()
-            if hangup.absorb():
-                return
-            raise
-        except Exception:  # the stream's own errors end in an SSE error event; this is a bug's
-            log.exception("gateway.internal_error", path=scope["path"])
-        finally:
-            watched.remove(hangup)
-            await hangup.stop()
-            await stream.aclose()  # type: ignore[attr-defined]
-            if not ex.response_complete:  # broke off mid-stream: the client must not wait on it
-                out.abort()
+        await _relay(reply.status, headers, reply.stream, out, ex, hangup, watched)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = KINDS.get(scope.get("path", "")) if scope["type"] == "http" else None
@@ -123,107 +93,33 @@ class FastPath:
         if gw is None:
             await self.app(scope, receive, send)  # type: ignore[arg-type]
             return
-        try:
-            reply, hangup = await self._serve(gw, scope, receive, kind)  # type: ignore[arg-type]
-        except front.ClientGone:
-            return  # nobody to answer; the engine's request was closed
-        except GatewayError as exc:
-            await _send_error(send, exc)
-            return
-        except Exception:
-            log.exception("gateway.internal_error", path=scope.get("path"))
-            await _send_error(send, GatewayError("Internal error in the gateway."))
-            return
-        headers = [(k.encode(), v.encode()) for k, v in reply.headers]
-        if reply.stream is None:
-            headers += [_JSON, (b"content-length", str(len(reply.body)).encode())]
-            try:
-                await send({"type": "http.response.start", "status": reply.status, "headers": headers})
-                await send({"type": "http.response.body", "body": reply.body})
-            finally:
-                _after(reply)
-            return
-        await _stream(reply, headers + _SSE, hangup, send)
-
-    async def _serve(self, gw: Any, scope: Scope, receive: Receive, kind: str) -> tuple[Reply, front.Hangup]:
-        header = _lookup(scope["headers"])
-        client = scope.get("client")
-        return await front.serve(
-            gw, header, client[0] if client else None, lambda: _read_body(receive, gw.settings.max_body_bytes),
-            receive, scope["path"], kind,
-        )
+        await asgi_answer.answer(gw, scope, receive, send, kind)  # type: ignore[arg-type]
 
 
-def _after(reply: Reply) -> None:
-    """A whole answer's bookkeeping, once it is written (`Reply.after`); its bug is logged, not the client's."""
-    after = reply.after
-    if after is not None:
-        try:
-            after()
-        except Exception:
-            log.exception("gateway.internal_error", stage="after_answer")
-
-
-def _names(headers: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
-    """Request headers by (lower-case) name; the first of a repeated one wins."""
-    return dict(reversed(headers))  # a dict keeps the last it is given
-
-
-def _by_name(names: dict[bytes, bytes]) -> Callable[[str], str | None]:
-    def header(name: str) -> str | None:
-        value = names.get(name.encode())
-        return None if value is None else value.decode("latin-1")
-
-    return header
-
-
-def _lookup(headers: list[tuple[bytes, bytes]]) -> Callable[[str], str | None]:
-    """A request header by (lower-case) name; the first of a repeated one wins."""
-    return _by_name(_names(headers))
-
-
-async def _read_body(receive: Receive, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise InvalidRequest("The client went away before sending the whole body.")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise RequestTooLarge.over(limit)
-        chunks.append(chunk)
-        if not message.get("more_body"):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-async def _stream(reply: Reply, headers: list[tuple[bytes, bytes]], hangup: front.Hangup, send: Send) -> None:
-    """Relay an SSE stream; a client that hangs up cancels it (which closes the engine's request)."""
-    assert reply.stream is not None
-    stream = reply.stream
+async def _relay(status: int, headers: bytes, stream: AsyncIterator[bytes], out: _Out, ex: Exchange,
+                 hangup: front.Hangup, watched: list[front.Hangup]) -> None:
+    """Write a stream's head, then its pieces as they come, at the client's pace; a client that
+    hangs up cancels it (which closes the engine's request)."""
     try:
-        await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+        out.start_stream(status, headers)
         async for chunk in stream:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if out.chunk(chunk):
+                await ex.flow.drain()
         hangup.finish()
-        await send({"type": "http.response.body", "body": b""})
+        out.end_stream()
     except asyncio.CancelledError:
         hangup.finish()
-        if hangup.absorb():  # the generator's cleanup closed the engine's request; end quietly
+        if hangup.absorb():
             return
         raise
+    except Exception:  # the stream's own errors end in an SSE error event; this is a bug's
+        log.exception("gateway.internal_error", path=ex.scope["path"])
     finally:
+        watched.remove(hangup)
         await hangup.stop()
         await stream.aclose()  # type: ignore[attr-defined]
-
-
-async def _send_error(send: Send, exc: GatewayError) -> None:
-    body = exc.body()
-    headers = [_JSON, (b"content-length", str(len(body)).encode())]
-    headers += [(k.encode(), v.encode()) for k, v in exc.headers().items()]
-    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+        if not ex.response_complete:  # broke off mid-stream: the client must not wait on it
+            out.abort()
 
 
 async def _nothing(*_: object) -> None:

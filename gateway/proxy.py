@@ -31,7 +31,7 @@ from fleetgate.schema import WorkerView
 from gateway import attempts, outcomes
 from gateway.adapters import AdapterPlacer
 from gateway.admission import Admission
-from gateway.aliases import fallback_reason, resolve, with_model
+from gateway.aliases import Route, fallback_reason, resolve, with_model
 from gateway.attempts import FORWARD_HEADERS, Attempt, Dispatch
 from gateway.circuit import Breakers
 from gateway.errors import GatewayError, InvalidRequest, ModelNotFound
@@ -42,15 +42,15 @@ from gateway.metrics import GatewayMetrics, usage_of
 from gateway.placement import Placement
 from gateway.prefix_cache import PrefixCache
 from gateway.priorities import HEADER as PRIORITY_HEADER
-from gateway.priorities import Priorities
+from gateway.priorities import Priorities, Priority
 from gateway.quota import Quota, Ticket
 from gateway.relay import relay
 from gateway.requests import (
     GENERATES,
     Probe,
     affinity,
-    estimate_tokens,
     parse_request,
+    prompt_tokens,
     shared_prefix_tokens,
 )
 from gateway.responses import ResponsesTracker, forward_stored, owner_of, remember, response_id_of
@@ -75,9 +75,18 @@ class Reply:
     body: bytes = b""
     stream: AsyncIterator[bytes] | None = None
     # A whole answer's bookkeeping (metrics, usage, its log line, its trace), for whoever writes
-    # the answer to call once it is written: none of it delays the client. Synchronous, so it
-    # runs in the loop step that wrote the answer, before the connection's next request.
+    # the answer to call once it is written (`written`): none of it delays the client. Synchronous,
+    # so it runs in the loop step that wrote the answer, before the connection's next request.
     after: Callable[[], None] | None = None
+
+    def written(self) -> None:
+        """The answer is written: its bookkeeping runs; a bug there is logged, not the client's."""
+        after = self.after
+        if after is not None:
+            try:
+                after()
+            except Exception:
+                log.exception("gateway.internal_error", stage="after_answer")
 
 
 class _Answered:
@@ -115,6 +124,37 @@ class _Answered:
                  prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                  error=outcomes.error_code(self.payload) if status >= 400 else None)
         self.trace.end(status)
+
+
+@dataclass(slots=True)
+class _Request:
+    """One request as `Proxy._serve` took it in, for the steps that send it."""
+
+    probe: Probe
+    body: bytes
+    path: str
+    kind: str
+    session: str | None
+    key_id: str
+    request_id: str
+    started: float
+    trace: RequestTrace
+    priority: Priority
+    tenant: Tenant | None
+
+
+@dataclass(slots=True)
+class _Sent:
+    """What answered: the model's request as sent, its attempts and their result, the key's
+    ticket, whether the client's stream hides the usage chunk, and whether it fell back."""
+
+    probe: Probe
+    body: bytes
+    attempt: Attempt
+    result: attempts.Result
+    ticket: Ticket | None
+    hide_usage: bool
+    fell_back: bool
 
 
 # Named functions, not lambdas: mypyc compiles this module (scripts/compile.py) and
@@ -217,51 +257,10 @@ class Proxy:
         # The alias's model for this session (else request), then its fallbacks (gateway/aliases.py).
         routes = self.routes()  # live: the YAML's overlaid by the admin API's (gateway/live_routes.py)
         plan = resolve(routes.aliases, routes.fallbacks, probe.model, session or request_id)
-        last = len(plan.models) - 1
-        error: GatewayError | None = None
-        ticket = None
-        for tried, model in enumerate(plan.models):
-            if model != probe.model:  # the engine gets, and answers with, the real model's name
-                probe, body = msgspec.structs.replace(probe, model=model), with_model(body, model)
-            # A follow-up's stored response pins its worker; looked up only then (Redis).
-            owner = None if probe.previous_response_id is None else await owner_of(
-                self.watcher, probe.previous_response_id, "previous_response_id")
-            attempt, body, hide_usage = self._attempt(probe, body, path, kind, session, request_id, owner)
-            attempt.falls_back = tried < last
-            if trace.forward:
-                attempt.headers = {**attempt.headers, **trace.forward}
-            attempt.trace = trace
-            attempt.priority, attempt.full_at = priority, priority.full_at(attempt.full_at)
-            if self.classes.enabled:
-                attempt.tenant = key_id
-            if tried == 0 and tenant is not None and self.quota is not None:
-                # The key's (and its team's) limits: the prompt's tokens are charged before routing.
-                ticket = await self.quota.admit(tenant, model, attempt.facts.prompt_tokens)
-            try:
-                result = await attempts.run(attempt, self.admission, self.metrics)
-                break
-            except GatewayError as exc:
-                reason = fallback_reason(exc) if tried < last else None
-                if reason is not None:
-                    error = error or exc
-                    self.metrics.fallback(model, plan.models[tried + 1], reason)
-                    log.info("gateway.fallback", request_id=request_id, model=model,
-                             fallback=plan.models[tried + 1], reason=reason, error=exc.message)
-                    continue
-                if isinstance(exc, ModelNotFound):  # a fallback no worker serves: the first error stands
-                    exc = error or self.watcher.absent(exc, probe.model)
-                if ticket is not None:
-                    await ticket.settle(0, 0, exc.status)
-                self._failed_request(request_id, key_id, probe.model, probe.stream, attempt, exc, started)
-                raise exc from None
-            except asyncio.CancelledError:  # the client hung up (gateway/front.py) or the server stops
-                if ticket is not None:
-                    ticket.settle_soon(0, 0, 499)
-                outcomes.client_gone(self.metrics, started, request_id=request_id, key_id=key_id,
-                                     model=probe.model, stream=probe.stream)
-                raise
-        facts = attempt.facts
-        choice, resp, data = result
+        sent = await self._send(_Request(probe, body, path, kind, session, key_id, request_id, started, trace,
+                                         priority, tenant), plan)
+        probe, attempt, ticket = sent.probe, sent.attempt, sent.ticket
+        choice, resp, data = sent.result
         worker = choice.worker
         route = f"{self.policy.name}:{choice.reason}"
         self.metrics.record_decision(request_id, probe.model, worker.id, route, attempt.count,
@@ -279,18 +278,19 @@ class Proxy:
         if self.classes.enabled:
             headers.append((PRIORITY_HEADER, priority.name))
         fields = {
-            "request_id": request_id, "key_id": key_id, "model": probe.model, "adapter": facts.adapter,
+            "request_id": request_id, "key_id": key_id, "model": probe.model, "adapter": attempt.facts.adapter,
             "worker": worker.id, "route": choice.reason, "attempts": attempt.count, "stream": probe.stream,
-            "alias": plan.alias, "fallback_from": plan.models[0] if error is not None else None,
+            "alias": plan.alias, "fallback_from": plan.models[0] if sent.fell_back else None,
         }
         stores = kind == "responses" and probe.store is not False
         if resp is not None:
+            body = sent.body  # as sent
             tracker: StreamTracker | ResponsesTracker = (
                 ResponsesTracker() if kind == "responses"
-                else StreamTracker(kind, lambda sent: unresumable(body, kind, sent), hide_usage)
+                else StreamTracker(kind, lambda text_sent: unresumable(body, kind, text_sent), sent.hide_usage)
             )
-            return Reply(200, headers, stream=relay(attempt, choice, resp, tracker, self.metrics, started, fields, stores,
-                                                    ticket))
+            return Reply(200, headers, stream=relay(attempt, choice, resp, tracker, self.metrics, started, fields,
+                                                    stores, ticket))
         status, payload = data
         if stores and status == 200 and (response_id := response_id_of(payload)):
             await remember(self.watcher, response_id, worker.id, self.settings.responses_ttl_s)
@@ -300,13 +300,61 @@ class Proxy:
             await ticket.settle(*done.usage(), status)
         return Reply(status, headers, body=payload, after=done.run)
 
+    async def _send(self, req: _Request, plan: Route) -> _Sent:
+        """Send the request to the plan's models in turn until one is answered: the next model
+        when the last one's error is a reason to fall back (gateway/aliases.py), else that error."""
+        probe, body = req.probe, req.body
+        last = len(plan.models) - 1
+        error: GatewayError | None = None
+        ticket = None
+        for tried, model in enumerate(plan.models):
+            if model != probe.model:  # the engine gets, and answers with, the real model's name
+                probe, body = msgspec.structs.replace(probe, model=model), with_model(body, model)
+            # A follow-up's stored response pins its worker; looked up only then (Redis).
+            owner = None if probe.previous_response_id is None else await owner_of(
+                self.watcher, probe.previous_response_id, "previous_response_id")
+            attempt, body, hide_usage = self._attempt(req, probe, body, owner, falls_back=tried < last)
+            if tried == 0 and req.tenant is not None and self.quota is not None:
+                # The key's (and its team's) limits: the prompt's tokens are charged before routing.
+                ticket = await self.quota.admit(req.tenant, model, attempt.facts.prompt_tokens)
+            try:
+                result = await attempts.run(attempt, self.admission, self.metrics)
+                return _Sent(probe, body, attempt, result, ticket, hide_usage, fell_back=error is not None)
+            except GatewayError as exc:
+                reason = fallback_reason(exc) if tried < last else None
+                if reason is None:
+                    raise await self._failed_send(req, probe, attempt, ticket, error, exc) from None
+                error = error or exc
+                self.metrics.fallback(model, plan.models[tried + 1], reason)
+                log.info("gateway.fallback", request_id=req.request_id, model=model,
+                         fallback=plan.models[tried + 1], reason=reason, error=exc.message)
+            except asyncio.CancelledError:  # the client hung up (gateway/front.py) or the server stops
+                if ticket is not None:
+                    ticket.settle_soon(0, 0, 499)
+                outcomes.client_gone(self.metrics, req.started, request_id=req.request_id, key_id=req.key_id,
+                                     model=probe.model, stream=probe.stream)
+                raise
+        raise AssertionError("unreachable: the last model's error is raised")  # pragma: no cover
+
+    async def _failed_send(self, req: _Request, probe: Probe, attempt: Attempt, ticket: Ticket | None,
+                           first: GatewayError | None, exc: GatewayError) -> GatewayError:
+        """The error the client gets when no model of the plan answered, logged and counted."""
+        if isinstance(exc, ModelNotFound):  # a fallback no worker serves: the first error stands
+            exc = first or self.watcher.absent(exc, probe.model)
+        if ticket is not None:
+            await ticket.settle(0, 0, exc.status)
+        exc.request_id = req.request_id
+        outcomes.failed(self.metrics, exc, req.started, request_id=req.request_id, key_id=req.key_id,
+                        model=probe.model, stream=probe.stream, attempts=attempt.count)
+        return exc
+
     def _attempt(
-        self, probe: Probe, body: bytes, path: str, kind: str, session: str | None, request_id: str,
-        owner: WorkerView | None,
+        self, req: _Request, probe: Probe, body: bytes, owner: WorkerView | None, falls_back: bool,
     ) -> tuple[Attempt, bytes, bool]:
         """The attempts at sending `body` (a request for `probe.model`), with its routing facts;
         the body as sent, and whether the client's stream hides the usage chunk. `owner`: the
         worker storing the response the request continues."""
+        kind, session = req.kind, req.session
         snapshot = self.watcher.snapshot
         is_adapter = snapshot.models.get(probe.model, "") != ""
         generates = kind in GENERATES
@@ -322,14 +370,7 @@ class Proxy:
             routes = snapshot.routes.by_model.get(probe.model)
             if routes is not None:
                 exact, cached = self.prefix_cache.held(routes.routable, counter, probe)
-        if kind in ("tokenize", "detokenize"):
-            estimate = floor = 0  # any length may be tokenized; no context to fit
-        elif exact is not None:
-            estimate = floor = exact
-        elif counter is not None:
-            estimate = floor = counter.count(probe)
-        else:
-            estimate, floor = estimate_tokens(probe)
+        estimate, floor = prompt_tokens(probe, kind, exact, counter)
         warm, full = self.placer.residency(probe.model) if is_adapter else (frozenset(), frozenset())
         pinned = None
         if owner is not None:
@@ -341,35 +382,22 @@ class Proxy:
         # Where the key is placed (home, second, heavy) is left to Attempt.next, which looks it
         # up as it decides: a request may wait (the queue, a key's limits) before that.
         facts = RequestFacts(
-            model=probe.model,
-            prompt_tokens=estimate,
-            max_tokens=probe.max_new_tokens,
-            session=session,
-            seq=self.seq,
-            adapter=is_adapter,
-            warm=warm,
-            full=full,
-            affinity_key=key,
-            affinity_kind=key_kind,
-            pinned=pinned,
-            pooling=True if kind == "embeddings" else False if generates else None,
-            prefix_tokens=shared_prefix_tokens(probe, key_kind, estimate),
-            cached=cached,
+            model=probe.model, prompt_tokens=estimate, max_tokens=probe.max_new_tokens, session=session,
+            seq=self.seq, adapter=is_adapter, warm=warm, full=full, affinity_key=key, affinity_kind=key_kind,
+            pinned=pinned, pooling=True if kind == "embeddings" else False if generates else None,
+            prefix_tokens=shared_prefix_tokens(probe, key_kind, estimate), cached=cached,
         )
         hide_usage = probe.stream and kind in ("chat", "completion") and not probe.wants_usage
         if hide_usage:  # count every stream's tokens: ask the engine for usage anyway
             body = with_usage(body)
-        attempt = Attempt(self.dispatch, path, kind, body, probe.stream, facts, floor)
-        attempt.headers = {**FORWARD_HEADERS, "x-request-id": request_id}
+        attempt = Attempt(self.dispatch, req.path, kind, body, probe.stream, facts, floor)
+        attempt.headers = {**FORWARD_HEADERS, "x-request-id": req.request_id, **req.trace.forward}
+        attempt.trace = req.trace
+        attempt.falls_back = falls_back
+        attempt.priority, attempt.full_at = req.priority, req.priority.full_at(attempt.full_at)
+        if self.classes.enabled:
+            attempt.tenant = req.key_id
         return attempt, body, hide_usage
-
-    def _failed_request(
-        self, request_id: str, key_id: str, model: str, stream: bool, attempt: Attempt, exc: GatewayError,
-        started: float,
-    ) -> None:
-        exc.request_id = request_id
-        outcomes.failed(self.metrics, exc, started, request_id=request_id, key_id=key_id, model=model,
-                        stream=stream, attempts=attempt.count)
 
     def refused(self, exc: GatewayError, header: Callable[[str], str | None], key_id: str, started: float) -> None:
         """Log and count a request refused before `serve` (its key, rate limit or body)."""

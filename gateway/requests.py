@@ -10,6 +10,7 @@ prefix or a session on one worker.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import msgspec
 
@@ -40,22 +41,46 @@ KINDS = {
 GENERATES = frozenset({"chat", "completion", "responses"})
 
 
+def headers_by_name(headers: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
+    """A request's headers by (lower-case) name; the first of a repeated one wins."""
+    return dict(reversed(headers))  # a dict keeps the last it is given
+
+
+def header_reader(names: dict[bytes, bytes]) -> Callable[[str], str | None]:
+    """`header(name)`, as `Proxy.serve` reads a request header, over `headers_by_name`'s dict."""
+    def header(name: str) -> str | None:
+        value = names.get(name.encode())
+        return None if value is None else value.decode("latin-1")
+
+    return header
+
+
 def parse_request(body: bytes, kind: str) -> Probe:
     """Decode and check the routing fields; every problem is an OpenAI-style 400."""
     if not body:
         raise InvalidRequest("The request body is empty; send a JSON object.")
+    probe = _decoded(body, kind)
+    _check_required(probe, kind)
+    _check_lengths(probe)
+    return probe
+
+
+def _decoded(body: bytes, kind: str) -> Probe:
     try:
         if kind == "embeddings":
             e = _embeddings.decode(body)
             if _absent(e.input):
                 raise InvalidRequest("`input` is required.", param="input")
-            probe = Probe(model=e.model, prompt=e.input, user=e.user)
-        else:
-            probe = _probe.decode(body)
+            return Probe(model=e.model, prompt=e.input, user=e.user)
+        return _probe.decode(body)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"Invalid request body: {exc}", param=_field_of(exc)) from exc
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"The request body is not valid JSON: {exc}") from exc
+
+
+def _check_required(probe: Probe, kind: str) -> None:
+    """The fields this kind of request cannot do without."""
     if not probe.model:
         raise InvalidRequest("`model` must name a model or adapter.", param="model")
     if kind == "chat" and not probe.messages:
@@ -68,13 +93,16 @@ def parse_request(body: bytes, kind: str) -> Probe:
         raise InvalidRequest("`input` is required.", param="input")
     if probe.previous_response_id is not None and not probe.previous_response_id:
         raise InvalidRequest("`previous_response_id` must name a response.", param="previous_response_id")
+
+
+def _check_lengths(probe: Probe) -> None:
+    """Each completion length given is at least 1 (checked by name only when one is not)."""
     a, b, c = probe.max_tokens, probe.max_completion_tokens, probe.max_output_tokens
     if (a is not None and a < 1) or (b is not None and b < 1) or (c is not None and c < 1):
         for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = getattr(probe, name)
             if value is not None and value < 1:
                 raise InvalidRequest(f"`{name}` must be at least 1.", param=name)
-    return probe
 
 
 def _absent(raw: msgspec.Raw) -> bool:
@@ -158,6 +186,19 @@ def estimate_tokens(probe: Probe) -> tuple[int, int]:
     size = sum(len(t.encode()) for t in prompt_texts(probe))
     overhead = TEMPLATE_TOKENS_PER_MESSAGE * _messages(probe)
     return math.ceil(size / 4) + overhead, size // 8
+
+
+def prompt_tokens(probe: Probe, kind: str, exact: int | None, counter: TokenCounter | None) -> tuple[int, int]:
+    """(estimate, lower bound) of the prompt's tokens: `exact` when the prefix cache counted
+    them, else the model's tokenizer's count (`counter`), else `estimate_tokens`."""
+    if kind in ("tokenize", "detokenize"):
+        return 0, 0  # any length may be tokenized; no context to fit
+    if exact is not None:
+        return exact, exact
+    if counter is not None:
+        count = counter.count(probe)
+        return count, count
+    return estimate_tokens(probe)
 
 
 def affinity(probe: Probe, session: str | None, adapter: bool = False) -> tuple[int | None, str | None]:

@@ -8,7 +8,6 @@ import time
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway import fastpath
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Reply, _Answered
 from gateway.tracing import RequestTrace
@@ -60,7 +59,7 @@ def test_a_failing_bookkeeping_is_logged_and_the_answer_stands() -> None:
         raise RuntimeError("bug")
 
     with structlog.testing.capture_logs() as logs:
-        fastpath._after(Reply(200, [], body=b"{}", after=broken))
-        fastpath._after(Reply(200, [], body=b"{}"))  # none to run
+        Reply(200, [], body=b"{}", after=broken).written()
+        Reply(200, [], body=b"{}").written()  # none to run
     assert calls == ["ran"]
     assert [(e["event"], e.get("stage")) for e in logs] == [("gateway.internal_error", "after_answer")]
