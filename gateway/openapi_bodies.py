@@ -98,7 +98,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 
     model: NonEmpty
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] = []
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -139,26 +139,29 @@ def _inline(node: Any, defs: dict[str, Any]) -> Any:
     return node
 
 
-def _chat() -> dict[str, Any]:
-    schema = schema_of(ChatCompletionRequest)
+def _sampling(kind: type[_Sampling]) -> dict[str, Any]:
+    schema = schema_of(kind)
     # vLLM: greedy sampling (temperature under 1e-5) makes one choice only.
     schema["if"] = {"required": ["temperature"],
                     "properties": {"temperature": {"type": "number", "exclusiveMaximum": 1e-5}}}
-    schema["then"] = {"properties": {"n": {"anyOf": [{"type": "null"}, {"maximum": 1}]}}}
+    schema["then"] = {"properties": {"n": {"maximum": 1}}}
     return schema
 
 
 def _tokenize() -> dict[str, Any]:
     schema = schema_of(TokenizeRequest)
-    schema["anyOf"] = [{"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
-                       {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]
+    del schema["properties"]["messages"]["default"]
+    # vLLM's is a union: a prompt (and no `messages`), or messages (a prompt beside them is ignored).
+    schema["anyOf"] = [{"required": ["prompt"], "not": {"required": ["messages"]},
+                        "properties": {"prompt": {"type": "string"}}},
+                       {"required": ["messages"]}]
     return schema
 
 
 # Per proxied route kind (gateway/requests.py KINDS): its body's schema.
 PROXIED_BODIES: dict[str, dict[str, Any]] = {
-    "chat": _chat(),
-    "completion": schema_of(CompletionRequest),
+    "chat": _sampling(ChatCompletionRequest),
+    "completion": _sampling(CompletionRequest),
     "responses": schema_of(ResponsesRequest),
     "embeddings": schema_of(EmbeddingsRequest),
     "tokenize": _tokenize(),
