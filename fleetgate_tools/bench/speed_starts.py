@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from fleetgate_tools.bench import engines
+from fleetgate_tools.bench import engines, speed_track
 from fleetgate_tools.bench.loadgen import Outcome, run_requests
 from fleetgate_tools.bench.progress import Progress
 from fleetgate_tools.bench.report import percentile
@@ -343,7 +343,7 @@ def _run(args: argparse.Namespace) -> int:
 def _table(folder: Path, out: Path) -> int:
     rows = load_rows(folder)
     out.mkdir(parents=True, exist_ok=True)
-    text = markdown(rows)
+    text = markdown(rows) + "\n" + speed_track.markdown(folder)
     (out / "results-speed.md").write_text(text)
     (out / "results-speed.json").write_text(json.dumps({"rows": rows, "checks": checks(rows)}, indent=1))
     print(text)

@@ -7,6 +7,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from fleetgate_tools.bench import speed_track
 from fleetgate_tools.bench.loadgen import Outcome
 from fleetgate_tools.bench.speed_starts import (
     checks,
@@ -86,3 +89,37 @@ def test_a_short_run_takes_the_last_reading_and_the_table_reads_back(tmp_path: P
     text = markdown(rows)
     assert "| 3 | - / - | 1.40 / 0.80 | 75.0% | 0.27 / 0.27 (engine) | 0.0% | 0.0% | PASS | 10 / 10 of 20 |" in text
     assert text.count("| start 3:") == 3
+
+
+def _raw(truth: list[float], estimate: list[float]) -> dict[str, object]:
+    """A start's raw record with one 5-s bin per pair: in bin i, vl1's answers take 20 ms a
+    token and vl0's 20 / truth[i]; the gateway reads vl0 at estimate[i] and vl1 at 1.0."""
+    outcomes, readings = [], []
+    for i, (t, e) in enumerate(zip(truth, estimate, strict=True)):
+        at = 5.0 * i + 1.0
+        for w, tpot in (("vl0", 0.02 / t), ("vl1", 0.02)):
+            # 11 tokens: the decode (10 x tpot) is centred in the bin
+            outcomes.append({"worker": w, "at": at, "ttft": 0.1, "e2e": 0.1 + 10 * tpot, "out_tokens": 11, "error": ""})
+        readings.append([5.0 * i + 2.5, {"vl0": {"speed": e}, "vl1": {"speed": 1.0}}])
+    return {"workers": ["vl1", "vl0"], "outcomes": outcomes, "readings": readings}
+
+
+@pytest.mark.parametrize(
+    ("truth", "estimate", "correlation", "gap"),
+    [
+        ([1.0, 1.5, 0.7, 1.2], [1.0, 1.5, 0.7, 1.2], 1.0, 0.0),   # follows exactly
+        ([1.0, 1.5, 0.7, 1.2], [1.1, 1.65, 0.77, 1.32], 1.0, 0.1),  # a steady 10% bias
+        ([1.0, 1.5, 0.7, 1.2], [1.2, 0.7, 1.5, 1.0], -0.97, None),  # the wrong way round
+    ],
+)
+def test_speed_track_compares_the_clients_truth_with_the_gateways_estimate(
+    truth: list[float], estimate: list[float], correlation: float, gap: float | None,
+) -> None:
+    rows = speed_track.bins(_raw(truth, estimate))
+    assert [round(r["truth"], 3) for r in rows] == truth
+    assert [round(r["estimate"], 3) for r in rows] == estimate
+    got = speed_track.agreement(rows)
+    assert got["correlation"] == pytest.approx(correlation, abs=0.01)
+    if gap is not None:
+        assert got["median_error"] == pytest.approx(gap, abs=0.002)
+    assert got["truth_max"] == pytest.approx(0.5, abs=0.001)
