@@ -126,35 +126,26 @@ class _Answered:
         self.trace.end(status)
 
 
-@dataclass(slots=True)
+# Plain classes, not dataclasses: compiled, a dataclass's generated __init__ runs as Python.
 class _Request:
     """One request as `Proxy._serve` took it in, for the steps that send it."""
 
-    probe: Probe
-    body: bytes
-    path: str
-    kind: str
-    session: str | None
-    key_id: str
-    request_id: str
-    started: float
-    trace: RequestTrace
-    priority: Priority
-    tenant: Tenant | None
+    def __init__(self, probe: Probe, body: bytes, path: str, kind: str, session: str | None, key_id: str,
+                 request_id: str, started: float, trace: RequestTrace, priority: Priority,
+                 tenant: Tenant | None) -> None:
+        self.probe, self.body, self.path, self.kind, self.session = probe, body, path, kind, session
+        self.key_id, self.request_id, self.started, self.trace = key_id, request_id, started, trace
+        self.priority, self.tenant = priority, tenant
 
 
-@dataclass(slots=True)
 class _Sent:
     """What answered: the model's request as sent, its attempts and their result, the key's
     ticket, whether the client's stream hides the usage chunk, and whether it fell back."""
 
-    probe: Probe
-    body: bytes
-    attempt: Attempt
-    result: attempts.Result
-    ticket: Ticket | None
-    hide_usage: bool
-    fell_back: bool
+    def __init__(self, probe: Probe, body: bytes, attempt: Attempt, result: attempts.Result,
+                 ticket: Ticket | None, hide_usage: bool, fell_back: bool) -> None:
+        self.probe, self.body, self.attempt, self.result = probe, body, attempt, result
+        self.ticket, self.hide_usage, self.fell_back = ticket, hide_usage, fell_back
 
 
 # Named functions, not lambdas: mypyc compiles this module (scripts/compile.py) and
@@ -319,7 +310,7 @@ class Proxy:
                 ticket = await self.quota.admit(req.tenant, model, attempt.facts.prompt_tokens)
             try:
                 result = await attempts.run(attempt, self.admission, self.metrics)
-                return _Sent(probe, body, attempt, result, ticket, hide_usage, fell_back=error is not None)
+                return _Sent(probe, body, attempt, result, ticket, hide_usage, error is not None)
             except GatewayError as exc:
                 reason = fallback_reason(exc) if tried < last else None
                 if reason is None:
@@ -391,8 +382,10 @@ class Proxy:
         if hide_usage:  # count every stream's tokens: ask the engine for usage anyway
             body = with_usage(body)
         attempt = Attempt(self.dispatch, req.path, kind, body, probe.stream, facts, floor)
-        attempt.headers = {**FORWARD_HEADERS, "x-request-id": req.request_id, **req.trace.forward}
-        attempt.trace = req.trace
+        attempt.headers = {**FORWARD_HEADERS, "x-request-id": req.request_id}
+        trace = attempt.trace = req.trace
+        if trace.forward:
+            attempt.headers = {**attempt.headers, **trace.forward}
         attempt.falls_back = falls_back
         attempt.priority, attempt.full_at = req.priority, req.priority.full_at(attempt.full_at)
         if self.classes.enabled:
