@@ -33,6 +33,7 @@ from litestar.openapi.spec import (
     RequestBody,
     SecurityScheme,
 )
+from litestar.openapi.spec.header import OpenAPIHeader
 from litestar.openapi.spec.media_type import OpenAPIMediaType
 from litestar.openapi.spec.response import OpenAPIResponse
 
@@ -63,6 +64,11 @@ WHY: dict[int, str] = {
 ANY = (414, 431, 500, 503)
 # What any request with a body can get as well.
 WITH_BODY = (408, 413)
+
+# When to try again, in seconds: on every 429, and on a 503 the gateway expects to pass.
+RETRY_AFTER = {"Retry-After": OpenAPIHeader(
+    schema={"type": "string", "pattern": "^[0-9]+$"},  # type: ignore[arg-type]
+    description="Seconds to wait before trying again", required=False)}
 
 API_KEY = "apiKey"
 ADMIN_TOKEN = "adminToken"
@@ -126,7 +132,8 @@ def documented(
     @dataclass
     class Documented(Operation):
         def __post_init__(self) -> None:
-            inferred = {k: v for k, v in (self.responses or {}).items() if k in keep}
+            inferred = {k: _retry_after(v) if k in ("429", "503") else v
+                        for k, v in (self.responses or {}).items() if k in keep}
             answers = {**inferred, **{str(s): r for s, r in successes.items()}}
             if links:
                 first = min(k for k in answers if k.startswith("2"))
@@ -145,6 +152,13 @@ def documented(
                 self.parameters = list(given.values())  # type: ignore[assignment]
 
     return {"responses": responses, "operation_class": Documented}
+
+
+def _retry_after(response: OpenAPIResponse | Any) -> OpenAPIResponse | Any:
+    if not isinstance(response, OpenAPIResponse):
+        return response
+    return OpenAPIResponse(description=response.description, content=response.content,
+                           headers=dict(RETRY_AFTER))  # type: ignore[arg-type]
 
 
 def _with_links(response: OpenAPIResponse, links: Mapping[str, Link]) -> OpenAPIResponse:
