@@ -2,9 +2,9 @@
 
 Three parts: gateway/sse.py cuts the engine's bytes into runs of whole events; `relay`, the
 one generator, reads, gives up on a stall and yields what the client gets; `_Relayed` keeps
-the stream's books across its segments: what the tracker lets through
-(`StreamTracker.on_block`: a run leaves in one write, as it came, unless the tracker must look
-at an event on its own: [DONE], the usage chunk, a resumed stream's events), the failover to
+the stream's books across its segments: what the tracker lets through of the events it must
+look at on their own ([DONE], the usage chunk, a resumed stream's events; any other run leaves
+in one write, as it came: `StreamTracker.on_block`), the failover to
 another worker when the engine dies or stalls mid-stream (gateway/resume.py, through the
 request's `Attempt`), and the one summary log line and the request's metrics, written when
 the stream ends, however it ends.
@@ -86,7 +86,7 @@ async def relay(
 ) -> AsyncIterator[bytes]:
     """Relay the engine's stream to the client; continue it on another worker if it breaks."""
     books = _Relayed(attempt, choice, resp, tracker, metrics, started, fields, stores, ticket)
-    pieces = books.pieces
+    on_block = tracker.on_block
     clock = asyncio.get_running_loop().time
     stall_s = attempt.dispatch.settings.stall_timeout_s
     try:
@@ -106,7 +106,9 @@ async def relay(
                         if armed - now < stall_s:
                             armed = now + stall_s * STALL_MARGIN
                             deadline.reschedule(armed)
-                        piece = pieces(feed(data))
+                        piece, rest = on_block(feed(data))  # (b"", b"") until an event is whole
+                        if rest:
+                            piece = books.one_by_one(piece, rest)
                         if piece:
                             if books.before_first:
                                 await books.first_out()
@@ -119,12 +121,10 @@ async def relay(
                 last = await books.fail_over(exc)
         if last:
             yield last
-    except BaseException:
-        # The client went away (cancellation) or the server is stopping: abort the
-        # engine's request by closing its connection instead of reading it to the end.
-        books.outcome = "client_gone"
-        raise
+        books.ran_to_its_end = True
     finally:
+        # Otherwise the client went away (cancellation) or the server is stopping: `close`
+        # aborts the engine's request by closing its connection instead of reading it to the end.
         await books.close()
 
 
@@ -132,8 +132,8 @@ class _Relayed:
     """One relayed stream's books across its segments: the worker serving it now and whether this
     gateway counts the stream there, what the client was sent, and how the stream ended."""
 
-    __slots__ = ("attempt", "before_first", "counted", "fields", "first_chunk_ms", "metrics", "outcome", "resp",
-                 "resumes", "started", "stores", "ticket", "tokens", "tracker", "worker")
+    __slots__ = ("attempt", "before_first", "counted", "fields", "first_chunk_ms", "metrics", "outcome",
+                 "ran_to_its_end", "resp", "resumes", "started", "stores", "ticket", "tokens", "tracker", "worker")
 
     def __init__(self, attempt: Attempt, choice: Choice, resp: Response, tracker: StreamTracker | ResponsesTracker,
                  metrics: GatewayMetrics, started: float, fields: dict[str, object], stores: bool,
@@ -148,6 +148,7 @@ class _Relayed:
         self.stores = stores  # the response id is still to be recorded (a stored Responses API answer)
         self.ticket = ticket
         self.outcome = "completed"
+        self.ran_to_its_end = False  # else the client went away, or the server stops: "client_gone"
         self.first_chunk_ms: float | None = None
         self.before_first = True  # `first_out` has work left: the first piece, or the id to record
         self.resumes = 0
@@ -161,14 +162,10 @@ class _Relayed:
         with self.attempt.dispatch.waits.waiting(worker_id):
             return await first_event(self.resp.readany, self.attempt, worker_id)
 
-    def pieces(self, run: bytes) -> bytes:
-        """What the client gets of a run of whole events (b"": nothing, or no whole event yet)."""
-        if not run:
-            return run
+    def one_by_one(self, joined: bytes, rest: bytes) -> bytes:
+        """What the client gets of a run of whole events whose `rest` the tracker looks at one
+        by one (`StreamTracker.on_block`), after the `joined` that passed as it came."""
         tracker = self.tracker
-        joined, rest = tracker.on_block(run)
-        if not rest:
-            return joined
         out = [x for e in events(rest) if (x := tracker.on_event(e)) is not None]
         for piece in out:
             # find(), not `in`: see gateway/resume.py's _usage_only.
@@ -249,6 +246,8 @@ class _Relayed:
     async def close(self) -> None:
         """The stream ended, however it did: let go of the worker, settle the key's tokens,
         count the request and write its one summary line."""
+        if not self.ran_to_its_end:
+            self.outcome = "client_gone"
         worker_id = self.worker.id
         if self.counted:
             if self.outcome == "completed":
