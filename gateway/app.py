@@ -60,7 +60,7 @@ from gateway.openapi import (
     proxied,
     stored,
 )
-from gateway.openapi_bodies import MODEL_LIST
+from gateway.openapi_bodies import MODEL, MODEL_LIST
 from gateway.placement import Placement
 from gateway.prefix_cache import KvIndexCollector, PrefixCache
 from gateway.priorities import Priorities, PriorityCollector
@@ -152,22 +152,24 @@ async def list_models(request: Request, state: State) -> Response:
 
 
 @get("/v1/models/{model_id:path}", operation_id="retrieveModel", security=CLIENT_SECURITY,
-     **documented(401, 404, 503, why={404: "No worker serves this model or adapter, and no alias has its name",
-                                      503: "The model was served recently and no worker serves it now, or the "
-                                           "gateway cannot reach its registry (Retry-After)"}))
+     **documented(401, 404, 503, ok={200: json_answer("The model, adapter or alias", MODEL)},
+                  why={404: "No worker serves this model or adapter, and no alias has its name",
+                       503: "The model was served recently and no worker serves it now, or the "
+                            "gateway cannot reach its registry (Retry-After)"}))
 async def get_model(request: Request, state: State, model_id: str) -> Response:
     gw = gw_of(state)
     _check_client(gw, request)
     name = model_id.lstrip("/")
-    models = gw.watcher.snapshot.models
+    snapshot = gw.watcher.snapshot
     if (targets := gw.tenants.routes.current.aliases.get(name)) is not None:
-        body = {"id": name, "object": "model", "owned_by": "fleetgate", "parent": None,
+        body = {"id": name, "object": "model", "created": 0, "owned_by": "fleetgate", "parent": None,
                 "fleetgate_alias_of": [t.model for t in targets]}
         return Response(content=msgspec.json.encode(body), media_type="application/json")
-    if name not in models:
+    if name not in snapshot.models:
         raise gw.watcher.absent(ModelNotFound(f"The model `{name}` does not exist.", param="model"), name)
-    body = {"id": name, "object": "model", "owned_by": "fleetgate", "parent": models[name] or None}
-    return Response(content=msgspec.json.encode(body), media_type="application/json")
+    # The same entry as in /v1/models (OpenAI's Model object: `created` too).
+    entry = next(m for m in msgspec.json.decode(snapshot.models_json)["data"] if m["id"] == name)
+    return Response(content=msgspec.json.encode(entry), media_type="application/json")
 
 
 @get("/metrics", include_in_schema=False)

@@ -223,3 +223,4 @@ ADMIN_BODIES: dict[str, dict[str, Any]] = {
         "path": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None}}},
 }
 MODEL_LIST = schema_of(ModelList)
+MODEL = schema_of(Model)
