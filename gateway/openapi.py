@@ -20,7 +20,7 @@ drops any response Litestar inferred that the route cannot answer.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,8 @@ from litestar.openapi.spec.media_type import OpenAPIMediaType
 from litestar.openapi.spec.response import OpenAPIResponse
 
 from gateway.errors import ErrorEnvelope
+from gateway.openapi_bodies import PROXIED_BODIES
+from gateway.tenants import ID_RE
 
 # Why each status happens, as the document says it (an operation may say more precisely).
 WHY: dict[int, str] = {
@@ -166,10 +168,6 @@ def _with_links(response: OpenAPIResponse, links: Mapping[str, Link]) -> OpenAPI
                            content=response.content, links=dict(links))  # type: ignore[arg-type]
 
 
-def statuses(*groups: Iterable[int]) -> tuple[int, ...]:
-    return tuple(sorted({s for g in groups for s in g}))
-
-
 # -- the OpenAI routes ------------------------------------------------------------------
 
 # What a proxied route can answer besides 200: the gateway's refusals, and an engine's
@@ -200,8 +198,6 @@ RESPONSE_LINKS = {
 
 def proxied(kind: str) -> dict[str, Any]:
     """The route decorator's arguments for one proxied OpenAI POST route."""
-    from gateway.openapi_bodies import PROXIED_BODIES
-
     operation_id, summary, streams = _PROXIED[kind]
     return {
         "operation_id": operation_id, "security": CLIENT_SECURITY,
@@ -232,7 +228,7 @@ def admin(*errors: int, **kw: Any) -> dict[str, Any]:
 
 PUT_ANSWERS = {200: json_answer("Replaced"), 201: json_answer("Created")}
 # A key's or team's id (gateway/tenants.py ID_RE).
-TENANT_ID = {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$"}
+TENANT_ID = {"type": "string", "pattern": ID_RE.pattern}
 # An alias's or a fallback chain's model name (gateway/api/routes.py `_name`): leading
 # slashes are dropped, then 1-256 characters without whitespace (Python's, which also
 # counts U+001C-U+001F: said outright, as other regex engines do not).
