@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
+from redis.exceptions import OutOfMemoryError, ResponseError
 
 from fleetgate.connection import connect
 from fleetgate.keys import (
@@ -31,7 +32,8 @@ from fleetgate.records import decode_worker, encode, sign, unsigned
 from fleetgate.schema import Load, WorkerInfo, WorkerState, WorkerView
 from fleetgate.sentinel import follow_master
 
-__all__ = ["DEFAULT_HEARTBEAT_TTL_S", "DEFAULT_PREFIX", "HeartbeatReply", "Keys", "Registry", "connect"]
+__all__ = ["DEFAULT_HEARTBEAT_TTL_S", "DEFAULT_PREFIX", "HeartbeatReply", "Keys", "LoadNotStored", "Registry",
+           "connect", "out_of_memory"]
 
 # Updates fields of a worker hash only while it exists, refreshing its TTL when asked.
 # KEYS[1] = worker hash; ARGV[1] = ttl ms (0: keep), ARGV[2..] = field, value pairs.
@@ -39,6 +41,16 @@ _UPDATE_IF_EXISTS = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 if tonumber(ARGV[1]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+if redis.call('HGET', KEYS[1], 'stop') == '1' then return 2 end
+if redis.call('HGET', KEYS[1], 'drain') == '1' then return 3 end
+return 1
+"""
+
+# The same answer, renewing the TTL only: no command here needs memory, so Redis at maxmemory
+# (noeviction), which refuses the HSET above, still runs it. KEYS[1] = worker hash; ARGV[1] = ttl ms.
+_KEEP_ALIVE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
 if redis.call('HGET', KEYS[1], 'stop') == '1' then return 2 end
 if redis.call('HGET', KEYS[1], 'drain') == '1' then return 3 end
 return 1
@@ -73,6 +85,23 @@ HeartbeatReply = Literal["ok", "missing", "stop", "drained"]
 _REPLIES: dict[int, HeartbeatReply] = {0: "missing", 1: "ok", 2: "stop", 3: "drained"}
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether Redis refused a write for want of memory (maxmemory reached, noeviction). Redis 7
+    says so as an OOM error; Redis 6.2, inside a script, as a script error that quotes it."""
+    return isinstance(exc, OutOfMemoryError) or (
+        isinstance(exc, ResponseError) and "OOM command not allowed" in str(exc))
+
+
+class LoadNotStored(Exception):
+    """Redis refused to store a heartbeat's load (it is at maxmemory with noeviction); the record's
+    TTL was renewed all the same, so the worker stays in the fleet with the load it last stored.
+    `reply` is the heartbeat's answer."""
+
+    def __init__(self, reply: HeartbeatReply) -> None:
+        super().__init__("Redis is full (maxmemory): the load was not stored, the record kept alive")
+        self.reply = reply
+
+
 class Registry:
     """Reads and writes the fleet's records in Redis. Shared by gateway and agents."""
 
@@ -89,6 +118,7 @@ class Registry:
         self.keys = Keys(prefix)
         self.ttl_ms = int(heartbeat_ttl_s * 1000)
         self._update = redis.register_script(_UPDATE_IF_EXISTS)
+        self._keep_alive = redis.register_script(_KEEP_ALIVE)
         self._take = redis.register_script(_TAKE)
         self._unlock = redis.register_script(_UNLOCK)
 
@@ -128,11 +158,18 @@ class Registry:
         unless `was_removed`. "stop": an operator asked this worker to drain and stop.
         "drained": an operator drained it (the agent remembers, to re-assert it when it
         registers again).
+
+        Raises LoadNotStored when Redis is full: a worker must not leave the fleet because Redis
+        cannot take its load, so its record lives on with the last one stored.
         """
-        reply = await self._update(
-            keys=[self.keys.worker(worker_id)],
-            args=[self.ttl_ms, "load", encode(load), "hb", repr(time.time())],
-        )
+        key = self.keys.worker(worker_id)
+        try:
+            reply = await self._update(keys=[key], args=[self.ttl_ms, "load", encode(load), "hb", repr(time.time())])
+        except ResponseError as exc:
+            if not out_of_memory(exc):
+                raise
+            kept = await self._keep_alive(keys=[key], args=[self.ttl_ms])
+            raise LoadNotStored(_REPLIES.get(int(kept), "ok")) from exc
         if announce and reply:
             await self._announce(worker_id)
         return _REPLIES.get(int(reply), "ok")

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 import structlog
+from redis.exceptions import ResponseError
 
-from fleetgate.background import stop_tasks
-from fleetgate.registry import Registry
+from fleetgate.background import Outage, stop_tasks
+from fleetgate.registry import Registry, out_of_memory
 from fleetgate.schema import WorkerView
 from gateway.errors import GatewayError
 from gateway.known import KnownModels
@@ -112,6 +113,10 @@ class FleetWatcher:
         # Called with the workers of every new snapshot (the in-flight account resets what
         # each new engine report covers).
         self._listeners: list[Callable[[Sequence[WorkerView]], None]] = []
+        # Responses API answers whose worker could not be recorded (gateway/responses.py): said
+        # once while Redis is away or full, not once per answer.
+        self.unrecorded = Outage(structlog.get_logger("gateway.responses"), "gateway.response_not_recorded",
+                                 "gateway.responses_recorded")
 
     def on_refresh(self, listener: Callable[[Sequence[WorkerView]], None]) -> None:
         """Call `listener` with the workers of each new snapshot, the current one first."""
@@ -153,7 +158,7 @@ class FleetWatcher:
         workers = await self.registry.read_all(rejected)
         if rejected:
             await self._rejected(rejected)
-        if await self.registry.mark_epoch() and self.snapshot.workers:
+        if await self._lost_data() and self.snapshot.workers:
             log.warning("gateway.registry_lost_data", keep_s=self.resync_grace_s,
                         workers=len(self.snapshot.workers))
             self._keep_until = time.monotonic() + self.resync_grace_s
@@ -183,6 +188,17 @@ class FleetWatcher:
         for listener in self._listeners:
             listener(self.snapshot.workers)
         _log_changes(old, self.snapshot)
+
+    async def _lost_data(self) -> bool:
+        """Whether Redis lost the fleet's state (registry.mark_epoch). A Redis at maxmemory
+        (noeviction) cannot take the mark, but reads still work: the fleet is read all the same
+        (a Redis that restarted empty is not full)."""
+        try:
+            return await self.registry.mark_epoch()
+        except ResponseError as exc:
+            if out_of_memory(exc):
+                return False
+            raise
 
     async def _rejected(self, rejected: dict[str, str]) -> None:
         """Records not signed with the registration secret are ignored. Say so: in the log once a

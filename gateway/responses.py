@@ -131,8 +131,9 @@ async def remember(watcher: FleetWatcher, response_id: str, worker_id: str, ttl_
     try:
         await watcher.registry.remember_response(response_id, worker_id, ttl_s)
     except (RedisError, OSError) as exc:  # the answer still goes out; only follow-ups will miss it
-        log.warning("gateway.response_not_recorded", response_id=response_id, worker=worker_id,
-                    error=f"{type(exc).__name__}: {exc}")
+        watcher.unrecorded.failed(exc, response_id=response_id, worker=worker_id)
+    else:
+        watcher.unrecorded.ok()
 
 
 async def forward_stored(

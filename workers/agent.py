@@ -35,8 +35,10 @@ import httpx
 import msgspec
 import structlog
 
+from fleetgate.background import Outage
 from fleetgate.registry import (
     HeartbeatReply,
+    LoadNotStored,
     Registry,
     connect,
 )
@@ -92,6 +94,9 @@ class Agent:
         self._discovered_at = time.monotonic()
         self._watch_rejection_until = float("inf")
         self.log = log.bind(worker=options.worker_id, engine=options.engine)
+        # Redis away, or full: said once when it starts and once when it ends, not every beat.
+        self._unreachable = Outage(self.log, "agent.registry_unreachable", "agent.registry_reachable")
+        self._full = Outage(self.log, "agent.registry_full", "agent.registry_writable")
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -338,7 +343,7 @@ class Agent:
         try:
             await self.registry.register(self.info, state, self.load, admin_drain=self.admin_drain)
         except Exception as exc:  # Redis down: keep the engine, retry on the next beat
-            self.log.warning("agent.registry_unreachable", error=repr(exc))
+            self._unreachable.failed(exc)
 
     async def _was_removed(self) -> bool:
         """Whether an operator removed this worker since it started (False while Redis is away:
@@ -346,7 +351,7 @@ class Agent:
         try:
             return await self.registry.was_removed(self.opts.worker_id)
         except Exception as exc:
-            self.log.warning("agent.registry_unreachable", error=repr(exc))
+            self._unreachable.failed(exc)
             return False
 
     async def _check_rejected(self) -> None:
@@ -356,7 +361,7 @@ class Agent:
         try:
             reason = await self.registry.rejection(self.opts.worker_id)
         except Exception as exc:  # Redis away: the next beat asks again
-            self.log.warning("agent.registry_unreachable", error=repr(exc))
+            self._unreachable.failed(exc)
             return
         if reason:
             raise Rejected(reason)
@@ -366,10 +371,17 @@ class Agent:
         try:
             if moved := await self.registry.follow_master():
                 self.log.warning("agent.registry_master_moved", master=moved)
-            return await self.registry.heartbeat(self.opts.worker_id, load, announce=announce)
+            reply = await self.registry.heartbeat(self.opts.worker_id, load, announce=announce)
+        except LoadNotStored as exc:  # the record lives on, with the load last stored
+            self._unreachable.ok()
+            self._full.failed(exc.__cause__ or exc, reason=str(exc))
+            return exc.reply
         except Exception as exc:
-            self.log.warning("agent.registry_unreachable", error=repr(exc))
+            self._unreachable.failed(exc)
             return None
+        self._unreachable.ok()
+        self._full.ok()
+        return reply
 
     async def _handle(self, reply: HeartbeatReply | None) -> None:
         """Act on a heartbeat's answer: remember the operator's drain, stop when asked,
