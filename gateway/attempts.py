@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
+import msgspec
 import structlog
 from msgspec.structs import replace
 from tenacity import (
@@ -58,6 +59,17 @@ FORWARD_HEADERS = {"content-type": "application/json"}
 # What a request without max_tokens is expected to generate, for the KV account.
 _DEFAULT_COMPLETION_TOKENS = 256
 _DEFAULT_PRIORITY = Priority("default")
+# Validates JSON without building it (msgspec skips a Raw value's contents, checking them).
+_raw = msgspec.json.Decoder(msgspec.Raw)
+
+
+def _json_object(data: bytes) -> bool:
+    """Whether `data` is one whole JSON object, as every engine's 200 answer is."""
+    try:
+        _raw.decode(data)
+    except msgspec.DecodeError:
+        return False
+    return data.lstrip()[:1] == b"{"
 
 
 class Retryable(Exception):
@@ -217,6 +229,10 @@ class Attempt:
             self.release(worker.id)
             raise
         self.release(worker.id)
+        if resp.status == 200 and not _json_object(data):  # never relayed: it may name the engine
+            self._failed(worker, UpstreamError("The engine's answer was not valid JSON.", detail=(
+                f"engine at {url} answered 200 with {resp.content_type or 'no content type'} that is not "
+                f"a JSON object: {data[:120]!r}")))
         return choice, None, (resp.status, self._answered(worker, resp.status, data))
 
     def _placed(self) -> None:

@@ -25,7 +25,7 @@ from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics, usage_of
 from gateway.quota import Ticket
 from gateway.responses import ResponsesTracker, remember
-from gateway.resume import DONE, StreamTracker, continuation
+from gateway.resume import DONE, EngineStreamError, StreamTracker, continuation
 from gateway.routing import Choice
 from gateway.sse import SSEFrames, events
 from gateway.upstream import Response
@@ -47,7 +47,7 @@ class StreamBroke(Exception):
 
 
 # How an engine's stream can break mid-way; each is continued elsewhere when it can be.
-BROKEN = (ConnectionError, TimeoutError, StreamBroke, WorkerWentAway)
+BROKEN = (ConnectionError, TimeoutError, StreamBroke, WorkerWentAway, EngineStreamError)
 
 
 def queued_in_engine(attempt: Attempt, worker_id: str) -> bool:

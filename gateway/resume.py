@@ -34,6 +34,14 @@ _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "st
 
 # (The chunk shapes live in gateway/wire.py: this module is compiled, scripts/compile.py.)
 _chunk = msgspec.json.Decoder(StreamChunk)
+# Validates JSON without building it (msgspec skips a Raw value's contents, checking them).
+_raw = msgspec.json.Decoder(msgspec.Raw)
+
+
+class EngineStreamError(Exception):
+    """The engine's stream carried its own error event, or an event that is not JSON: it broke
+    (continued elsewhere, or ended with the gateway's error event; the engine's never reaches the
+    client: it may name the engine)."""
 
 
 def _usage_only(payload: bytes) -> bool:
@@ -134,12 +142,16 @@ class StreamTracker:
         if self.segment:
             return b"", block
         cut = len(block)
-        for marker in (b"[DONE]", b'"usage"'):
+        for marker in (b"[DONE]", b'"usage"', b'"error"'):
             at = block.find(marker, 0, cut)
             if at >= 0:
                 cut = block.rfind(b"\n\n", 0, at) + 2  # where that event starts (-1 + 2: the first)
                 cut = cut if cut >= 2 else 0
         passed = block if cut == len(block) else block[:cut]
+        if passed.count(b"\n\n") != passed.count(b"}\n\n") + passed.count(b"\n\n:") + passed.startswith(b":"):
+            # An event that is neither a comment nor ends a JSON object (cut short, say): each is
+            # looked at on its own (`on_event`).
+            return b"", block
         if passed:
             self.sent.append(passed)
             if passed.find(b'"finish_reason":"') >= 0 or passed.find(b'"finish_reason": "') >= 0:
@@ -154,6 +166,13 @@ class StreamTracker:
         if payload == b"[DONE]":
             self.done = True
             return DONE
+        if payload.startswith(b'{"error"') or payload.find(b'"object":"error"') >= 0 \
+                or payload.find(b'"object": "error"') >= 0:
+            raise EngineStreamError("the engine sent an error event")
+        try:
+            _raw.decode(payload)
+        except msgspec.DecodeError:
+            raise EngineStreamError("the engine sent an event that is not JSON") from None
         if self.hide_usage and _usage_only(payload):
             prompt, completion = usage_of(payload)
             before = self._usage_before  # summed over segments as _merge_usage does
