@@ -74,6 +74,8 @@ def opt_int(body: Mapping[str, Any], key: str, minimum: int | None = None) -> in
     value = body.get(key)
     if value is None:
         return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # vLLM's pydantic (lax mode) takes a whole float as the integer
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad(f"{key} must be an integer", key)
     if minimum is not None and value < minimum:
