@@ -247,7 +247,9 @@ class Attempt:
             self._failed(worker, Overloaded(f"Worker {worker.id} is at capacity.", retry_after=1), sick=False)
         if status in RETRYABLE_STATUS:
             message = openai_error_body(status, data).decode()
-            self._failed(worker, UpstreamError(f"engine {worker.id} answered {status}: {message[:300]}"))
+            # The engine's own message stays in the log: it may name the engine's address.
+            self._failed(worker, UpstreamError(f"The engine answered {status}.",
+                                               detail=f"engine {worker.id} answered {status}: {message[:300]}"))
         if status < 400:  # the client's 4xx says nothing of the engine's health
             self.dispatch.breakers.success(worker.id)
         else:

@@ -25,7 +25,7 @@ from tests.e2e.faults import ADDRESS, Counts, wait_for
 MODEL = "fault-garbage-model"
 TOKENS = 12
 # Each way the hostile engine answers; the client's request names it in its prompt.
-WHOLE = ("bad-json", "wrong-type")
+WHOLE = ("bad-json", "wrong-type", "error-500")
 STREAMED = ("bad-event", "error-after-first", "end-without-done", "wrong-type")
 
 
@@ -55,6 +55,10 @@ class HostileEngine:
                 if not body.get("stream"):
                     if mode == "bad-json":
                         self._send(200, "application/json", b'{"id": "x", "choices": [{"message": ')
+                    elif mode == "error-500":
+                        self._send(500, "application/json", json.dumps({"error": {
+                            "message": f"engine at {engine.url} crashed: CUDA error", "type": "InternalServerError",
+                            "param": None, "code": 500}}).encode())
                     else:
                         self._send(200, "text/html", f"<html>OK from {engine.url}</html>".encode())
                     return
