@@ -80,7 +80,10 @@ def test_agent_cut_off_from_redis_keeps_serving_and_registers_once_healed(
             direct.close()
         # The same engine, registered again once: not a second worker beside it.
         assert fleet.workers(url)["a"]["url"] == engine
-        assert agent.alive() and agent.output().count("agent.reregister") == 1
+        out = agent.output()
+        assert agent.alive() and out.count("agent.reregister") == 1
+        # The outage in the agent's log: one line as it began and one as it ended, not one a beat.
+        assert out.count('"agent.registry_unreachable"') == 1 and out.count('"agent.registry_reachable"') == 1, out
         with httpx.Client(base_url=url, timeout=30) as client:
             body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "after"}]}
             assert client.post("/v1/chat/completions", json=body).headers["x-fleetgate-worker"] == "a"
