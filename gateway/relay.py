@@ -87,6 +87,7 @@ async def relay(
     """Relay the engine's stream to the client; continue it on another worker if it breaks."""
     books = _Relayed(attempt, choice, resp, tracker, metrics, started, fields, stores, ticket)
     on_block = tracker.on_block
+    waiting = attempt.dispatch.waits.waiting
     clock = asyncio.get_running_loop().time
     stall_s = attempt.dispatch.settings.stall_timeout_s
     try:
@@ -95,7 +96,10 @@ async def relay(
             try:
                 feed = SSEFrames().feed
                 read = books.resp.readany  # b"" at the end
-                data = await books.first_read()
+                # Waiting for the first event counts as waiting for a first byte (gateway/waiting.py):
+                # the engine has sent the client nothing yet; it may wait behind the engine's queue.
+                with waiting(books.worker.id):
+                    data = await first_event(read, attempt, books.worker.id)
                 async with asyncio.timeout(None) as deadline:
                     armed = -math.inf  # the stall deadline set last
                     while data:
@@ -154,13 +158,6 @@ class _Relayed:
         self.resumes = 0
         self.counted = True  # `worker` holds one of this gateway's in-flight counts
         self.tokens = (0, 0)
-
-    async def first_read(self) -> bytes:
-        # Waiting for the first event counts as waiting for a first byte (gateway/waiting.py):
-        # the engine has sent the client nothing yet; it may wait behind the engine's queue.
-        worker_id = self.worker.id
-        with self.attempt.dispatch.waits.waiting(worker_id):
-            return await first_event(self.resp.readany, self.attempt, worker_id)
 
     def one_by_one(self, joined: bytes, rest: bytes) -> bytes:
         """What the client gets of a run of whole events whose `rest` the tracker looks at one
