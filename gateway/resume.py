@@ -44,6 +44,22 @@ class EngineStreamError(Exception):
     client: it may name the engine)."""
 
 
+def _as_they_come(run: bytes) -> bool:
+    """Whether every event of `run` (whole events) can pass to the client unread: a comment, or
+    an engine's chunk as vLLM and the OpenAI-style engines write them, `data: {"id"...}` whole
+    (it ends its JSON object). An error event (`{"error"...}`, `{"object":"error"...}`), an event
+    cut short or one that is not JSON is not: `on_event` looks at it. Three counts for the
+    common run; comments are counted only where the chunks do not add up."""
+    events = run.count(b"\n\n")
+    chunks = run.count(b'data: {"id"')
+    if chunks != events:
+        chunks += run.count(b"\n\n:") + run.startswith(b":")
+        if chunks != events:
+            return False
+        return run.count(b"}\n\n") + run.count(b"\n\n:") + run.startswith(b":") >= events
+    return run.count(b"}\n\n") == events
+
+
 def _usage_only(payload: bytes) -> bool:
     """The chunk `stream_options.include_usage` adds: `"choices": []` and the usage."""
     # "usage" first: content chunks lack it, so most events cost one scan here, not two.
@@ -125,7 +141,7 @@ class StreamTracker:
         self.why_not = ""
         # What the client was sent, as sent: runs of whole SSE events, or one event's data.
         self.sent: list[bytes] = []
-        self.finished = False
+        self._finished = False
         self.done = False
         self.segment = 0
         self.text = ""
@@ -138,25 +154,31 @@ class StreamTracker:
         """Split a run of whole events (`block` ends in a blank line) into what goes to the client
         as it came and the rest, whose events need `on_event` one by one: from the first that
         holds [DONE] or a usage chunk on, or all of it once the stream goes on from another
-        engine."""
+        engine, or when an event of the run is not an engine's chunk as they come (an error
+        event, one that is not JSON or was cut short: `_as_they_come`)."""
         if self.segment:
             return b"", block
         cut = len(block)
-        for marker in (b"[DONE]", b'"usage"', b'"error"'):
+        for marker in (b"[DONE]", b'"usage"'):
             at = block.find(marker, 0, cut)
             if at >= 0:
                 cut = block.rfind(b"\n\n", 0, at) + 2  # where that event starts (-1 + 2: the first)
                 cut = cut if cut >= 2 else 0
         passed = block if cut == len(block) else block[:cut]
-        if passed.count(b"\n\n") != passed.count(b"}\n\n") + passed.count(b"\n\n:") + passed.startswith(b":"):
-            # An event that is neither a comment nor ends a JSON object (cut short, say): each is
-            # looked at on its own (`on_event`).
-            return b"", block
         if passed:
+            if not _as_they_come(passed):
+                return b"", block
             self.sent.append(passed)
-            if passed.find(b'"finish_reason":"') >= 0 or passed.find(b'"finish_reason": "') >= 0:
-                self.finished = True
         return passed, block[cut:]
+
+    @property
+    def finished(self) -> bool:
+        """Whether a finish_reason came: read from what was sent when first asked (a run that
+        passed as it came was not looked into, which keeps the common read to a few searches)."""
+        if not self._finished:
+            self._finished = any(p.find(b'"finish_reason":"') >= 0 or p.find(b'"finish_reason": "') >= 0
+                                 for p in self.sent)
+        return self._finished
 
     def on_event(self, event: bytes) -> bytes | None:
         """The bytes to send the client for one SSE event (None: drop it)."""
@@ -181,7 +203,7 @@ class StreamTracker:
         if self.segment == 0:
             self.sent.append(event)
             if payload.find(b'"finish_reason":"') >= 0 or payload.find(b'"finish_reason": "') >= 0:
-                self.finished = True
+                self._finished = True
             return event + b"\n\n"
         return self._rewrite(payload)
 
@@ -212,7 +234,7 @@ class StreamTracker:
                     # Half a tool call's arguments cannot be continued faithfully.
                     why_not = "a tool call was being streamed"
                 if choice.finish_reason:
-                    self.finished = True
+                    self._finished = True
         self.text = "".join(text)
         self.content_chunks = chunks
         why_not = why_not or self._unresumable(bool(self.text))
@@ -232,7 +254,7 @@ class StreamTracker:
             if piece or choice.finish_reason:
                 carries = True
             if choice.finish_reason:
-                self.finished = True
+                self._finished = True
         if chunk.choices and not carries:
             return None  # the new engine's opening role chunk (or an empty delta): already sent
         data = msgspec.json.decode(payload)
