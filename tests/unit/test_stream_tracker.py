@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from gateway.resume import StreamTracker
+from gateway.resume import EngineStreamError, StreamTracker
 
 
 def chat(content: str | None = None, finish: str | None = None, role: bool = False) -> bytes:
@@ -72,4 +72,28 @@ def test_a_finish_reason_in_a_run_marks_the_stream_finished() -> None:
     t.on_block(chat("a"))
     assert not t.finished
     t.on_block(chat("b") + chat(finish="stop"))
+    assert t.finished
+
+
+ERROR_EVENT = b'data: {"error":{"message":"engine at http://10.0.0.7:8000 failed","type":"x","param":null,"code":500}}\n\n'
+OBJECT_ERROR = b'data: {"object":"error","message":"boom","type":"x","param":null,"code":500}\n\n'
+CUT_SHORT = b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","choi\n\n'
+NOT_JSON = b"data: {not json}\n\n"
+
+
+@pytest.mark.parametrize("odd", [ERROR_EVENT, OBJECT_ERROR, CUT_SHORT, NOT_JSON])
+def test_a_run_with_an_event_that_is_not_a_chunk_as_they_come_is_looked_at_event_by_event(odd: bytes) -> None:
+    """Nothing of such a run passes unread: on_event breaks the stream at the odd event (resumed
+    elsewhere, or ended with the gateway's error event), so its text never reaches the client."""
+    t = tracker()
+    block = HEL + odd + LO
+    assert t.on_block(block) == (b"", block)
+    assert t.on_event(HEL.rstrip(b"\n")) == HEL
+    with pytest.raises(EngineStreamError):
+        t.on_event(odd.rstrip(b"\n"))
+
+
+def test_a_finish_reason_that_passed_unread_is_found_when_asked() -> None:
+    t = tracker()
+    assert t.on_block(chat("a") + chat(finish="length")) == (chat("a") + chat(finish="length"), b"")
     assert t.finished
