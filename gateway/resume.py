@@ -44,6 +44,9 @@ class EngineStreamError(Exception):
     client: it may name the engine)."""
 
 
+_DONE_EVENT = b"data: [DONE]\n\n"
+
+
 def _as_they_come(run: bytes) -> bool:
     """Whether every event of `run` (whole events) can pass to the client unread: a comment, or
     an engine's chunk as vLLM and the OpenAI-style engines write them, `data: {"id"...}` whole
@@ -152,24 +155,43 @@ class StreamTracker:
 
     def on_block(self, block: bytes) -> tuple[bytes, bytes]:
         """Split a run of whole events (`block` ends in a blank line) into what goes to the client
-        as it came and the rest, whose events need `on_event` one by one: from the first that
-        holds [DONE] or a usage chunk on, or all of it once the stream goes on from another
-        engine, or when an event of the run is not an engine's chunk as they come (an error
-        event, one that is not JSON or was cut short: `_as_they_come`)."""
+        as it came and the rest, whose events need `on_event` one by one: from a usage chunk or
+        [DONE] on, all of it once the stream goes on from another engine, and all of it when an
+        event of the run is not an engine's chunk as they come (an error event, one that is not
+        JSON or was cut short: `_as_they_come`)."""
         if self.segment:
             return b"", block
+        end = len(block)
+        if block.endswith(_DONE_EVENT):  # the stream's last event: looked at on its own
+            end -= len(_DONE_EVENT)
+        # The common run, in three searches: every event `data: {"id"...}` whole: the first and the
+        # last so, and every `data:` line after the first follows a `}` and a blank line and opens
+        # a chunk (an error event, a chunk cut short, a second data line does not); then where a
+        # usage chunk is. (A line in the middle that is no `data:` line carries nothing to a client.)
+        if end and block.startswith(b'data: {"id"') and block.endswith(b"}\n\n", 0, end) \
+                and block.startswith(b'data: {"id"', block.rfind(b"\n\n", 0, end - 2) + 2) \
+                and block.count(b'}\n\ndata: {"id"', 0, end) == block.count(b"\ndata:", 0, end):
+            at = block.find(b'"usage"', 0, end)
+            cut = end if at < 0 else block.rfind(b"\n\n", 0, at) + 2
+        else:
+            cut = self._odd_run(block)
+        if cut < 2:
+            return b"", block
+        passed = block if cut == len(block) else block[:cut]
+        self.sent.append(passed)
+        return passed, block[cut:]
+
+    @staticmethod
+    def _odd_run(block: bytes) -> int:
+        """Where a run that is not all chunks as they come stops passing unread (0: none of it):
+        before the first event holding [DONE] or a usage chunk, if what precedes it is."""
         cut = len(block)
         for marker in (b"[DONE]", b'"usage"'):
             at = block.find(marker, 0, cut)
             if at >= 0:
                 cut = block.rfind(b"\n\n", 0, at) + 2  # where that event starts (-1 + 2: the first)
                 cut = cut if cut >= 2 else 0
-        passed = block if cut == len(block) else block[:cut]
-        if passed:
-            if not _as_they_come(passed):
-                return b"", block
-            self.sent.append(passed)
-        return passed, block[cut:]
+        return cut if cut and _as_they_come(block if cut == len(block) else block[:cut]) else 0
 
     @property
     def finished(self) -> bool:

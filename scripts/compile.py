@@ -60,6 +60,7 @@ MODULES = (
     "gateway/routing/table.py",
     "gateway/routing/homes.py",
     "gateway/resume.py",
+    "gateway/sse.py",
 )
 
 

@@ -39,7 +39,9 @@ ROLE, HEL, LO = chat(role=True), chat("Hel"), chat("lo")
     (HEL + USAGE + DONE, HEL),
     (USAGE + DONE, b""),
     (DONE, b""),
-    (HEL + chat("[DONE] is a word") + LO, HEL),
+    # [DONE] in a chunk's text is text: the run passes as it came
+    (HEL + chat("[DONE] is a word") + LO, HEL + chat("[DONE] is a word") + LO),
+    (HEL + LO + USAGE, HEL + LO),
 ])
 def test_a_run_of_events_passes_as_it_came_up_to_one_that_needs_a_look(block: bytes, passed: bytes) -> None:
     t = tracker()
