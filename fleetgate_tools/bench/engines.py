@@ -19,6 +19,7 @@ nothing running or waiting (vLLM leaves blocks that are still in use cached).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import statistics
 import time
@@ -216,6 +217,7 @@ class LoadSampler:
         self.lora_samples: list[LoraSample] = []
         self._task: asyncio.Task[None] | None = None
         self._t0 = 0.0
+        self._stop = asyncio.Event()
 
     async def __aenter__(self) -> LoadSampler:
         self._t0 = time.perf_counter()
@@ -224,8 +226,10 @@ class LoadSampler:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        """Stop after the round of reads under way, if any: every read the engines answered is
+        a sample (a read cut off halfway would have counted on the engine and not here)."""
         if self._task:
-            self._task.cancel()
+            self._stop.set()
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _one(self, w: WorkerRef) -> tuple[str, dict[str, float], LoraInfo | None]:
@@ -245,7 +249,11 @@ class LoadSampler:
             loras = {wid: info for wid, _, info in got if info is not None}
             if loras:
                 self.lora_samples.append((round(t, 3), loras))
-            await asyncio.sleep(max(0.0, self.interval_s - (time.perf_counter() - self._t0 - t)))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(),
+                                       max(0.0, self.interval_s - (time.perf_counter() - self._t0 - t)))
+            if self._stop.is_set():
+                return
 
 
 def load_stats(samples: Sequence[Sample], window_s: float | None = None) -> dict[str, Any]:
