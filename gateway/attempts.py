@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
-import msgspec
 import structlog
 from msgspec.structs import replace
 from tenacity import (
@@ -50,7 +49,7 @@ from gateway.routing import Choice, Decision, FullAt, Live, Policy, RequestFacts
 from gateway.routing.table import REPORT_GROWTH_TOKENS, Slot
 from gateway.settings import GatewaySettings
 from gateway.tracing import NO_TRACE, RequestTrace
-from gateway.upstream import RETRYABLE_STATUS, Response, Upstream, openai_error_body
+from gateway.upstream import RETRYABLE_STATUS, Response, Upstream, is_json, openai_error_body
 from gateway.waiting import FirstByteWaits
 
 log = structlog.get_logger("gateway.attempts")
@@ -59,17 +58,11 @@ FORWARD_HEADERS = {"content-type": "application/json"}
 # What a request without max_tokens is expected to generate, for the KV account.
 _DEFAULT_COMPLETION_TOKENS = 256
 _DEFAULT_PRIORITY = Priority("default")
-# Validates JSON without building it (msgspec skips a Raw value's contents, checking them).
-_raw = msgspec.json.Decoder(msgspec.Raw)
 
 
 def _json_object(data: bytes) -> bool:
     """Whether `data` is one whole JSON object, as every engine's 200 answer is."""
-    try:
-        _raw.decode(data)
-    except msgspec.DecodeError:
-        return False
-    return data.lstrip()[:1] == b"{"
+    return data.lstrip()[:1] == b"{" and is_json(data)
 
 
 class Retryable(Exception):

@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from gateway.metrics import usage_of
-from gateway.upstream import sse_error
+from gateway.upstream import is_json, sse_error
 from gateway.wire import StreamChunk
 
 DONE = b"data: [DONE]\n\n"
@@ -34,8 +34,6 @@ _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "st
 
 # (The chunk shapes live in gateway/wire.py: this module is compiled, scripts/compile.py.)
 _chunk = msgspec.json.Decoder(StreamChunk)
-# Validates JSON without building it (msgspec skips a Raw value's contents, checking them).
-_raw = msgspec.json.Decoder(msgspec.Raw)
 
 
 class EngineStreamError(Exception):
@@ -213,10 +211,8 @@ class StreamTracker:
         if payload.startswith(b'{"error"') or payload.find(b'"object":"error"') >= 0 \
                 or payload.find(b'"object": "error"') >= 0:
             raise EngineStreamError("the engine sent an error event")
-        try:
-            _raw.decode(payload)
-        except msgspec.DecodeError:
-            raise EngineStreamError("the engine sent an event that is not JSON") from None
+        if not is_json(payload):
+            raise EngineStreamError("the engine sent an event that is not JSON")
         if self.hide_usage and _usage_only(payload):
             prompt, completion = usage_of(payload)
             before = self._usage_before  # summed over segments as _merge_usage does

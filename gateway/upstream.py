@@ -18,7 +18,20 @@ from gateway.wire import EngineError, NestedError
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 
-__all__ = ["RETRYABLE_STATUS", "Response", "Upstream", "openai_error_body", "sse_error"]
+__all__ = ["RETRYABLE_STATUS", "Response", "Upstream", "is_json", "openai_error_body", "sse_error"]
+
+# Validates JSON without building it (msgspec skips a Raw value's contents, checking them).
+_raw = msgspec.json.Decoder(msgspec.Raw)
+
+
+def is_json(data: bytes) -> bool:
+    """Whether an engine's bytes are one whole JSON value (checked, not built): a whole answer's
+    body, or a stream event's data."""
+    try:
+        _raw.decode(data)
+    except msgspec.DecodeError:
+        return False
+    return True
 
 
 def header_lines(headers: Collection[tuple[str, str]]) -> str:
