@@ -69,6 +69,9 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     # starting) and for records written before this field existed. This is the start-up
     # figure: it seeds the running measurement (Load.speed) and sizes the affinity ring.
     speed_source: str = ""
+    # How often the agent publishes the engine's load (its --heartbeat-interval); 0: an agent
+    # older than the field (it heartbeats every second). The gateway judges a report's age by it.
+    heartbeat_s: float = 0.0
     agent_pid: int = 0
     started_at: float = 0.0
     schema: int = SCHEMA_VERSION

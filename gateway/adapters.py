@@ -362,6 +362,20 @@ class _PlacerCollector(Collector):
         for adapter, n in sorted(self.placer.slot_waits.items()):
             waits.add_metric([adapter], n)
         yield waits
+        state = self.placer.state
+        holds = CounterMetricFamily(
+            "fleetgate_adapter_slot_holds", "Adapter requests the gateway held while their engine's LoRA slots "
+            "were busy with other adapters (the slot gate), by adapter and why (slot: none free; turn: the "
+            "adapter's turn there was up while others waited).", labels=["adapter", "why"])
+        for (adapter, why), n in sorted(state.slot_holds.items()):
+            holds.add_metric([adapter, why], n)
+        yield holds
+        late = CounterMetricFamily(
+            "fleetgate_adapter_slot_hold_timeouts", "Held adapter requests sent at lora_slot_wait_max_s with "
+            "their engine's slots still busy.", labels=["adapter"])
+        for adapter, n in sorted(state.slot_hold_timeouts.items()):
+            late.add_metric([adapter], n)
+        yield late
         loads = CounterMetricFamily("fleetgate_adapter_loads", "Adapters this gateway loaded onto engines.")
         loads.add_metric([], self.placer.loads)
         yield loads

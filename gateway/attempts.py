@@ -42,6 +42,7 @@ from gateway.errors import (
 )
 from gateway.fleet import FleetWatcher
 from gateway.inflight import SharedInflight
+from gateway.lora_hold import SlotHeld, hold_for_slot, slot_gate, steer
 from gateway.metrics import GatewayMetrics
 from gateway.placement import Placement
 from gateway.priorities import Priority
@@ -50,7 +51,7 @@ from gateway.routing.table import REPORT_GROWTH_TOKENS, Slot
 from gateway.settings import GatewaySettings
 from gateway.tracing import NO_TRACE, RequestTrace
 from gateway.upstream import RETRYABLE_STATUS, Response, Upstream, is_json, openai_error_body
-from gateway.waiting import FirstByteWaits
+from gateway.waiting import FirstByteWaits, engine_queued, within
 
 log = structlog.get_logger("gateway.attempts")
 
@@ -127,6 +128,11 @@ class Attempt:
         # Held once for its worker's KV room (`_hold`); never twice.
         self.held = False
         self.replaced = False
+        # Adapter requests: when it arrived (its slot wait is bounded from then: gateway/lora_hold.py),
+        # and whether it waited for a LoRA slot ("slot-held", "slot-timeout": its route says so).
+        self.arrived = time.monotonic()
+        self.slot_held = ""
+        self.slot_for = ""  # the worker whose slot its hold got
         # The KV tokens this request holds on its worker by the gateway's account: its own
         # prompt tokens and completion budget, and the prefix it shares with its key's others.
         self.prefix = facts.prefix_tokens
@@ -206,8 +212,14 @@ class Attempt:
         try:
             # One wait for the first byte: a stream's head, or a whole answer's head and body.
             with dispatch.waits.waiting(worker.id):
-                resp = await dispatch.upstream.post(url, body(worker) if body else self.body, headers, self.stream,
-                                                 self.first_byte_timeout() if self.stream else self.answer_timeout(worker))
+                data_out = body(worker) if body else self.body
+                if self.stream:
+                    resp = await dispatch.upstream.post(url, data_out, headers, True, self.first_byte_timeout())
+                else:  # queued in its engine, a whole answer may wait as long as a stream's first event
+                    limit = self.answer_timeout(worker)
+                    most = limit + max(0.0, dispatch.settings.first_byte_queued_timeout_s - self.first_byte_timeout())
+                    resp = await within(dispatch.upstream.post(url, data_out, headers, False, most), limit, most,
+                                        lambda: engine_queued(dispatch.watcher.snapshot.by_id.get(worker.id)))
                 self.trace.attempt_status(resp.status)
                 if self.stream and resp.status == 200:
                     return choice, resp, (200, b"")  # the relay holds the worker from here
@@ -290,6 +302,12 @@ class Attempt:
             slot = decision.choices[0].slot
             if full_at.holds(slot, dispatch.live, self.kv_tokens(slot)):
                 raise Held(slot)
+        if self.facts.adapter and decision.choices:
+            choice = steer(self, decision.choices[0])
+            if why := slot_gate(self, choice.slot):
+                raise SlotHeld(choice.slot, why)
+            # The decision log and the route header say it waited for a slot.
+            return Choice(choice.slot, f"{choice.reason}+{self.slot_held}") if self.slot_held else choice
         if decision.verdict == "context_length" and self.floor + (self.facts.max_tokens or 0) < decision.limit:
             # Only an estimate says it does not fit: let the roomiest workers' engines decide.
             roomiest = replace(self.facts, prompt_tokens=decision.limit - 1, max_tokens=None)
@@ -359,6 +377,8 @@ async def run(attempt: Attempt, admission: Admission, metrics: GatewayMetrics) -
             await _wait_for_room(attempt, admission)
         except Held as held:
             await _hold(attempt, admission, held.slot)
+        except SlotHeld as held:
+            await hold_for_slot(attempt, admission, held)
         except Retryable as first_failure:
             return await _retry(attempt, first_failure, metrics)
 

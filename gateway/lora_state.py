@@ -23,6 +23,7 @@ import structlog
 
 from fleetgate.background import Outage, stop_tasks
 from fleetgate.registry import Registry
+from gateway.routing.lora_gate import Gate, SlotView, gate
 from gateway.routing.table import Slot
 
 log = structlog.get_logger("gateway.lora_state")
@@ -49,6 +50,14 @@ class LoraState:
         self.watching_since = time.time()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # This gateway's side of the slot gate (gateway/routing/lora_gate.py), in monotonic s:
+        # when each adapter's current turn on a worker began (it came into use there), and
+        # when each request held for a slot there arrived.
+        self.turns: dict[tuple[str, str], float] = {}
+        self.held: dict[tuple[str, str], list[float]] = {}
+        # (adapter, why) -> requests held for a slot; adapter -> held ones sent at their limit.
+        self.slot_holds: dict[tuple[str, str], int] = {}
+        self.slot_hold_timeouts: dict[str, int] = {}
 
     # -- the request path ----------------------------------------------------------
 
@@ -57,6 +66,8 @@ class LoraState:
         n = self.local.get(key, 0)
         self.local[key] = n + 1
         self.touch(worker_id, adapter)
+        if n == 0:
+            self.turns.setdefault(key, time.monotonic())
         if n == 0:  # an adapter newly in use there: the other replicas hear of it at once
             self._wake.set()
 
@@ -67,6 +78,7 @@ class LoraState:
             self.local[key] = left
         else:
             self.local.pop(key, None)
+            self.turns.pop(key, None)  # its turn there ends with its last request
         self.touch(worker_id, adapter)  # in use until it finished: recent by the LRU
 
     def touch(self, worker_id: str, adapter: str) -> None:
@@ -90,6 +102,47 @@ class LoraState:
                 if n > 0:
                     out.setdefault(worker, set()).add(adapter)
         return out
+
+    # -- the slot gate ---------------------------------------------------------------
+
+    def slot_view(self, slot: Slot) -> SlotView:
+        """`slot`'s engine as the slot gate reads it: its slots, its live adapters, when this
+        gateway's turns there began, and the requests held here for a slot there."""
+        limit = 0 if slot.adapters_fit else slot.max_loras
+        if not limit:
+            return SlotView(0, frozenset())
+        wid = slot.id
+        busy: dict[str, int] = {}
+        for (w, a), n in (*self.local.items(), *self.remote.items()):
+            if w == wid and n > 0:
+                busy[a] = busy.get(a, 0) + n
+        return SlotView(limit, frozenset(live_adapters(slot, busy, self.last_used)),
+                        {a: at for (w, a), at in self.turns.items() if w == wid},
+                        {a: min(ats) for (w, a), ats in self.held.items() if w == wid and ats}, busy)
+
+    def held_on(self, adapter: str) -> str:
+        """A worker where requests for `adapter` are held here for a slot ("" when none)."""
+        return next((w for (w, a), ats in self.held.items() if a == adapter and ats), "")
+
+    def gate(self, slot: Slot, adapter: str, arrived: float, turn_s: float) -> Gate | None:
+        """Whether a request for `adapter` (arrived at `arrived`, monotonic) waits here for a
+        slot on `slot`'s engine ("slot", "turn"), or goes (None)."""
+        return gate(self.slot_view(slot), adapter, arrived, time.monotonic(), turn_s)
+
+    def hold(self, worker_id: str, adapter: str, arrived: float, why: str) -> None:
+        self.held.setdefault((worker_id, adapter), []).append(arrived)
+        key = (adapter, why)
+        self.slot_holds[key] = self.slot_holds.get(key, 0) + 1
+
+    def unhold(self, worker_id: str, adapter: str, arrived: float, timed_out: bool) -> None:
+        key = (worker_id, adapter)
+        ats = self.held.get(key)
+        if ats is not None:
+            ats.remove(arrived)
+            if not ats:
+                del self.held[key]
+        if timed_out:
+            self.slot_hold_timeouts[adapter] = self.slot_hold_timeouts.get(adapter, 0) + 1
 
     # -- background sync --------------------------------------------------------------
 

@@ -29,17 +29,13 @@ from gateway.resume import DONE, EngineStreamError, StreamTracker, continuation
 from gateway.routing import Choice
 from gateway.sse import SSEFrames, events
 from gateway.upstream import Response
-from gateway.waiting import WorkerWentAway
+from gateway.waiting import WorkerWentAway, engine_queued
 
 log = structlog.get_logger("gateway.relay")
 
 
 # A stream is given up after `stall_timeout_s` of silence, and at most this factor of it.
 STALL_MARGIN = 1.1
-
-
-# An engine report this old or newer says the engine is alive now (agents report every second).
-REPORT_FRESH_S = 5.0
 
 
 class StreamBroke(Exception):
@@ -54,11 +50,7 @@ def queued_in_engine(attempt: Attempt, worker_id: str) -> bool:
     """Whether the worker's engine says, in a fresh healthy report, that it holds requests
     waiting (its queue, or adapters waiting for a LoRA slot): a first event not come yet is
     then a wait in that queue, not a hung engine."""
-    view = attempt.dispatch.watcher.snapshot.by_id.get(worker_id)
-    if view is None or view.unhealthy:
-        return False
-    load = view.load
-    return (load.waiting > 0 or load.deferred > 0) and time.time() - load.ts <= REPORT_FRESH_S
+    return engine_queued(attempt.dispatch.watcher.snapshot.by_id.get(worker_id))
 
 
 async def first_event(read: Callable[[], Awaitable[bytes]], attempt: Attempt, worker_id: str) -> bytes:

@@ -114,6 +114,14 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # 429): the engine would preempt running requests to admit it. hold_kv 0 turns it off.
     hold_kv: float = 1.0
     hold_max_s: float = 0.5
+    # The adapter slot gate (gateway/routing/lora_gate.py): an adapter request whose engine has
+    # every LoRA slot busy with other adapters waits in the gateway (vLLM would let it starve
+    # there, with no fairness), and free slots go to the adapters held longest; an adapter that
+    # has had a slot for lora_slot_turn_s while others wait stops taking new requests on that
+    # engine until its slot has turned over. A request waits at most lora_slot_wait_max_s from
+    # its arrival, then goes anyway (never a 429); 0 turns the gate off.
+    lora_slot_wait_max_s: float = 30.0
+    lora_slot_turn_s: float = 2.0
     queue_max: int = 512
     queue_timeout_s: float = 10.0
     # Priority classes and which keys are in which (docs/operations.md, "Priorities and

@@ -16,16 +16,78 @@ A background check runs only when the fleet snapshot changes.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Coroutine
 from types import TracebackType
+from typing import Any
 
 import structlog
 
 from fleetgate.background import stop_tasks
-from gateway.errors import UpstreamError
+from fleetgate.schema import WorkerView
+from gateway.errors import UpstreamError, UpstreamTimeout
 from gateway.fleet import FleetSnapshot
+from gateway.upstream import Response
 
 log = structlog.get_logger("gateway.waiting")
+
+# An engine report at most this many of its agent's heartbeat intervals old says the engine is
+# alive now (WorkerInfo.heartbeat_s; an agent that does not say heartbeats every second).
+REPORT_FRESH_BEATS = 5.0
+DEFAULT_HEARTBEAT_S = 1.0
+
+
+def report_fresh_s(view: WorkerView) -> float:
+    """How old a report of `view`'s engine may be and still say it is alive now."""
+    return REPORT_FRESH_BEATS * (view.info.heartbeat_s or DEFAULT_HEARTBEAT_S)
+
+
+def engine_queued(view: WorkerView | None) -> bool:
+    """Whether the worker's engine says, in a fresh healthy report, that it holds requests
+    waiting (its queue, or adapters waiting for a LoRA slot): an answer not come yet is then a
+    wait in that queue, not a hung engine."""
+    if view is None or view.unhealthy:
+        return False
+    load = view.load
+    return (load.waiting > 0 or load.deferred > 0) and time.time() - load.ts <= report_fresh_s(view)
+
+
+async def within(wait: Coroutine[Any, Any, Response], limit: float, most: float,
+                 queued: Callable[[], bool]) -> Response:
+    """`wait` (a whole answer's head, sent with a limit of `most`), cut at `limit` seconds unless
+    `queued()` then says its engine holds requests waiting: then `limit` more, and so on, up to
+    `most` in all (the allowance a stream's first event has: gateway/relay.py `first_event`)."""
+    if most <= limit:
+        return await wait
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(None) as cm:
+            watch = _Watch(loop, cm, limit, loop.time() + most, queued)
+            try:
+                return await wait
+            finally:
+                watch.handle.cancel()
+    except TimeoutError:
+        raise UpstreamTimeout("The engine did not answer in time.",
+                              detail="no whole answer in time, and its engine reports no queue") from None
+
+
+class _Watch:
+    """`within`'s timer: at each `limit`, the engine's queue decides whether the wait goes on."""
+
+    __slots__ = ("cm", "end", "handle", "limit", "loop", "queued")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, cm: asyncio.Timeout, limit: float, end: float,
+                 queued: Callable[[], bool]) -> None:
+        self.loop, self.cm, self.limit, self.end, self.queued = loop, cm, limit, end, queued
+        self.handle = loop.call_later(limit, self.check)
+
+    def check(self) -> None:
+        left = self.end - self.loop.time()
+        if left > 0 and self.queued():
+            self.handle = self.loop.call_later(min(self.limit, left), self.check)
+        else:
+            self.cm.reschedule(self.loop.time())
 
 
 class WorkerWentAway(UpstreamError):
@@ -112,4 +174,4 @@ class _Waiting:
                                  "waited for its first byte") from None
 
 
-__all__ = ["FirstByteWaits", "WorkerWentAway"]
+__all__ = ["FirstByteWaits", "WorkerWentAway", "engine_queued", "report_fresh_s", "within"]

@@ -49,6 +49,7 @@ L_ADAPTERS=${L_ADAPTERS:-16}
 L_RANK=${L_RANK:-16}
 L_CPU_LORAS=${L_CPU_LORAS:-16}
 L_KV=${L_KV:-$P_KV_PRESSURE}
+L_GATEWAY_FLAGS=${L_GATEWAY_FLAGS:-}           # more flags for the fleet's gateway (--set key=value ...)
 L_DIR=$W/lora
 L_PREFIX=gpul                                  # Redis prefix of the LoRA fleet
 if [ "$MODE" = sim ]; then
@@ -150,7 +151,8 @@ l_run() {  # shape strategy round
   l_engines "$n" "$slots" || return 1
   p_fits $(( L_DURATION + L_DRAIN + 30 )) || { log "lora: deadline: $name and the rest left for the next call"; return 1; }
   l_client_side "$strategy" && policy=round_robin   # that gateway only lists the engines
-  P_PREFIX=$L_PREFIX p_gateway "$policy" "gateway-$name" "$n" || return 1
+  # shellcheck disable=SC2086  # L_GATEWAY_FLAGS: words, e.g. "--set lora_slot_turn_s=4"
+  P_PREFIX=$L_PREFIX p_gateway "$policy" "gateway-$name" "$n" $L_GATEWAY_FLAGS || return 1
   log "lora: $name, lora at $L_RATE req/s on $n engines x $slots slots (${L_DURATION}s + up to ${L_DRAIN}s drain)"
   fg scripts/bench_fleet.py --attach "http://127.0.0.1:$GW_PORT" --admin-token "$TOKEN" --fleet "$L_DIR/fleet.yaml" \
     --workloads lora --policies "$strategy" --rate "$L_RATE" --duration "$L_DURATION" --drain "$L_DRAIN" \

@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", default=os.environ.get("FLEETGATE_REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--redis-prefix", default=os.environ.get("FLEETGATE_REDIS_PREFIX", "fleetgate"))
     p.add_argument("--heartbeat-ttl", type=float, default=3.0)
+    p.add_argument("--heartbeat-interval", type=float, default=1.0,
+                   help="seconds between load reports (published: the gateway judges a report's age by it)")
     p.add_argument("--drain-grace", type=float, default=60.0, help="seconds to wait for in-flight work")
     p.add_argument("--health-timeout", type=float, default=900.0)
     p.add_argument("--no-warmup", action="store_true")
@@ -213,7 +215,7 @@ def plan(args: argparse.Namespace) -> tuple[AgentOptions, list[str]]:
     opts = AgentOptions(
         worker_id=worker_id, engine=flavor, spec=spec, managed=engine_name != "external", url=url,
         redis_url=args.redis_url, redis_prefix=args.redis_prefix, heartbeat_ttl_s=args.heartbeat_ttl,
-        drain_grace_s=args.drain_grace, health_timeout_s=args.health_timeout,
+        heartbeat_interval_s=max(0.05, args.heartbeat_interval), drain_grace_s=args.drain_grace, health_timeout_s=args.health_timeout,
         warmup=not args.no_warmup, engine_log=args.engine_log or None, speed=max(0.0, args.speed),
         probe_timeout_s=args.probe_timeout, unhealthy_after=args.unhealthy_after,
         warmup_attempts=max(1, args.warmup_attempts),

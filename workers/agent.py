@@ -224,6 +224,7 @@ class Agent:
             continues_trailing_assistant=self.engine.continues_trailing_assistant(spec),
             pooling=pooling(spec),
             tokenizer=tokenizer_path(spec),
+            heartbeat_s=self.opts.heartbeat_interval_s,
             agent_pid=os.getpid(),
             started_at=time.time(),
         )
