@@ -27,7 +27,8 @@
    An adapter live nowhere goes back where it last ran while a slot is free there, else to an
    engine with a free slot; only when none has one, to an engine whose slots are all live
    with others (a slot wait, counted by the placer), the one with the fewest adapters in
-   demand by its report. The facts (`warm`, `full`) come from
+   demand by its report; there the gateway's slot gate holds it until a slot turns over
+   (gateway/routing/lora_gate.py), rather than let the engine starve it. The facts (`warm`, `full`) come from
    gateway/lora_state.py `residency`. Among equals (within a small band of load) the
    adapter's ring order decides, so replicas choose alike.
 4. What the engines cache: where workers publish their KV cache events and the gateway
