@@ -220,6 +220,7 @@ class Attempt:
                     most = limit + max(0.0, dispatch.settings.first_byte_queued_timeout_s - self.first_byte_timeout())
                     resp = await within(dispatch.upstream.post(url, data_out, headers, False, most), limit, most,
                                         lambda: engine_queued(dispatch.watcher.snapshot.by_id.get(worker.id)))
+                    resp.timeout = limit  # the body, once the answer came, reads as before
                 self.trace.attempt_status(resp.status)
                 if self.stream and resp.status == 200:
                     return choice, resp, (200, b"")  # the relay holds the worker from here
@@ -303,8 +304,10 @@ class Attempt:
             if full_at.holds(slot, dispatch.live, self.kv_tokens(slot)):
                 raise Held(slot)
         if self.facts.adapter and decision.choices:
-            choice = steer(self, decision.choices[0])
-            if why := slot_gate(self, choice.slot):
+            choice = decision.choices[0]
+            if (why := slot_gate(self, choice.slot)) and (steered := steer(self, choice)) is not choice:
+                choice, why = steered, slot_gate(self, steered.slot)
+            if why:
                 raise SlotHeld(choice.slot, why)
             # The decision log and the route header say it waited for a slot.
             return Choice(choice.slot, f"{choice.reason}+{self.slot_held}") if self.slot_held else choice
@@ -377,8 +380,8 @@ async def run(attempt: Attempt, admission: Admission, metrics: GatewayMetrics) -
             await _wait_for_room(attempt, admission)
         except Held as held:
             await _hold(attempt, admission, held.slot)
-        except SlotHeld as held:
-            await hold_for_slot(attempt, admission, held)
+        except SlotHeld as waits:  # its own name: compiled, `held` is typed by the clause above
+            await hold_for_slot(attempt, admission, waits)
         except Retryable as first_failure:
             return await _retry(attempt, first_failure, metrics)
 

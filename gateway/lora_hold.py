@@ -47,12 +47,12 @@ def slot_gate(attempt: Attempt, slot: Slot) -> Gate | None:
 
 
 def steer(attempt: Attempt, choice: Choice) -> Choice:
-    """Where an adapter request goes when its adapter would need a slot on the policy's choice:
-    the worker its hold got a slot on, else where this gateway holds requests for the adapter
-    (it joins their line rather than take a second engine's slot)."""
+    """Where an adapter request goes when the gate would hold it at the policy's choice: the
+    worker its hold got a slot on, else where this gateway holds requests for the adapter (it
+    joins their line rather than take a second engine's slot); else the choice."""
     state, model = attempt.dispatch.placer.state, attempt.facts.model
     target = attempt.slot_for or state.held_on(model)
-    if not target or target == choice.slot.id or model in state.slot_view(choice.slot).live:
+    if not target or target == choice.slot.id:
         return choice
     routes = attempt.dispatch.watcher.snapshot.routes.by_model.get(model)
     slot = next((s for s in routes.routable if s.id == target), None) if routes is not None else None

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -27,9 +27,10 @@ from fleetgate.background import stop_tasks
 from fleetgate.schema import WorkerView
 from gateway.errors import UpstreamError, UpstreamTimeout
 from gateway.fleet import FleetSnapshot
-from gateway.upstream import Response
 
 log = structlog.get_logger("gateway.waiting")
+
+T = TypeVar("T")
 
 # An engine report at most this many of its agent's heartbeat intervals old says the engine is
 # alive now (WorkerInfo.heartbeat_s; an agent that does not say heartbeats every second).
@@ -52,34 +53,38 @@ def engine_queued(view: WorkerView | None) -> bool:
     return (load.waiting > 0 or load.deferred > 0) and time.time() - load.ts <= report_fresh_s(view)
 
 
-async def within(wait: Coroutine[Any, Any, Response], limit: float, most: float,
-                 queued: Callable[[], bool]) -> Response:
+async def within(wait: Awaitable[T], limit: float, most: float, queued: Callable[[], bool]) -> T:
     """`wait` (a whole answer's head, sent with a limit of `most`), cut at `limit` seconds unless
     `queued()` then says its engine holds requests waiting: then `limit` more, and so on, up to
-    `most` in all (the allowance a stream's first event has: gateway/relay.py `first_event`)."""
-    if most <= limit:
+    `most` in all (the allowance a stream's first event has: gateway/relay.py `first_event`).
+    One timer handle, and the task cancelled (and uncancelled) when it runs out, as `_Waiting`
+    does: no timeout context on every whole answer's path."""
+    task = asyncio.current_task()
+    if most <= limit or task is None:
         return await wait
     loop = asyncio.get_running_loop()
+    watch = _Watch(loop, task, limit, loop.time() + most, queued)
     try:
-        async with asyncio.timeout(None) as cm:
-            watch = _Watch(loop, cm, limit, loop.time() + most, queued)
-            try:
-                return await wait
-            finally:
-                watch.handle.cancel()
-    except TimeoutError:
+        return await wait
+    except asyncio.CancelledError:
+        if not watch.fired:
+            raise  # the client hung up
+        task.uncancel()
         raise UpstreamTimeout("The engine did not answer in time.",
                               detail="no whole answer in time, and its engine reports no queue") from None
+    finally:
+        watch.handle.cancel()
 
 
 class _Watch:
     """`within`'s timer: at each `limit`, the engine's queue decides whether the wait goes on."""
 
-    __slots__ = ("cm", "end", "handle", "limit", "loop", "queued")
+    __slots__ = ("end", "fired", "handle", "limit", "loop", "queued", "task")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, cm: asyncio.Timeout, limit: float, end: float,
+    def __init__(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], limit: float, end: float,
                  queued: Callable[[], bool]) -> None:
-        self.loop, self.cm, self.limit, self.end, self.queued = loop, cm, limit, end, queued
+        self.loop, self.task, self.limit, self.end, self.queued = loop, task, limit, end, queued
+        self.fired = False
         self.handle = loop.call_later(limit, self.check)
 
     def check(self) -> None:
@@ -87,7 +92,8 @@ class _Watch:
         if left > 0 and self.queued():
             self.handle = self.loop.call_later(min(self.limit, left), self.check)
         else:
-            self.cm.reschedule(self.loop.time())
+            self.fired = True
+            self.task.cancel()
 
 
 class WorkerWentAway(UpstreamError):

@@ -11,13 +11,12 @@ import pytest
 
 from fleetgate.schema import Load, WorkerInfo, WorkerView
 from gateway.errors import UpstreamTimeout
-from gateway.upstream import Response
 from gateway.waiting import engine_queued, within
 
 
-async def answer_after(seconds: float) -> Response:
+async def answer_after(seconds: float) -> str:
     await asyncio.sleep(seconds)
-    return "answer"  # type: ignore[return-value]  # stands in for the engine's response
+    return "answer"  # stands in for the engine's response
 
 
 def test_an_answer_within_its_limit_is_returned() -> None:
@@ -25,6 +24,7 @@ def test_an_answer_within_its_limit_is_returned() -> None:
 
 
 def test_a_wait_past_its_limit_with_no_queue_in_the_engine_is_cut() -> None:
+    """The task is cancelled at the limit and uncancelled: the caller sees an engine timeout."""
     async def main() -> float:
         started = time.monotonic()
         with pytest.raises(UpstreamTimeout):
@@ -69,3 +69,14 @@ def view(waiting: int, age_s: float, heartbeat_s: float = 0.0) -> WorkerView:
 def test_an_engine_queue_counts_while_its_report_is_fresh_by_its_heartbeat(worker: WorkerView | None,
                                                                           expected: bool) -> None:
     assert engine_queued(worker) is expected
+
+
+def test_a_client_hanging_up_is_not_taken_for_an_engine_timeout() -> None:
+    async def main() -> None:
+        task = asyncio.create_task(within(answer_after(5.0), 1.0, 5.0, lambda: False))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
