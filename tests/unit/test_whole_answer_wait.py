@@ -58,17 +58,19 @@ def view(waiting: int, age_s: float, heartbeat_s: float = 0.0) -> WorkerView:
                       state="ready", load=Load(waiting=waiting, ts=time.time() - age_s))
 
 
-@pytest.mark.parametrize(("worker", "expected"), [
-    (view(3, 1.0), True),
-    (view(0, 1.0), False),
-    (view(3, 6.0), False),  # older than five heartbeats of 1 s (an agent that does not say)
-    (view(3, 6.0, heartbeat_s=2.0), True),  # five heartbeats of 2 s
-    (view(3, 11.0, heartbeat_s=2.0), False),
+@pytest.mark.parametrize(("report", "expected"), [
+    ((3, 1.0, 0.0), True),
+    ((0, 1.0, 0.0), False),
+    ((3, 6.0, 0.0), False),  # older than five heartbeats of 1 s (an agent that does not say)
+    ((3, 6.0, 2.0), True),  # five heartbeats of 2 s
+    ((3, 11.0, 2.0), False),
     (None, False),
 ])
-def test_an_engine_queue_counts_while_its_report_is_fresh_by_its_heartbeat(worker: WorkerView | None,
-                                                                          expected: bool) -> None:
-    assert engine_queued(worker) is expected
+def test_an_engine_queue_counts_while_its_report_is_fresh_by_its_heartbeat(
+    report: tuple[int, float, float] | None, expected: bool,
+) -> None:
+    """(requests waiting, the report's age, the agent's heartbeat interval; 0: not said)"""
+    assert engine_queued(view(*report) if report is not None else None) is expected
 
 
 def test_a_client_hanging_up_is_not_taken_for_an_engine_timeout() -> None:
