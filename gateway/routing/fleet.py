@@ -28,10 +28,10 @@
    engine with a free slot; only when none has one, to an engine whose slots are all live
    with others (a slot wait, counted by the placer), the one with the fewest adapters in
    demand by its report. The facts (`warm`, `full`) come from
-   gateway/lora_state.py `residency`. Among equals (within a small band of load) the
+   gateway/accounts/lora_state.py `residency`. Among equals (within a small band of load) the
    adapter's ring order decides, so replicas choose alike.
 4. What the engines cache: where workers publish their KV cache events and the gateway
-   knows the prompt's token ids (`facts.cached`, gateway/prefix_cache.py), the engines'
+   knows the prompt's token ids (`facts.cached`, gateway/request/prefix_cache.py), the engines'
    figure corrects the placement. A worker holding clearly more of the prompt than the
    key's home (it saves `kv_gain` of what the home would compute again) and not saturated
    takes the request ("kv-hit"; "kv-placed" for a key not placed yet, which is placed
@@ -202,7 +202,7 @@ class FleetPolicy:
         limit: int,
     ) -> list[Choice]:
         """Place an adapter request by the engines' LoRA slots (facts.warm: where the adapter is
-        live, facts.full: where it would wait for a slot; gateway/lora_state.py)."""
+        live, facts.full: where it would wait for a slot; gateway/accounts/lora_state.py)."""
         warm, full = facts.warm, facts.full
         groups: tuple[list[tuple[float, str, Slot]], ...] = ([], [], [], [])
         # Without the per-request jitter: replicas with other request counters must agree.
