@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml $(DEV_LOCK)
 
 # The request path compiled with mypyc, in place (scripts/compile.py; gateway/accel.py runs
 # the sources instead when they changed since). If it cannot compile, pure Python runs.
-$(VENV)/.compiled: $(VENV)/.installed scripts/compile.py $(wildcard gateway/*.py gateway/routing/*.py)
+$(VENV)/.compiled: $(VENV)/.installed scripts/compile.py $(wildcard gateway/*.py gateway/*/*.py)
 	$(PY) scripts/compile.py
 	touch $@
 

@@ -51,7 +51,7 @@ Layout (``P`` is the key prefix, ``v1`` the schema version)::
     {P}:v1:kvsnap:<id>    STRING the whole index as of one entry (msgpack [gen, version, state,
                           reason, block_size, keys]), rewritten every 256 entries, PEXPIRE as above
 
-    {P}:v1:tenants:keys   HASH  API key id -> KeyRecord JSON (gateway/tenants.py: limits, team, the
+    {P}:v1:tenants:keys   HASH  API key id -> KeyRecord JSON (gateway/tenants/tenants.py: limits, team, the
                           SHA-256 of its secret, never the secret), written by the admin API
                           and the YAML seed
     {P}:v1:tenants:teams  HASH  team id -> TeamRecord JSON (limits its keys share)
@@ -59,7 +59,7 @@ Layout (``P`` is the key prefix, ``v1`` the schema version)::
                           the YAML seed does not bring it back (a PUT clears it)
     {P}:v1:tenants:events PUBSUB "key:<id>" / "team:<id>" / "seed" after every change of the above
     {P}:v1:routes:aliases HASH  alias name -> {"targets": [{"model", "weight"}, ...]} JSON: aliases an
-                          operator set through the admin API (gateway/live_routes.py); they
+                          operator set through the admin API (gateway/models/live_routes.py); they
                           overlay the YAML `aliases` name by name
     {P}:v1:routes:fallbacks HASH model -> {"models": [...]} JSON: live fallback lists, the same way
     {P}:v1:routes:deleted HASH  "alias:<name>" / "fallback:<model>" -> unix time an operator deleted
@@ -67,7 +67,7 @@ Layout (``P`` is the key prefix, ``v1`` the schema version)::
                           changes of these three are announced on tenants:events
     {P}:v1:quota:<scope>:<id>:<r|t>  STRING GCRA cell of a key's or a team's (scope k|t) requests
                           (r) or tokens (t) per minute: the theoretical arrival time in µs of
-                          Redis's clock; PX until then (gateway/quota.py)
+                          Redis's clock; PX until then (gateway/tenants/quota.py)
     {P}:v1:budget:<scope>:<id>:<period>  STRING tokens a key or team used in a UTC day
                           (YYYY-MM-DD, EX two days) or in total ("total", no TTL)
     {P}:v1:usage:<day>    HASH  "<key id>\t<model>\t<requests|input|output|errors|rate_limited>"

@@ -51,7 +51,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     continues_trailing_assistant: bool | None = None
     # The model's tokenizer.json as an absolute path on the worker's host ("" when the agent
     # knows none: a model by name, a record from an agent older than the field). A gateway
-    # that can read it counts prompt tokens exactly (gateway/tokenizers.py).
+    # that can read it counts prompt tokens exactly (gateway/request/tokenizers.py).
     tokenizer: str = ""
     # An embedding model (vLLM's pooling runner): it serves /v1/embeddings, not generation.
     pooling: bool = False

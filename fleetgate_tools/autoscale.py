@@ -1,7 +1,7 @@
 """`fleetgate autoscale`'s decisions: how many workers a model should gain or lose now. Pure.
 
 The loop (fleetgate_tools/autoscale_loop.py) reads the gateway's scaling signal
-(`GET /admin/scaling`, gateway/scaling.py) once a tick, turns each model's entry into
+(`GET /admin/scaling`, gateway/api/scaling.py) once a tick, turns each model's entry into
 an `Observed`, and acts on what `decide` says; `decide` keeps no state of its own
 (the `History` it returns is the next tick's input).
 

@@ -14,10 +14,10 @@ import yaml
 
 from fleetgate.logs import configure_logging
 from gateway.app import create_asgi
-from gateway.fastpath import FastPath
-from gateway.front_limits import FrontGuard, raise_fd_limit
-from gateway.multiproc import Supervisor, reuse_port_socket
-from gateway.server import GatewayHttpProtocol
+from gateway.front.fastpath import FastPath
+from gateway.front.front_limits import FrontGuard, raise_fd_limit
+from gateway.front.multiproc import Supervisor, reuse_port_socket
+from gateway.front.server import GatewayHttpProtocol
 from gateway.settings_check import SettingsError, load_checked
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "gateway.yaml"
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
                             settings.port).run())
     # SIGHUP reads the config file again to seed keys and teams (gateway/tenancy.py).
     # Client connections are bounded by the file descriptors the process may open: as many as
-    # its hard limit allows (gateway/front_limits.py keeps the limits on them).
+    # its hard limit allows (gateway/front/front_limits.py keeps the limits on them).
     front = FrontGuard.from_settings(settings, raise_fd_limit())
     asgi = create_asgi(settings, lambda: load_checked(args.config, overrides), front)
     config = uvicorn.Config(

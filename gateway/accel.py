@@ -1,7 +1,7 @@
 """The compiled request path: use it only while it matches the source.
 
 `scripts/compile.py` (run by `make venv`) compiles the modules on the request path with
-mypyc, in place: `gateway/fastpath.py` gets `gateway/fastpath.cpython-311-...so` beside
+mypyc, in place: `gateway/front/fastpath.py` gets `gateway/front/fastpath.cpython-311-...so` beside
 it, and Python imports the `.so` before the `.py`. It also writes `gateway/_accel.json`,
 the SHA-256 of each source it compiled.
 

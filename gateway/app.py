@@ -26,32 +26,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from fleetgate.background import stop_tasks
 from fleetgate.kv_registry import KvMirror
 from fleetgate.registry import Registry, connect
-from gateway import ACCEL, front, gctune
-from gateway.adapters import AdapterPlacer
-from gateway.admission import Admission
-from gateway.aliases import listed
+from gateway import ACCEL
+from gateway.accounts.adapters import AdapterPlacer
+from gateway.accounts.admission import Admission
+from gateway.accounts.circuit import Breakers
+from gateway.accounts.inflight import SharedInflight
+from gateway.accounts.lora_state import LoraState
+from gateway.accounts.placement import Placement
+from gateway.accounts.priorities import Priorities, PriorityCollector
 from gateway.api.admin import HANDLERS as ADMIN_HANDLERS
-from gateway.api.options import with_options
-from gateway.api.routes import HANDLERS as ROUTE_HANDLERS
-from gateway.api.tenants import HANDLERS as TENANT_HANDLERS
-from gateway.auth import admin_guard, open_data_plane
-from gateway.circuit import Breakers
-from gateway.errors import (
-    REGISTRY_ERRORS,
-    GatewayError,
-    InvalidRequest,
-    ModelNotFound,
-    NotFound,
-    registry_unavailable,
-)
-from gateway.fastpath import FastPath
-from gateway.fleet import FleetWatcher
-from gateway.front_limits import FrontGuard
-from gateway.inflight import SharedInflight
-from gateway.known import KnownModels
-from gateway.lora_state import LoraState
-from gateway.metrics import GatewayMetrics
-from gateway.openapi import (
+from gateway.api.openapi import (
     ADMIN_SECURITY,
     CLIENT_SECURITY,
     COMPONENTS,
@@ -60,23 +44,40 @@ from gateway.openapi import (
     proxied,
     stored,
 )
-from gateway.openapi_bodies import MODEL, MODEL_LIST
-from gateway.placement import Placement
-from gateway.prefix_cache import KvIndexCollector, PrefixCache
-from gateway.priorities import Priorities, PriorityCollector
-from gateway.proxy import Proxy
-from gateway.ratelimit import RateLimiter
-from gateway.requests import KINDS
+from gateway.api.openapi_bodies import MODEL, MODEL_LIST
+from gateway.api.options import with_options
+from gateway.api.routes import HANDLERS as ROUTE_HANDLERS
+from gateway.api.scaling import ScalingCollector, admin_scaling, current
+from gateway.api.tenants import HANDLERS as TENANT_HANDLERS
+from gateway.api.ui import HANDLERS as UI_HANDLERS
+from gateway.engines.upstream import Upstream
+from gateway.errors import (
+    REGISTRY_ERRORS,
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    NotFound,
+    registry_unavailable,
+)
+from gateway.fleet import FleetWatcher
+from gateway.front import front, gctune
+from gateway.front.fastpath import FastPath
+from gateway.front.front_limits import FrontGuard
+from gateway.models.aliases import listed
+from gateway.models.known import KnownModels
+from gateway.observe.metrics import GatewayMetrics
+from gateway.observe.tracing import Tracing
+from gateway.request.prefix_cache import KvIndexCollector, PrefixCache
+from gateway.request.proxy import Proxy
+from gateway.request.requests import KINDS
+from gateway.request.tokenizers import Tokenizers
 from gateway.routing import make_policy
 from gateway.routing.homes import Homes
-from gateway.scaling import ScalingCollector, admin_scaling, current
 from gateway.settings import GatewaySettings
 from gateway.state import Gateway, gw_of
 from gateway.tenancy import ReloadSeed, Tenancy, open_tenancy
-from gateway.tokenizers import Tokenizers
-from gateway.tracing import Tracing
-from gateway.ui import HANDLERS as UI_HANDLERS
-from gateway.upstream import Upstream
+from gateway.tenants.auth import admin_guard, open_data_plane
+from gateway.tenants.ratelimit import RateLimiter
 
 log = structlog.get_logger("gateway.app")
 
@@ -91,7 +92,7 @@ def _check_client(gw: Gateway, request: Request) -> None:
 
 
 async def _proxied(request: Request, state: State, path: str, kind: str) -> Response:
-    # Served by gateway/fastpath.py in front of Litestar; this route is the same logic for
+    # Served by gateway/front/fastpath.py in front of Litestar; this route is the same logic for
     # when the fast path is off, and it documents the operation in the OpenAPI schema.
     gw = gw_of(state)
     try:
@@ -248,7 +249,7 @@ def build_tracing(settings: GatewaySettings, instance_id: str) -> Tracing:
     if not settings.tracing_endpoint:
         return Tracing()
     try:
-        from gateway.tracing_otel import OtelTracing
+        from gateway.observe.tracing_otel import OtelTracing
     except ImportError as exc:  # the SDK is an extra
         raise RuntimeError(
             "tracing_endpoint is set but the OpenTelemetry SDK is not installed: "
@@ -260,7 +261,7 @@ def build_tracing(settings: GatewaySettings, instance_id: str) -> Tracing:
 def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None,
                front: FrontGuard | None = None) -> Litestar:
     """The gateway; `reload_seed` reads the config file again (on SIGHUP: gateway/tenancy.py);
-    `front`: the limits on client connections that its server keeps (gateway/front_limits.py),
+    `front`: the limits on client connections that its server keeps (gateway/front/front_limits.py),
     whose refusals /metrics counts."""
     front = front if front is not None else FrontGuard.from_settings(settings)
 
@@ -388,7 +389,7 @@ def create_asgi(settings: GatewaySettings, reload_seed: ReloadSeed | None = None
 
 
 def _key_class(tenancy: Tenancy, configured: Callable[[str], str]) -> Callable[[str], str]:
-    """A key's priority class: its live record's (gateway/tenants.py) unless that says
+    """A key's priority class: its live record's (gateway/tenants/tenants.py) unless that says
     "default", else what `key_priority` configures for it."""
     def key_class(key_id: str) -> str:
         record = tenancy.store.directory.keys.get(key_id)

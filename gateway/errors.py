@@ -105,7 +105,7 @@ class RequestTooLarge(InvalidRequest):
         return cls(f"The request body is over the gateway's limit of {limit} bytes.")
 
 
-# The limits on a client's connection (gateway/front_limits.py).
+# The limits on a client's connection (gateway/front/front_limits.py).
 class RequestTimeout(InvalidRequest):
     status = 408
     code = "request_timeout"
@@ -188,7 +188,7 @@ class NoWorkerAvailable(GatewayError):
 
 
 class GatewayBusy(GatewayError):
-    """The process holds as many client connections as it may (gateway/front_limits.py)."""
+    """The process holds as many client connections as it may (gateway/front/front_limits.py)."""
 
     status = 503
     type = "service_unavailable"

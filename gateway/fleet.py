@@ -25,7 +25,7 @@ from fleetgate.background import Outage, stop_tasks
 from fleetgate.registry import Registry, out_of_memory
 from fleetgate.schema import WorkerView
 from gateway.errors import GatewayError
-from gateway.known import KnownModels
+from gateway.models.known import KnownModels
 from gateway.routing.table import Routes
 from gateway.subscription import follow
 
@@ -113,7 +113,7 @@ class FleetWatcher:
         # Called with the workers of every new snapshot (the in-flight account resets what
         # each new engine report covers).
         self._listeners: list[Callable[[Sequence[WorkerView]], None]] = []
-        # Responses API answers whose worker could not be recorded (gateway/responses.py): said
+        # Responses API answers whose worker could not be recorded (gateway/request/responses.py): said
         # once while Redis is away or full, not once per answer.
         self.unrecorded = Outage(structlog.get_logger("gateway.responses"), "gateway.response_not_recorded",
                                  "gateway.responses_recorded")

@@ -10,10 +10,10 @@ import msgspec
 import yaml
 
 from fleetgate.registry import DEFAULT_HEARTBEAT_TTL_S, DEFAULT_PREFIX
-from gateway.aliases import AliasTarget
 from gateway.errors import GatewayError
+from gateway.models.aliases import AliasTarget
 from gateway.routing.base import FullAt
-from gateway.tenants import KeySpec, TeamSpec, key_record, team_record
+from gateway.tenants.tenants import KeySpec, TeamSpec, key_record, team_record
 
 
 class AdapterSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -24,7 +24,7 @@ class AdapterSpec(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
 
 
 class PriorityClass(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """A priority class (gateway/priorities.py): its weight in the admission queue, the share of
+    """A priority class (gateway/accounts/priorities.py): its weight in the admission queue, the share of
     a worker it may fill, and its own queue timeout (None: `queue_timeout_s`)."""
 
     weight: float = 1.0
@@ -68,11 +68,11 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # LoRA adapters the gateway may place on runtime-loading workers: name -> path, base.
     adapters: dict[str, AdapterSpec] = msgspec.field(default_factory=dict)
     # Public model names -> the models/adapters they send to, by weight; and model -> the
-    # models a request goes to when its own has no capacity or context (gateway/aliases.py).
+    # models a request goes to when its own has no capacity or context (gateway/models/aliases.py).
     aliases: dict[str, tuple[AliasTarget, ...]] = msgspec.field(default_factory=dict)
     fallbacks: dict[str, tuple[str, ...]] = msgspec.field(default_factory=dict)
     # Base model name -> tokenizer.json, for exact prompt token counts; wins over the path a
-    # worker registered (gateway/tokenizers.py); else the prompt is estimated.
+    # worker registered (gateway/request/tokenizers.py); else the prompt is estimated.
     tokenizers: dict[str, str] = msgspec.field(default_factory=dict)
     # Use the tokenizers agents register (false: only `tokenizers:`, else the estimate).
     registered_tokenizers: bool = True
@@ -83,14 +83,14 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     first_byte_per_1k_tokens_s: float = 5.0
     # A stream's first event may wait longer, up to this in all, while its engine reports
     # requests waiting (its queue, adapters waiting for a LoRA slot) in fresh, healthy
-    # reports: it keeps its place there rather than being sent again (gateway/relay.py).
+    # reports: it keeps its place there rather than being sent again (gateway/request/relay.py).
     first_byte_queued_timeout_s: float = 300.0
     # A whole non-streamed answer gets the first byte's time plus this much per token asked
     # for (`max_tokens`; without it, what the worker's context leaves): 10 tokens a second
     # is slower than any healthy engine generates one sequence.
     answer_per_token_s: float = 0.1
     # A stream that sends nothing for this long after its first event counts as dead (it is
-    # given up within a tenth of this after: gateway/relay.py's STALL_MARGIN).
+    # given up within a tenth of this after: gateway/request/relay.py's STALL_MARGIN).
     stall_timeout_s: float = 30.0
     # How many times one stream may be continued on another worker.
     max_resumes: int = 2
@@ -139,7 +139,7 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     responses_ttl_s: float = 86400.0
     # Largest request body accepted (413 above it).
     max_body_bytes: int = 32 * 1024 * 1024
-    # Limits on a client's connection (gateway/front_limits.py; docs/operations.md, "Limits on
+    # Limits on a client's connection (gateway/front/front_limits.py; docs/operations.md, "Limits on
     # client connections"), nginx's and h11's in spirit. A request target over
     # max_request_line_bytes gets 414 (nginx: one 8 KiB buffer a line); a head over
     # max_header_bytes in all (target and header lines) or with more than max_headers lines

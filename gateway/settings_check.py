@@ -20,9 +20,9 @@ from typing import Any
 import msgspec
 import yaml
 
-from gateway.aliases import problems
-from gateway.front_limits import FrontLimits
-from gateway.front_limits import problems as front_problems
+from gateway.front.front_limits import FrontLimits
+from gateway.front.front_limits import problems as front_problems
+from gateway.models.aliases import problems
 from gateway.routing import POLICIES, FleetOptions
 from gateway.settings import GatewaySettings, gather
 

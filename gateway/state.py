@@ -9,12 +9,12 @@ from litestar.datastructures import State
 from fleetgate.kv_registry import KvMirror
 from fleetgate.registry import Registry
 from gateway.fleet import FleetWatcher
-from gateway.metrics import GatewayMetrics
-from gateway.proxy import Proxy
-from gateway.ratelimit import RateLimiter
+from gateway.observe.metrics import GatewayMetrics
+from gateway.request.proxy import Proxy
 from gateway.settings import GatewaySettings
 from gateway.tenancy import Tenancy
-from gateway.tenant_store import TenantStore
+from gateway.tenants.ratelimit import RateLimiter
+from gateway.tenants.tenant_store import TenantStore
 
 
 @dataclass

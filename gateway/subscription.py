@@ -1,5 +1,5 @@
 """Following a Redis pub/sub channel to wake a re-read: the registry's events (gateway/fleet.py)
-and the tenants' (gateway/tenant_store.py) both ride on this loop.
+and the tenants' (gateway/tenants/tenant_store.py) both ride on this loop.
 
 Each message sets `wake`; a lost connection is subscribed again with a doubling backoff of
 at most `max_backoff_s()` (a re-read interval: the periodic re-read covers the gap).

@@ -1,8 +1,8 @@
 """The tenants' part of the gateway's lifespan: the live keys and teams, their limits, the seed.
 
 Opened by `create_app`'s lifespan: seeds Redis from the settings' `keys:` and `teams:`,
-starts the live copy (gateway/tenant_store.py), builds the limits (gateway/quota.py) and
-the usage counters (gateway/usage.py), and re-seeds from the config file on SIGHUP.
+starts the live copy (gateway/tenants/tenant_store.py), builds the limits (gateway/tenants/quota.py) and
+the usage counters (gateway/tenants/usage.py), and re-seeds from the config file on SIGHUP.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from fleetgate.keys import Keys
-from gateway.live_routes import LiveRoutes
-from gateway.quota import Quota
+from gateway.models.live_routes import LiveRoutes
 from gateway.settings import GatewaySettings
-from gateway.tenant_store import TenantStore
-from gateway.usage import UsageMetrics
+from gateway.tenants.quota import Quota
+from gateway.tenants.tenant_store import TenantStore
+from gateway.tenants.usage import UsageMetrics
 
 log = structlog.get_logger("gateway.tenants")
 
@@ -43,7 +43,7 @@ class Tenancy:
         return await self.store.seed(s.keys, s.teams, overwrite=s.tenants_seed == "overwrite")
 
     async def on_sighup(self) -> None:
-        """Read the config file again and seed from it (the merge rule of gateway/tenant_store.py)."""
+        """Read the config file again and seed from it (the merge rule of gateway/tenants/tenant_store.py)."""
         try:
             fresh = self.reload_seed() if self.reload_seed is not None else self.settings
         except (msgspec.ValidationError, OSError, ValueError) as exc:

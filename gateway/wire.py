@@ -27,7 +27,7 @@ class Message(msgspec.Struct):
     content: str | list[Part] | None = None
     # A tool call's output (Responses API `function_call_output` items).
     output: str | None = None
-    # Only whether they are there: a chat template renders them (gateway/prefix_cache.py).
+    # Only whether they are there: a chat template renders them (gateway/request/prefix_cache.py).
     tool_calls: msgspec.Raw = msgspec.Raw()
     name: msgspec.Raw = msgspec.Raw()
 
@@ -121,7 +121,7 @@ class EngineError(msgspec.Struct):
     code: int | str | None = None
 
 
-# The usage an OpenAI answer or SSE event carries (gateway/metrics.py, `usage_of`).
+# The usage an OpenAI answer or SSE event carries (gateway/observe/metrics.py, `usage_of`).
 class Usage(msgspec.Struct):
     prompt_tokens: int | None = 0
     completion_tokens: int | None = 0
@@ -140,7 +140,7 @@ class WithUsage(msgspec.Struct):
     response: UsageResponse | None = None
 
 
-# A streamed chunk as gateway/resume.py decodes it (only when a stream must be resumed).
+# A streamed chunk as gateway/request/resume.py decodes it (only when a stream must be resumed).
 class StreamDelta(msgspec.Struct):
     content: str | None = None
     role: str | None = None

@@ -53,6 +53,7 @@ from fleetgate_tools.bench import png  # noqa: E402
 from fleetgate_tools.bench.cluster import running  # noqa: E402
 from fleetgate_tools.bench.conversations import CONVERSATION_WORKLOADS  # noqa: E402
 from fleetgate_tools.bench.fleet import FleetSpec, load_fleet  # noqa: E402
+from fleetgate_tools.bench.loadgen import POOL  # noqa: E402
 from fleetgate_tools.bench.lora import format_lora  # noqa: E402
 from fleetgate_tools.bench.multiturn_tables import format_conversations  # noqa: E402
 from fleetgate_tools.bench.progress import Progress  # noqa: E402
@@ -91,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="TTFT p50 target in real seconds (default 0.2 x the fleet's time_scale)")
     p.add_argument("--capacity-start", type=float, default=None,
                    help="first rate tried (default --rate, else the fleet's cache-blind capacity estimate)")
-    p.add_argument("--pool", type=int, default=256, help="max open connections")
+    p.add_argument("--pool", type=int, default=POOL, help="max open connections (a request that waits for one is late: the run warns)")
     p.add_argument("--trace", type=Path, help="replay this JSONL trace instead of the workloads")
     p.add_argument("--dump-trace", type=Path, help="write each workload's requests as JSONL "
                    "(path may contain {workload})")

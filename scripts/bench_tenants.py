@@ -25,9 +25,9 @@ from prometheus_client import CollectorRegistry
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fleetgate.keys import Keys
 from fleetgate.registry import connect
-from gateway.quota import Quota
-from gateway.tenants import KeyRecord, TeamRecord, Tenant
-from gateway.usage import UsageMetrics
+from gateway.tenants.quota import Quota
+from gateway.tenants.tenants import KeyRecord, TeamRecord, Tenant
+from gateway.tenants.usage import UsageMetrics
 from tests.conftest import ADMIN_TOKEN, Fleet
 
 

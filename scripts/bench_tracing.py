@@ -4,8 +4,8 @@
     .venv/bin/python scripts/bench_tracing.py            # ~10 s
     .venv/bin/python scripts/bench_tracing.py --n 200000
 
-Calls the hooks exactly as one request with one attempt does (gateway/proxy.py,
-gateway/attempts.py: start, described, the forward-header merge, attempt, attempt_status,
+Calls the hooks exactly as one request with one attempt does (gateway/request/proxy.py,
+gateway/request/attempts.py: start, described, the forward-header merge, attempt, attempt_status,
 attempt_end, end) with tracing off (the default) with and without a client traceparent,
 and on (the SDK's spans, a batch processor whose exporter drops them: the request's own
 thread's share; export runs in the SDK's thread). Prints µs per request, best of 5 runs.
@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway.tracing import Tracing
+from gateway.observe.tracing import Tracing
 
 HEADERS = {"content-type": "application/json", "x-request-id": "r1"}
 
@@ -36,7 +36,7 @@ def _request_args(traceparent: str | None) -> tuple[Any, Any, Any]:
         raw.append(("traceparent", traceparent))
     scope = [(k.encode(), v.encode()) for k, v in raw]
 
-    def header(name: str) -> str | None:  # as gateway/fastpath.py reads one
+    def header(name: str) -> str | None:  # as gateway/front/fastpath.py reads one
         key = name.encode()
         for k, v in scope:
             if k == key:
@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             SpanExportResult,
         )
 
-        from gateway.tracing_otel import OtelTracing
+        from gateway.observe.tracing_otel import OtelTracing
     except ImportError:
         print("(OpenTelemetry SDK not installed: the `tracing` extra; on-path figures skipped)")
     else:

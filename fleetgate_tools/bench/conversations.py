@@ -41,7 +41,7 @@ import aiohttp
 import msgspec
 
 from fleetgate_tools.bench.engines import WorkerRef
-from fleetgate_tools.bench.loadgen import Outcome, send_one, targets
+from fleetgate_tools.bench.loadgen import POOL, Outcome, send_one, targets
 from fleetgate_tools.bench.report import percentile
 from fleetgate_tools.bench.workloads import (
     BenchRequest,
@@ -168,7 +168,7 @@ async def run_conversations(
     target: str | Callable[[BenchRequest], WorkerRef],
     convs: Sequence[Conversation],
     *,
-    pool: int = 256,
+    pool: int = POOL,
     drain_s: float = 10.0,
     api_key: str | None = None,
     on_progress: Callable[[int, int, int], None] | None = None,
@@ -200,7 +200,7 @@ async def run_conversations(
                 if t0 >= deadline:
                     return
                 req = c.request(k, history, round(t0 - begin, 6))
-                out = Outcome(id=req.id, tag=req.tag, at=req.at)
+                out = Outcome(id=req.id, tag=req.tag, at=req.at, pool_full=len(in_flight) >= pool)
                 outcomes[c.id].append(out)
                 log.sent += 1
                 log.turn_of[req.id] = k

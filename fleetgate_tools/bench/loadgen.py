@@ -3,7 +3,10 @@
 Requests go out at their trace time whether or not earlier ones have finished (a closed
 loop would slow down with the system under test and hide its queues). A bounded aiohttp
 pool caps open connections; a request waiting for a connection is already late, and its
-latencies count from its arrival time. TTFT is the time to the first chunk that carries
+latencies count from its arrival time. Such a request is marked (`pool_full`) and the runner
+warns: a wait in the client's own pool is not the system's latency, so the default pool
+(`POOL`) is far above what a run keeps open (a 256 cap once made a gateway look 3x slower
+than a client that sent straight to the engines, at the same concurrency). TTFT is the time to the first chunk that carries
 generated text, not to the headers or the role-only chunk.
 
 A request with `answer_tokens` is read for that many generated tokens (content chunks), then
@@ -49,6 +52,12 @@ class Outcome(msgspec.Struct, kw_only=True):
     # How the answer ended: the engine's finish_reason, "cut" (the client closed the
     # stream after the request's answer_tokens), or "" (no answer, or none seen).
     finish: str = ""
+    # The client's pool had `pool` requests open when this one was sent: it waited for a
+    # connection, and that wait is in its latencies.
+    pool_full: bool = False
+
+# Open connections the load generator allows: far above a run's concurrency (rate x E2E).
+POOL = 4096
 
 
 ERROR_KINDS = (
@@ -161,7 +170,7 @@ async def run_requests(
     target: str | Callable[[BenchRequest], WorkerRef],
     requests: Sequence[BenchRequest],
     *,
-    pool: int = 256,
+    pool: int = POOL,
     drain_s: float = 10.0,
     api_key: str | None = None,
     on_progress: Callable[[int, int, int], None] | None = None,
@@ -190,7 +199,7 @@ async def run_requests(
                 await asyncio.sleep(delay)
             t0 = begin + req.at
             starts[req.id] = t0
-            partial[req.id] = Outcome(id=req.id, tag=req.tag, at=req.at)
+            partial[req.id] = Outcome(id=req.id, tag=req.tag, at=req.at, pool_full=len(tasks) - done >= pool)
             url, worker = where(req)
             task = asyncio.create_task(send_one(session, url, req, t0, headers, partial[req.id], worker))
             task.add_done_callback(finished)

@@ -44,7 +44,7 @@ from fleetgate_tools.bench.conversations import (
 )
 from fleetgate_tools.bench.fleet import FleetSpec, capacity
 from fleetgate_tools.bench.floor import Host, adapter_load_floor
-from fleetgate_tools.bench.loadgen import run_requests
+from fleetgate_tools.bench.loadgen import POOL, run_requests
 from fleetgate_tools.bench.lora import lora_stats
 from fleetgate_tools.bench.progress import Progress
 from fleetgate_tools.bench.report import AFFINITY, ratios, round_robin_baseline, summarise
@@ -78,7 +78,7 @@ class BenchOptions:
     drain_s: float = 6.0
     settle_s: float = 0.5
     seed: int = 0
-    pool: int = 256
+    pool: int = POOL
     trace: Path | None = None
     dump_trace: Path | None = None
     api_key: str | None = None
@@ -213,6 +213,11 @@ async def measure(
                 listed = await engines.list_workers(client, gateway, admin_token)
                 extra["kv_events_workers"] = f"{sum(w.kv_events == 'events' for w in listed)}/{len(listed)}"
     load = engines.load_stats(sampler.samples, window) | lora_stats(sampler.lora_samples) | extra
+    if waited := sum(o.pool_full for o in outcomes):
+        load["client_pool_full"] = waited
+        if progress:
+            progress.note(f"warning: {waited} of {len(outcomes)} requests waited for one of the client's "
+                          f"{opts.pool} connections (--pool): their latency includes that wait")
     return outcomes, wall, engines.deltas(before, after), not_reset, load
 
 

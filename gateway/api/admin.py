@@ -1,6 +1,6 @@
 """The admin JSON API under `/admin` (workers, drain, adapters, the dashboard's reads).
 
-Every handler checks the admin token first (`gateway/auth.py`); writes poke the fleet
+Every handler checks the admin token first (`gateway/tenants/auth.py`); writes poke the fleet
 watcher so the next routing snapshot sees them at once.
 """
 
@@ -16,10 +16,10 @@ from litestar.datastructures import State
 
 from fleetgate.kv_registry import WorkerKv
 from fleetgate.schema import WorkerView
+from gateway.api.openapi import FLAG, admin
+from gateway.api.openapi_bodies import ADMIN_BODIES
 from gateway.api.tenants import flag
 from gateway.errors import InvalidRequest, NotFound
-from gateway.openapi import FLAG, admin
-from gateway.openapi_bodies import ADMIN_BODIES
 from gateway.state import Gateway, gw_of
 
 log = structlog.get_logger("gateway.app")

@@ -6,8 +6,8 @@
     GET    /admin/fallbacks         PUT / DELETE /admin/fallbacks/{model}: {"models": ["b", ...]}
 
 A write is checked against the effective routes it would make (the rules of the YAML's,
-gateway/aliases.py `problems`), lands in Redis, is announced to every replica
-(gateway/live_routes.py) and read back by this replica before it answers.
+gateway/models/aliases.py `problems`), lands in Redis, is announced to every replica
+(gateway/models/live_routes.py) and read back by this replica before it answers.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import structlog
 from litestar import Request, Response, delete, get, put
 from litestar.datastructures import State
 
+from gateway.api.openapi import PUT_ANSWERS, ROUTE_NAME, ROUTE_NAME_RE, admin
+from gateway.api.openapi_bodies import ADMIN_BODIES
 from gateway.api.tenants import _json, decode_body
 from gateway.errors import InvalidRequest, NotFound
-from gateway.live_routes import AliasSpec, FallbackSpec, Kind, LiveRoutes, Routes
-from gateway.openapi import PUT_ANSWERS, ROUTE_NAME, ROUTE_NAME_RE, admin
-from gateway.openapi_bodies import ADMIN_BODIES
+from gateway.models.live_routes import AliasSpec, FallbackSpec, Kind, LiveRoutes, Routes
 from gateway.state import gw_of
 
 log = structlog.get_logger("gateway.app")
@@ -58,7 +58,7 @@ def _check(before: Routes, after: Routes, kind: Kind, value: tuple[Any, ...]) ->
 
 
 def _malformed(kind: Kind, value: tuple[Any, ...]) -> bool:
-    """Whether a body breaks the document's own constraints (gateway/openapi_bodies.py)."""
+    """Whether a body breaks the document's own constraints (gateway/api/openapi_bodies.py)."""
     if kind == "fallback":
         return not value or not all(value)
     return (not value or not all(t.model for t in value) or not all(t.weight >= 0 for t in value)

@@ -7,7 +7,7 @@
     GET    /admin/teams           PUT / DELETE /admin/teams/{id}: a TeamSpec body
     GET    /admin/usage           ?key= &model= &day=YYYY-MM-DD (else today) &days=N (back from day)
 
-A write lands in Redis, is announced to every replica (gateway/tenant_store.py), and is
+A write lands in Redis, is announced to every replica (gateway/tenants/tenant_store.py), and is
 read back by this replica before it answers, so the key works here at once.
 """
 
@@ -22,12 +22,12 @@ import structlog
 from litestar import Request, Response, delete, get, put
 from litestar.datastructures import State
 
+from gateway.api.openapi import DAY_RE, FLAG, FLAG_RE, PUT_ANSWERS, TENANT_ID, admin
+from gateway.api.openapi_bodies import ADMIN_BODIES
 from gateway.errors import InvalidRequest, NotFound
-from gateway.openapi import DAY_RE, FLAG, FLAG_RE, PUT_ANSWERS, TENANT_ID, admin
-from gateway.openapi_bodies import ADMIN_BODIES
 from gateway.state import gw_of
-from gateway.tenants import KeySpec, TeamSpec, check_id, new_secret
-from gateway.usage import days_back, parse_day, read_usage, totals
+from gateway.tenants.tenants import KeySpec, TeamSpec, check_id, new_secret
+from gateway.tenants.usage import days_back, parse_day, read_usage, totals
 
 log = structlog.get_logger("gateway.app")
 

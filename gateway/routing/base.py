@@ -43,7 +43,7 @@ class Live:
     homes: Homes | None = None
     # How the KV each engine holds changed since its last report, by the gateways' estimate:
     # what the requests sent since take, less what those that ended since free
-    # (gateway/inflight.py). Added to the engine's measured KV use, it predicts between two
+    # (gateway/accounts/inflight.py). Added to the engine's measured KV use, it predicts between two
     # reports; each report replaces the prediction.
     fresh: Mapping[str, int] = field(default_factory=dict)
 
@@ -85,7 +85,7 @@ class FullAt:
     # it would push past this share (0: never): an engine that admits more than its cache
     # holds preempts running requests to make room. 0 turns it off.
     hold_kv: float = 1.0
-    # The share of that limit a request's priority class may fill (gateway/priorities.py):
+    # The share of that limit a request's priority class may fill (gateway/accounts/priorities.py):
     # below 1 its class counts a worker full earlier, leaving room for the classes above.
     share: float = 1.0
 

@@ -29,10 +29,10 @@
    with others (a slot wait, counted by the placer), the one with the fewest adapters in
    demand by its report; there the gateway's slot gate holds it until a slot turns over
    (gateway/routing/lora_gate.py), rather than let the engine starve it. The facts (`warm`, `full`) come from
-   gateway/lora_state.py `residency`. Among equals (within a small band of load) the
+   gateway/accounts/lora_state.py `residency`. Among equals (within a small band of load) the
    adapter's ring order decides, so replicas choose alike.
 4. What the engines cache: where workers publish their KV cache events and the gateway
-   knows the prompt's token ids (`facts.cached`, gateway/prefix_cache.py), the engines'
+   knows the prompt's token ids (`facts.cached`, gateway/request/prefix_cache.py), the engines'
    figure corrects the placement. A worker holding clearly more of the prompt than the
    key's home (it saves `kv_gain` of what the home would compute again) and not saturated
    takes the request ("kv-hit"; "kv-placed" for a key not placed yet, which is placed
@@ -203,7 +203,7 @@ class FleetPolicy:
         limit: int,
     ) -> list[Choice]:
         """Place an adapter request by the engines' LoRA slots (facts.warm: where the adapter is
-        live, facts.full: where it would wait for a slot; gateway/lora_state.py)."""
+        live, facts.full: where it would wait for a slot; gateway/accounts/lora_state.py)."""
         warm, full = facts.warm, facts.full
         groups: tuple[list[tuple[float, str, Slot]], ...] = ([], [], [], [])
         # Without the per-request jitter: replicas with other request counters must agree.

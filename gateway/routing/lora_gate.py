@@ -6,7 +6,7 @@ adapters in demand than slots the rare ones wait until the load stops (issue 36:
 2 engines x 4 slots). The gateway holds such a request itself instead, where it can be fair:
 
 - **slot**: its adapter is not live on the engine and every slot there is (the engine's last
-  report, corrected by what the gateways sent and finished since: gateway/lora_state.py), or
+  report, corrected by what the gateways sent and finished since: gateway/accounts/lora_state.py), or
   the free ones are owed to adapters held longer (held requests go in arrival order);
 - **turn**: its adapter is live there, every slot is busy, other adapters are held for one, and
   this adapter has had its slot for `turn_s` (its turn began when it came into use there): it

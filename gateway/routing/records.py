@@ -55,7 +55,7 @@ class RequestFacts(msgspec.Struct, frozen=True):
     # worker does not spread all of its tenants over the fleet (which thrashes every cache).
     heavy: bool = False
     # Prompt tokens each worker's engine holds in its prefix cache, by its KV cache events
-    # (gateway/prefix_cache.py); only workers that hold some. Empty: nothing known.
+    # (gateway/request/prefix_cache.py); only workers that hold some. Empty: nothing known.
     cached: dict[str, int] = msgspec.field(default_factory=dict)
 
 

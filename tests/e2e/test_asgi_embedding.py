@@ -66,7 +66,7 @@ def test_the_asgi_app_under_stock_uvicorn_proxies_whole_and_streamed_answers(
 OWN_PROTOCOL_LIMITED = """
 import functools, sys, uvicorn
 from gateway.app import create_asgi
-from gateway.server import GatewayHttpProtocol
+from gateway.front.server import GatewayHttpProtocol
 from gateway.settings_check import load_checked
 from fleetgate.logs import configure_logging
 port, redis_url, prefix = int(sys.argv[1]), sys.argv[2], sys.argv[3]

@@ -1,6 +1,6 @@
 """A closed connection leaves no garbage for the cycle collector.
 
-The gateway raises the collector's thresholds (gateway/gctune.py), so objects kept alive
+The gateway raises the collector's thresholds (gateway/front/gctune.py), so objects kept alive
 only by reference cycles wait long for a full collection. A client that opens a connection
 per request (no keep-alive pool) would otherwise leave a protocol, its request cycle or
 exchange, transport wrapper and flow control behind each time. Here the gateway runs in
@@ -22,9 +22,9 @@ import uvicorn
 
 from fleetgate.net import free_port
 from gateway.app import create_asgi
-from gateway.fastpath import FastPath
-from gateway.hooks import Hooks
-from gateway.server import GatewayHttpProtocol
+from gateway.front.fastpath import FastPath
+from gateway.front.hooks import Hooks
+from gateway.front.server import GatewayHttpProtocol
 from gateway.settings_check import load_checked
 from tests.conftest import wait_until
 
@@ -39,7 +39,7 @@ def served(redis_url: str, prefix: str) -> Iterator[tuple[int, list[weakref.ref[
 
     def protocol(*args: object, **kwargs: object) -> GatewayHttpProtocol:
         proto = GatewayHttpProtocol(*args, fast=asgi, **kwargs)  # type: ignore[arg-type]
-        # The parser and the transport's reads go to the compiled hooks (gateway/hooks.py),
+        # The parser and the transport's reads go to the compiled hooks (gateway/front/hooks.py),
         # which hold the protocol: connection_lost must let go of it for this test to pass.
         assert proto.hooks is not None and proto.parser is proto.hooks.parser
         assert proto.data_received.__self__ is proto.hooks  # type: ignore[attr-defined]

@@ -1,4 +1,4 @@
-"""The limits on a client's connection (gateway/front_limits.py), hit with raw sockets.
+"""The limits on a client's connection (gateway/front/front_limits.py), hit with raw sockets.
 
 A real gateway (with small limits, so each is hit in a second or two) and a simulator: a
 request line, a head or a header count over its limit gets 414 / 431 and the connection

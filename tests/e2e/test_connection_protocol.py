@@ -1,4 +1,4 @@
-"""The gateway's own connection protocol (gateway/server.py) as a client's socket sees it.
+"""The gateway's own connection protocol (gateway/front/server.py) as a client's socket sees it.
 
 A proxied request is an `Exchange` served straight off the connection, every other request
 uvicorn's ASGI cycle: both must keep HTTP/1.1's rules on one connection. Pipelined requests

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import openai
 import pytest
 
-from gateway.context import refused_prompt_tokens
+from gateway.request.context import refused_prompt_tokens
 from tests.conftest import ROOT, Fleet, require_setup
 
 TINY = ROOT / ".cache" / "tiny" / "model"

@@ -146,7 +146,7 @@ def test_a_stream_that_stalls_midway_is_given_up_after_the_stall_limit_not_befor
     fleet_factory: Callable[[], Fleet],
 ) -> None:
     """An engine that stops after a few events: the gateway waits `stall_timeout_s` of silence
-    (never less; at most a tenth more, gateway/relay.py's STALL_MARGIN) and then the stream goes
+    (never less; at most a tenth more, gateway/request/relay.py's STALL_MARGIN) and then the stream goes
     on on the other worker, the client seeing one stream with a gap of about that length."""
     fleet = fleet_factory()
     _, url = fleet.gateway("--policy", "round_robin", "--set", f"stall_timeout_s={STALL_AFTER_S}",

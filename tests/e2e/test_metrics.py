@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleetgate.schema import GpuInfo, Load, WorkerInfo, WorkerView
 from gateway.fleet import FleetSnapshot
-from gateway.metrics import DecisionLog, GatewayMetrics, usage_of
+from gateway.observe.metrics import DecisionLog, GatewayMetrics, usage_of
 from tests.conftest import Fleet
 
 ROOT = Path(__file__).resolve().parents[2]

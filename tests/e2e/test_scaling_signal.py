@@ -1,4 +1,4 @@
-"""The scaling signal (gateway/scaling.py): per-model outstanding work, queue, KV use and
+"""The scaling signal (gateway/api/scaling.py): per-model outstanding work, queue, KV use and
 saturation, from the gateway's own account; as pure code, as Prometheus series, and on a
 live gateway (`/metrics` and `GET /admin/scaling`) under real load."""
 
@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetgate.schema import WorkerInfo, WorkerView
-from gateway.admission import Admission
-from gateway.scaling import (
+from gateway.accounts.admission import Admission
+from gateway.api.scaling import (
     KV_USE_RATIO,
     OUTSTANDING,
     QUEUE_DEPTH,

@@ -29,9 +29,16 @@ from fleetgate.registry import connect
 from fleetgate_tools.cli import app as cli_app
 from fleetgate_tools.redis_server import EmbeddedRedis, redis_server_binary
 from gateway.errors import QuotaExhausted, RateLimited
-from gateway.quota import Quota
-from gateway.tenants import KeyRecord, KeySpec, TeamRecord, Tenant, key_record, secret_digest
-from gateway.usage import UsageMetrics
+from gateway.tenants.quota import Quota
+from gateway.tenants.tenants import (
+    KeyRecord,
+    KeySpec,
+    TeamRecord,
+    Tenant,
+    key_record,
+    secret_digest,
+)
+from gateway.tenants.usage import UsageMetrics
 from tests.conftest import ADMIN_TOKEN, Fleet, wait_until
 
 MODEL = "tenant-model"

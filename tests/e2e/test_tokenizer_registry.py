@@ -17,7 +17,7 @@ from structlog.testing import capture_logs
 
 from fleetgate.schema import WorkerInfo, WorkerView
 from gateway.fleet import FleetSnapshot
-from gateway.tokenizers import Tokenizers
+from gateway.request.tokenizers import Tokenizers
 from tests.conftest import Fleet, require_setup
 from tests.e2e.test_context_length import SENTENCE, TINY
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.auth import COOKIE, CSRF_HEADER, session_ok, session_value
+from gateway.tenants.auth import COOKIE, CSRF_HEADER, session_ok, session_value
 from tests.conftest import ADMIN_TOKEN, Fleet, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -190,7 +190,7 @@ def test_constrained_stream_resumes_before_its_text_and_not_after(stalling_pair:
 def test_continuation_reads_a_clients_trailing_assistant_message_as_the_first_engine_did() -> None:
     """The client's own trailing assistant message: an engine that continued it gets the text
     appended to it; one that answered after it (vLLM without the flag) gets a new message."""
-    from gateway.resume import continuation
+    from gateway.request.resume import continuation
 
     body = json.dumps({"model": MODEL, "max_tokens": 10, "messages": [
         {"role": "user", "content": "q"}, {"role": "assistant", "content": "Sure: "}]}).encode()

@@ -194,8 +194,8 @@ def test_the_gateways_prompt_ids_are_vllms_and_a_prompt_warmed_on_one_engine_is_
     import msgspec
 
     from fleetgate.chat_template import load_chat_template
-    from gateway.prefix_cache import PromptTokens
-    from gateway.requests import TokenCounter
+    from gateway.request.prefix_cache import PromptTokens
+    from gateway.request.requests import TokenCounter
     from gateway.wire import Probe
 
     fleet, url = vllm_fleet

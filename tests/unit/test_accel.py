@@ -79,7 +79,7 @@ def test_no_manifest_means_pure(tmp_path: Path) -> None:
 def test_this_checkout_imports_what_the_guard_says() -> None:
     """The real package, in a fresh interpreter: compiled modules come from `.so` files
     exactly when the guard says "compiled", and FLEETGATE_PURE=1 always gives sources."""
-    code = "import gateway, gateway.fastpath as f, gateway.routing.homes as h; print(gateway.ACCEL, f.__file__, h.__file__)"
+    code = "import gateway, gateway.front.fastpath as f, gateway.routing.homes as h; print(gateway.ACCEL, f.__file__, h.__file__)"
     for env, pure in (({}, False), ({"FLEETGATE_PURE": "1"}, True)):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={**_env(), **env}, cwd=Path(gateway.__file__).parent.parent).stdout.split()

@@ -1,11 +1,11 @@
-"""The admission queue's KV hold (gateway/admission.py): in process, no I/O."""
+"""The admission queue's KV hold (gateway/accounts/admission.py): in process, no I/O."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
-from gateway.admission import Admission
+from gateway.accounts.admission import Admission
 
 
 def test_a_held_request_goes_on_when_a_completion_makes_room() -> None:

@@ -1,20 +1,10 @@
-"""The pure alias and fallback resolution (gateway/aliases.py), table-driven."""
+"""The pure alias and fallback resolution (gateway/models/aliases.py), table-driven."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
-from gateway.aliases import (
-    AliasTarget,
-    Route,
-    fallback_reason,
-    listed,
-    pick,
-    problems,
-    resolve,
-    with_model,
-)
 from gateway.errors import (
     ContextLengthExceeded,
     GatewayError,
@@ -24,6 +14,16 @@ from gateway.errors import (
     Overloaded,
     UpstreamError,
     UpstreamTimeout,
+)
+from gateway.models.aliases import (
+    AliasTarget,
+    Route,
+    fallback_reason,
+    listed,
+    pick,
+    problems,
+    resolve,
+    with_model,
 )
 
 ALIASES = {

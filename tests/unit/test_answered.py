@@ -1,4 +1,4 @@
-"""A whole answer's bookkeeping runs once the answer is written (`Reply.after`, gateway/proxy.py)."""
+"""A whole answer's bookkeeping runs once the answer is written (`Reply.after`, gateway/request/proxy.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import time
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.metrics import GatewayMetrics
-from gateway.proxy import Reply, _Answered
-from gateway.tracing import RequestTrace
+from gateway.observe.metrics import GatewayMetrics
+from gateway.observe.tracing import RequestTrace
+from gateway.request.proxy import Reply, _Answered
 
 PAYLOAD = json.dumps({"id": "c1", "usage": {"prompt_tokens": 11, "completion_tokens": 5, "total_tokens": 16}}).encode()
 

@@ -269,3 +269,57 @@ def test_tables_name_the_new_scenarios_and_print_engine_columns(tmp_path: Path) 
     assert "| long | fleet | 1 | 128 | 60/100 | fleet_overloaded 40 |" in text
     assert "eng running mean / max" in text and "40 / 70" in text and "stop 60" in text
     assert "- three: workload pressure at 128 req/s, 2/3 engines" in text
+
+
+def test_a_request_that_waits_for_the_clients_pool_is_marked() -> None:
+    """The load generator's own pool is not the system under test: a request sent while the
+    pool's connections are all open is marked `pool_full`, and its wait shows in its TTFT;
+    with the default pool the same requests go out at once."""
+    release = asyncio.Event()
+    started: list[float] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        started.append(asyncio.get_running_loop().time())
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await release.wait()
+        chunk = {"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": "stop"}]}
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n")
+        return resp
+
+    async def main(pool: int | None) -> tuple[list[Outcome], int]:
+        started.clear()
+        release.clear()
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        reqs = [BenchRequest(id=i, at=0.0, model="m", messages=[{"role": "user", "content": "hi"}],
+                             max_tokens=1, ignore_eos=False) for i in range(3)]  # fmt: skip
+        try:
+            kwargs = {} if pool is None else {"pool": pool}
+            sending = asyncio.create_task(run_requests(url, reqs, drain_s=5, **kwargs))
+            for _ in range(200):
+                if len(started) >= min(3, pool or 3):
+                    break
+                await asyncio.sleep(0.01)
+            at_once = len(started)
+            await asyncio.sleep(0.3)
+            release.set()
+            outcomes, _ = await sending
+        finally:
+            await runner.cleanup()
+        return outcomes, at_once
+
+    outcomes, at_once = asyncio.run(main(2))
+    assert at_once == 2
+    assert [o.pool_full for o in outcomes] == [False, False, True]
+    assert all(o.error == "" for o in outcomes)
+    # The third waited for a connection: its latency counts from its arrival.
+    assert outcomes[2].ttft is not None and outcomes[2].ttft >= 0.3
+    outcomes, at_once = asyncio.run(main(None))
+    assert at_once == 3
+    assert not any(o.pool_full for o in outcomes)

@@ -1,11 +1,11 @@
-"""gateway/capabilities.py: what the gateway reads from a worker's record, as a table of records."""
+"""gateway/engines/capabilities.py: what the gateway reads from a worker's record, as a table of records."""
 
 from __future__ import annotations
 
 import pytest
 
 from fleetgate.schema import WorkerInfo
-from gateway.capabilities import continues_trailing_assistant
+from gateway.engines.capabilities import continues_trailing_assistant
 
 
 def _info(engine: str, declared: bool | None) -> WorkerInfo:

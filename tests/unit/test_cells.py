@@ -1,4 +1,4 @@
-"""gateway/cells.py scrapes exactly as prometheus_client's Counter and Histogram would (but `_created`)."""
+"""gateway/observe/cells.py scrapes exactly as prometheus_client's Counter and Histogram would (but `_created`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.cells import CounterFamily, HistogramFamily
+from gateway.observe.cells import CounterFamily, HistogramFamily
 
 BUCKETS = (0.05, 0.1, 0.25, 1.0, 2.5)
 # Values on, between, under and over the bounds: `le` is inclusive.

@@ -1,5 +1,5 @@
 """Chat templates rendered as vLLM renders them (fleetgate/chat_template.py), and which
-requests the gateway can turn into the engine's exact prompt token ids (gateway/prefix_cache.py)."""
+requests the gateway can turn into the engine's exact prompt token ids (gateway/request/prefix_cache.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import msgspec
 import pytest
 
 from fleetgate.chat_template import ChatTemplate, load_chat_template
-from gateway.prefix_cache import PromptTokens
-from gateway.requests import TokenCounter
+from gateway.request.prefix_cache import PromptTokens
+from gateway.request.requests import TokenCounter
 from gateway.wire import Probe
 
 CHATML = (

@@ -1,4 +1,4 @@
-"""The gateway's HTTP/1.1 client to the engines (gateway/engine_conn.py via gateway/upstream.py),
+"""The gateway's HTTP/1.1 client to the engines (gateway/engines/engine_conn.py via gateway/engines/upstream.py),
 against small real servers on loopback that misbehave in the ways engines do."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from gateway.engine_conn import Target, _Conn
+from gateway.engines.engine_conn import Target, _Conn
+from gateway.engines.upstream import Upstream
 from gateway.errors import UpstreamError, UpstreamTimeout
-from gateway.upstream import Upstream
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[bool]]
 JSON = b'{"ok":true}'
@@ -259,7 +259,7 @@ def _closed_conns() -> list[_Conn]:
 
 async def test_a_connection_the_engine_closed_is_freed_without_the_cycle_collector(serve, upstream) -> None:
     """A connection and its parser hold each other: once closed, it lets go, so that reference
-    counting frees both (the gateway runs the collector rarely: gateway/gctune.py)."""
+    counting frees both (the gateway runs the collector rarely: gateway/front/gctune.py)."""
     async def answer(reader, writer, n):
         writer.write(whole(extra=b"connection: close\r\n"))
         await writer.drain()

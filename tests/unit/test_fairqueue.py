@@ -1,5 +1,5 @@
-"""Weighted fair queuing (gateway/fairqueue.py), class priorities (gateway/priorities.py) and the
-admission queue that uses them (gateway/admission.py): in process, no I/O."""
+"""Weighted fair queuing (gateway/accounts/fairqueue.py), class priorities (gateway/accounts/priorities.py) and the
+admission queue that uses them (gateway/accounts/admission.py): in process, no I/O."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from collections import Counter
 import pytest
 
 from fleetgate.schema import Load, WorkerInfo, WorkerView
-from gateway.admission import Admission, Shed
-from gateway.auth import digest
+from gateway.accounts.admission import Admission, Shed
+from gateway.accounts.fairqueue import FairQueue
+from gateway.accounts.priorities import Priorities
 from gateway.errors import InvalidRequest
-from gateway.fairqueue import FairQueue
-from gateway.priorities import Priorities
 from gateway.routing import FullAt, Live
 from gateway.routing.table import Slot
 from gateway.settings import GatewaySettings, PriorityClass
+from gateway.tenants.auth import digest
 
 
 def drain(q: FairQueue[str], n: int | None = None) -> list[str]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.fastpath import _block
+from gateway.front.fastpath import _block
 
 
 def test_header_lines_are_joined_in_order() -> None:

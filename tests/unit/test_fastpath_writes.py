@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.fastpath import Exchange, _Out
+from gateway.front.fastpath import Exchange, _Out
 from tests.unit.test_server import Recorder as _Transport
 
 

@@ -1,4 +1,4 @@
-"""gateway/front_limits.py: the connection cap within the file descriptors, refusals counted
+"""gateway/front/front_limits.py: the connection cap within the file descriptors, refusals counted
 and logged once per period, answers that close, settings that cannot work refused."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 from structlog.testing import capture_logs
 
-from gateway.front_limits import LOG_EVERY_S, FrontGuard, FrontLimits, problems
+from gateway.front.front_limits import LOG_EVERY_S, FrontGuard, FrontLimits, problems
 from gateway.settings import GatewaySettings
 from gateway.settings_check import check
 

@@ -1,4 +1,4 @@
-"""gateway/inflight.py: the plain-dict sums routing reads stay equal to local + remote through
+"""gateway/accounts/inflight.py: the plain-dict sums routing reads stay equal to local + remote through
 every add, done and sync, in any order."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from fleetgate.schema import Load, WorkerInfo, WorkerView
-from gateway.inflight import FRESH_FIELD, TOKENS_FIELD, SharedInflight
+from gateway.accounts.inflight import FRESH_FIELD, TOKENS_FIELD, SharedInflight
 
 
 def _expected(local: dict[str, int], remote: dict[str, int]) -> dict[str, int]:

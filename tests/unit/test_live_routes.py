@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 
 from fleetgate.keys import Keys
-from gateway.aliases import AliasTarget, pick, problems
-from gateway.live_routes import AliasSpec, FallbackSpec, LiveRoutes, Routes
+from gateway.models.aliases import AliasTarget, pick, problems
+from gateway.models.live_routes import AliasSpec, FallbackSpec, LiveRoutes, Routes
 
 YAML_ALIASES = {"chat": (AliasTarget(model="a"),), "old": (AliasTarget(model="b"),)}
 YAML_FALLBACKS = {"a": ("b",)}

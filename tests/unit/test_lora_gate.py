@@ -1,6 +1,6 @@
 """The adapter slot gate (gateway/routing/lora_gate.py): when an adapter request waits in the
 gateway for a LoRA slot on its engine, and when it goes; and its view of an engine built from the
-gateway's account and the engine's report (gateway/lora_state.py `slot_view`)."""
+gateway's account and the engine's report (gateway/accounts/lora_state.py `slot_view`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from fleetgate.hashing import stable_hash
 from fleetgate.schema import Load, WorkerInfo, WorkerView
-from gateway.lora_state import LoraState
+from gateway.accounts.lora_state import LoraState
 from gateway.routing.lora_gate import SlotView, gate
 from gateway.routing.table import Slot
 

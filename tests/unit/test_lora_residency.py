@@ -1,4 +1,4 @@
-"""Where an adapter is live and where every LoRA slot is taken (gateway/lora_state.py): the
+"""Where an adapter is live and where every LoRA slot is taken (gateway/accounts/lora_state.py): the
 facts the fleet policy places adapter requests by, from the gateways' requests in flight, the
 engines' own reports and when each adapter was last sent where."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from fleetgate.hashing import stable_hash
 from fleetgate.schema import Load, WorkerInfo, WorkerView
-from gateway.lora_state import LoraState, fleet_spare, live_adapters, residency, slot_wait
+from gateway.accounts.lora_state import LoraState, fleet_spare, live_adapters, residency, slot_wait
 from gateway.routing.table import Slot
 
 NOW = time.time()

@@ -1,4 +1,4 @@
-"""The OpenAPI document's building blocks (gateway/openapi.py, gateway/api/options.py) and the
+"""The OpenAPI document's building blocks (gateway/api/openapi.py, gateway/api/options.py) and the
 wire fixes the contract test led to (whole floats, engines' errors, embeddings encodings)."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import pytest
 from litestar import Litestar, Response, delete, put
 from litestar.testing import TestClient
 
+from gateway.api.openapi import ANY, WITH_BODY, documented
 from gateway.api.options import with_options
+from gateway.engines.upstream import openai_error_body
 from gateway.errors import InvalidRequest
-from gateway.openapi import ANY, WITH_BODY, documented
-from gateway.requests import parse_request
-from gateway.upstream import openai_error_body
+from gateway.request.requests import parse_request
 
 
 @put("/things/{name:str}", **documented(400, body={"type": "object"}))

@@ -1,4 +1,4 @@
-"""What the gateway reads of a request (gateway/requests.py): every OpenAI request shape the
+"""What the gateway reads of a request (gateway/request/requests.py): every OpenAI request shape the
 engines accept is understood, and every malformed one is a 400 naming its field."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from gateway.errors import InvalidRequest
-from gateway.requests import affinity, estimate_tokens, parse_request
+from gateway.request.requests import affinity, estimate_tokens, parse_request
 
 
 def _probe(kind: str, **body: object):  # type: ignore[no-untyped-def]

@@ -1,10 +1,10 @@
-"""gateway/server.py: a whole answer's head leaves with its body; a stream's head at once."""
+"""gateway/front/server.py: a whole answer's head leaves with its body; a stream's head at once."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from gateway.server import _Coalescing
+from gateway.front.server import _Coalescing
 
 
 class Recorder:

@@ -1,4 +1,4 @@
-"""gateway/sse.py: an engine's reads come out as runs of whole events, however the reads cut them
+"""gateway/request/sse.py: an engine's reads come out as runs of whole events, however the reads cut them
 (partial events wait for their blank line; comments, multi-line data, CRLF lines and [DONE]
 stay whole), and a run splits back into its events."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.sse import SSEFrames, events
+from gateway.request.sse import SSEFrames, events
 
 HEL = b'data: {"choices":[{"delta":{"content":"Hel"}}]}\n\n'
 LO = b'data: {"choices":[{"delta":{"content":"lo"}}]}\n\n'

@@ -1,4 +1,4 @@
-"""The relay's view of an engine stream (gateway/resume.py StreamTracker): runs of whole events
+"""The relay's view of an engine stream (gateway/request/resume.py StreamTracker): runs of whole events
 pass as they came, and what was sent is still read back whole when a stream must be resumed."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from gateway.resume import EngineStreamError, StreamTracker
+from gateway.request.resume import EngineStreamError, StreamTracker
 
 
 def chat(content: str | None = None, finish: str | None = None, role: bool = False) -> bytes:

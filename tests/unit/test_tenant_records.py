@@ -14,9 +14,9 @@ from fleetgate.keys import Keys
 from fleetgate.net import free_port
 from fleetgate.registry import connect
 from gateway.errors import InvalidRequest, ModelNotAllowed, Unauthorized
-from gateway.quota import Quota, _cell, _reset
 from gateway.settings import load_settings
-from gateway.tenants import (
+from gateway.tenants.quota import Quota, _cell, _reset
+from gateway.tenants.tenants import (
     Directory,
     KeyRecord,
     KeySpec,
@@ -26,7 +26,7 @@ from gateway.tenants import (
     secret_digest,
     static_key,
 )
-from gateway.usage import UsageMetrics, days_back, fold, totals
+from gateway.tenants.usage import UsageMetrics, days_back, fold, totals
 
 
 def test_a_new_key_gets_a_generated_secret_shown_once_and_stored_hashed() -> None:

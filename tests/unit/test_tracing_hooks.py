@@ -1,4 +1,4 @@
-"""gateway/tracing.py and its SDK half: what a request's hooks record and forward, off and on (the
+"""gateway/observe/tracing.py and its SDK half: what a request's hooks record and forward, off and on (the
 real OpenTelemetry SDK, its in-memory exporter), and the settings that turn tracing on."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from gateway.app import build_tracing
+from gateway.observe.tracing import NO_TRACE, Tracing
+from gateway.observe.tracing_otel import OtelTracing
 from gateway.settings import load_settings
-from gateway.tracing import NO_TRACE, Tracing
-from gateway.tracing_otel import OtelTracing
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT = "b7ad6b7169203331"

@@ -1,6 +1,6 @@
-"""The uvicorn internals the gateway's front connection relies on (gateway/server.py,
-gateway/hooks.py, gateway/fastpath.py), named one by one, and the httptools behaviour its
-limits on a head rely on (gateway/front_limits.py).
+"""The uvicorn internals the gateway's front connection relies on (gateway/front/server.py,
+gateway/front/hooks.py, gateway/front/fastpath.py), named one by one, and the httptools behaviour its
+limits on a head rely on (gateway/front/front_limits.py).
 
 uvicorn and httptools are pinned to the tested minor versions in pyproject.toml; a release
 that renames, drops or reshapes one of these fails here, loudly, rather than in production.
@@ -21,7 +21,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
-from gateway.server import GatewayHttpProtocol, _Coalescing
+from gateway.front.server import GatewayHttpProtocol, _Coalescing
 
 # The versions every test ran with; pyproject.toml admits only these minors.
 TESTED = {"uvicorn": "0.54.", "httptools": "0.9."}
@@ -147,7 +147,7 @@ def test_the_gateway_protocol_still_subclasses_uvicorns() -> None:
 
 
 async def test_a_cycle_marked_disconnected_reads_a_disconnect_and_writes_nothing() -> None:
-    """An ASGI request whose body comes too slowly: gateway/server.py answers 408 itself and
+    """An ASGI request whose body comes too slowly: gateway/front/server.py answers 408 itself and
     marks uvicorn's cycle disconnected, so its app reads a disconnect and its answer is dropped."""
     raw = _Transport()
     cycle = RequestResponseCycle(
@@ -190,7 +190,7 @@ class _Callbacks:
 
 
 def test_httptools_hands_over_a_partial_target_and_stops_at_a_callbacks_exception() -> None:
-    """gateway/hooks.py refuses a target over its limit before the line ends (the parser hands
+    """gateway/front/hooks.py refuses a target over its limit before the line ends (the parser hands
     over what it has at the end of each read), and stops the parser by raising in a callback
     (which feed_data raises as an HttpParserError, the callback's exception its context)."""
     callbacks = _Callbacks()

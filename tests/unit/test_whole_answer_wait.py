@@ -1,4 +1,4 @@
-"""A whole answer's wait (gateway/waiting.py `within`): cut at its limit unless its engine reports
+"""A whole answer's wait (gateway/accounts/waiting.py `within`): cut at its limit unless its engine reports
 requests waiting, then extended up to the queued allowance, as a stream's first event is; and
 how old an engine's report may be to count (`engine_queued`, by the agent's heartbeat interval)."""
 
@@ -10,8 +10,8 @@ import time
 import pytest
 
 from fleetgate.schema import Load, WorkerInfo, WorkerView
+from gateway.accounts.waiting import engine_queued, within
 from gateway.errors import UpstreamTimeout
-from gateway.waiting import engine_queued, within
 
 
 async def answer_after(seconds: float) -> str:

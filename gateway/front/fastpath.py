@@ -1,0 +1,325 @@
+"""The data plane as a raw ASGI app in front of Litestar.
+
+The two proxied routes are the gateway's whole hot path, and Litestar's routing,
+signature model, middleware and response objects cost about a third of the CPU of a
+proxied request. This app answers the proxied POST routes (`requests.KINDS`) itself, with
+exactly the logic of the Litestar routes (`Proxy.serve`), through gateway/front/asgi_answer.py;
+everything else (lifespan, admin, models, metrics, docs) goes to Litestar unchanged.
+
+Under the gateway's own server protocol (gateway/front/server.py) those routes skip ASGI as
+well: the protocol parses the request into an `Exchange`, and `serve_exchange` writes the
+answer's bytes to the connection itself (one write for a whole answer; for a stream, its
+head with what was relayed before the loop turned, then one per relayed piece), with no
+scope, request cycle, message dicts, header validation or proxy-headers middleware in
+between (X-Forwarded-For is honoured as that middleware would, when a request has it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Collection
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from litestar import Litestar
+
+from gateway.engines.upstream import header_lines
+from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge
+from gateway.front import asgi_answer, front
+from gateway.front.asgi_answer import Receive, Scope, Send
+from gateway.request.requests import KINDS, header_reader, headers_by_name
+
+if TYPE_CHECKING:
+    from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+
+log = structlog.get_logger("gateway.fastpath")
+
+
+# The proxied routes by their raw path (a path with %-escapes or a query is the ASGI app's).
+_RAW_KINDS = {path.encode(): kind for path, kind in KINDS.items()}
+
+
+class FastPath:
+    def __init__(self, app: Litestar) -> None:
+        self.app = app
+        # uvicorn's X-Forwarded-For handling (gateway/front/server.py sets it), for requests that have it.
+        self.proxy_headers: ProxyHeadersMiddleware | None = None
+
+    def hot(self, method: bytes, raw_path: bytes) -> str | None:
+        """The kind of request that `serve_exchange` answers (None: the ASGI app's)."""
+        if method != b"POST":
+            return None
+        kind = _RAW_KINDS.get(raw_path)
+        return kind if kind is not None and self.app.state.get("gw") is not None else None
+
+    def max_body_bytes(self) -> int:
+        return int(self.app.state["gw"].settings.max_body_bytes)
+
+    async def serve_exchange(self, ex: Exchange, watched: list[front.Hangup]) -> None:
+        """Answer one proxied request straight onto its connection (see the module's docstring)."""
+        scope = ex.scope
+        names = headers_by_name(scope["headers"])
+        if self.proxy_headers is not None and (b"x-forwarded-for" in names or b"x-forwarded-proto" in names):
+            await self.proxy_headers(scope, _nothing, _nothing)  # type: ignore[arg-type]
+        gw = self.app.state["gw"]
+        client = scope["client"]
+        out = _Out(ex)
+        try:
+            # `watched`: the connection tells the hang-up itself, so no receive is watched.
+            reply, hangup = await front.serve(gw, header_reader(names), client[0] if client else None, ex.read_body,
+                                              _nothing, scope["path"], ex.kind, watched, ex.task)  # type: ignore[arg-type]
+        except front.ClientGone:
+            return
+        except GatewayError as exc:
+            out.whole(exc.status, _block(exc.headers().items()), exc.body())
+            return
+        except Exception:
+            log.exception("gateway.internal_error", path=scope["path"])
+            internal = GatewayError("Internal error in the gateway.")
+            out.whole(internal.status, b"", internal.body())
+            return
+        headers = _block(reply.headers)
+        if reply.stream is None:
+            watched.remove(hangup)
+            out.whole(reply.status, headers, reply.body)
+            reply.written()
+            return
+        await _relay(reply.status, headers, reply.stream, out, ex, hangup, watched)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = KINDS.get(scope.get("path", "")) if scope["type"] == "http" else None
+        gw = self.app.state.get("gw") if kind is not None and scope["method"] == "POST" else None
+        if gw is None:
+            await self.app(scope, receive, send)  # type: ignore[arg-type]
+            return
+        await asgi_answer.answer(gw, scope, receive, send, kind)  # type: ignore[arg-type]
+
+
+async def _relay(status: int, headers: bytes, stream: AsyncIterator[bytes], out: _Out, ex: Exchange,
+                 hangup: front.Hangup, watched: list[front.Hangup]) -> None:
+    """Write a stream's head, then its pieces as they come, at the client's pace; a client that
+    hangs up cancels it (which closes the engine's request)."""
+    try:
+        out.start_stream(status, headers)
+        async for chunk in stream:
+            if out.chunk(chunk):
+                await ex.flow.drain()
+        hangup.finish()
+        out.end_stream()
+    except asyncio.CancelledError:
+        hangup.finish()
+        if hangup.absorb():
+            return
+        raise
+    except Exception:  # the stream's own errors end in an SSE error event; this is a bug's
+        log.exception("gateway.internal_error", path=ex.scope["path"])
+    finally:
+        watched.remove(hangup)
+        await hangup.stop()
+        await stream.aclose()  # type: ignore[attr-defined]
+        if not ex.response_complete:  # broke off mid-stream: the client must not wait on it
+            out.abort()
+
+
+async def _nothing(*_: object) -> None:
+    return None
+
+
+def _block(headers: Collection[tuple[str, str]]) -> bytes:
+    """Header lines, UTF-8; a value holding CR or LF (a client's model name, say) is left out."""
+    return header_lines(headers).encode()
+
+
+def _status_line(status: int) -> bytes:
+    try:
+        phrase = HTTPStatus(status).phrase.encode()
+    except ValueError:
+        phrase = b""
+    return b"HTTP/1.1 %d %s\r\n" % (status, phrase)
+
+
+_STATUS = {code: _status_line(code) for code in range(100, 600)}
+_JSON_HEAD = b"content-type: application/json\r\ncontent-length: "
+_SSE_HEAD = (b"content-type: text/event-stream\r\ncache-control: no-cache\r\nx-accel-buffering: no\r\n"
+             b"transfer-encoding: chunked\r\n")
+
+
+class _Out:
+    """Writes one answer onto an `Exchange`'s connection and keeps its books as uvicorn's `send`
+    would: started, complete, keep-alive or close, and the protocol told so it reads the next request.
+
+    A stream's head waits in `pending` until the task that relays it yields to the loop (a
+    `call_soon`), and pieces relayed meanwhile join it: a stream that arrives in one read (a
+    short answer, a fast engine) leaves in one write, head, events and end together, instead of
+    three. Once the head is out, each piece is written as it comes."""
+
+    __slots__ = ("cycle", "pending", "transport")
+
+    def __init__(self, cycle: Exchange) -> None:
+        self.cycle = cycle
+        self.transport = cycle.transport
+        self.pending: list[bytes] = []
+
+    def _head(self, status: int, headers: bytes) -> list[bytes]:
+        cycle = self.cycle
+        cycle.response_started = True
+        cycle.waiting_for_100_continue = False
+        parts = [_STATUS.get(status) or _status_line(status)]
+        for name, value in cycle.default_headers:
+            parts += (name, b": ", value, b"\r\n")
+        parts.append(headers)
+        if not cycle.keep_alive:
+            parts.append(b"connection: close\r\n")
+        return parts
+
+    def _complete(self) -> None:
+        cycle = self.cycle
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            self.transport.close()
+        cycle.on_response()
+
+    def whole(self, status: int, headers: bytes, body: bytes) -> None:
+        if self.cycle.disconnected:
+            return
+        parts = self._head(status, headers)
+        parts += (_JSON_HEAD, str(len(body)).encode(), b"\r\n\r\n", body)
+        self.transport.write(b"".join(parts))
+        self._complete()
+
+    def start_stream(self, status: int, headers: bytes) -> None:
+        if self.cycle.disconnected:
+            return
+        parts = self._head(status, headers)
+        parts += (_SSE_HEAD, b"\r\n")
+        self.pending.append(b"".join(parts))
+        asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Write what waits in `pending` (the head, and pieces relayed with it)."""
+        pending = self.pending
+        if pending:
+            data = pending[0] if len(pending) == 1 else b"".join(pending)
+            pending.clear()
+            if not self.cycle.disconnected:
+                self.transport.write(data)
+
+    def chunk(self, data: bytes) -> bool:
+        """Write a piece of a stream; True when the client reads slower than it comes (await
+        `flow.drain()` before the next piece)."""
+        cycle = self.cycle
+        if cycle.disconnected:
+            return False
+        if data:
+            framed = b"%x\r\n%b\r\n" % (len(data), data)
+            if self.pending:
+                self.pending.append(framed)
+            else:
+                self.transport.write(framed)
+        return cycle.flow.write_paused  # type: ignore[no-any-return]
+
+    def end_stream(self) -> None:
+        if not self.cycle.disconnected:
+            if self.pending:
+                self.pending.append(b"0\r\n\r\n")
+                self.flush()
+            else:
+                self.transport.write(b"0\r\n\r\n")
+            self._complete()
+
+    def abort(self) -> None:
+        if self.cycle.response_started and not self.cycle.disconnected:
+            self.flush()  # what was relayed goes out before the connection closes
+            self.transport.close()
+
+
+class _NoEvent:
+    __slots__ = ()
+
+    def set(self) -> None:
+        return None
+
+
+class Exchange:
+    """One proxied request on the gateway's connection protocol (gateway/front/server.py): its head
+    as parsed, its body as it arrives, and the books that `_Out` keeps as uvicorn's request
+    cycle would (started, complete, keep-alive or close), with no ASGI in between."""
+
+    __slots__ = ("_chunks", "_error", "_limit", "_size", "_waiter", "default_headers", "disconnected", "flow",
+                 "keep_alive", "kind", "more_body", "on_response", "response_complete", "response_started",
+                 "scope", "task", "transport", "waiting_for_100_continue")
+    # uvicorn's protocol sets its request cycle's event when the connection closes; nobody waits here.
+    message_event = _NoEvent()
+
+    def __init__(self, kind: str, scope: Scope, transport: asyncio.Transport, flow: Any,
+                 default_headers: list[tuple[bytes, bytes]], keep_alive: bool, expect_100_continue: bool,
+                 limit: int, on_response: Callable[[], None]) -> None:
+        self.kind = kind
+        self.scope = scope
+        self.transport = transport
+        self.flow = flow
+        self.default_headers = default_headers
+        self.keep_alive = keep_alive
+        self.waiting_for_100_continue = expect_100_continue
+        self.on_response = on_response
+        self.disconnected = False
+        self.response_started = False
+        self.response_complete = False
+        self.more_body = True
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._limit = limit
+        self._error: GatewayError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self.task: asyncio.Task[None] | None = None  # the task serving it, once the server starts one
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- fed by the protocol -----------------------------------------------------------
+    def feed(self, data: bytes) -> None:
+        if self._error is not None:
+            return
+        self._size += len(data)
+        if self._size > self._limit:
+            self.give_up(RequestTooLarge.over(self._limit))
+            return
+        self._chunks.append(data)
+
+    def give_up(self, error: GatewayError) -> None:
+        """Read no more of the body: the request is answered `error` and its connection closes
+        (a body over the limit, or too slow: gateway/front/server.py)."""
+        self._chunks.clear()
+        self._error = error
+        self.keep_alive = False  # the rest of the body is never read
+        self._wake()
+
+    def end(self) -> None:
+        self.more_body = False
+        self._wake()
+
+    def lost(self) -> None:
+        self.disconnected = True
+        self._wake()
+
+    # -- read by the request's task --------------------------------------------------------
+    async def read_body(self) -> bytes:
+        while self.more_body and self._error is None:
+            if self.disconnected:
+                raise InvalidRequest("The client went away before sending the whole body.")
+            if self.waiting_for_100_continue and not self.response_started:
+                self.waiting_for_100_continue = False
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if self._error is not None:
+            raise self._error
+        chunks = self._chunks
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)

@@ -1,0 +1,440 @@
+"""The attempts at one request: choose a worker, send, and on a safe failure choose again.
+
+`Attempt` sends one request to the best worker it has not tried yet; `run` drives it: it
+re-places an evicted adapter, waits in the gateway's queue while every eligible worker is
+full (gateway/accounts/admission.py), and retries a failure that reached no client byte on another
+worker, bounded in attempts and in time, with jittered backoff and one log event per retry.
+An attempt sees only `Dispatch`, the few collaborators a send needs, never the whole proxy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NoReturn
+
+import structlog
+from msgspec.structs import replace
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_random_exponential,
+)
+
+from fleetgate.schema import WorkerView
+from gateway.accounts.adapters import AdapterPlacer
+from gateway.accounts.admission import Admission
+from gateway.accounts.circuit import Breakers
+from gateway.accounts.inflight import SharedInflight
+from gateway.accounts.lora_hold import SlotHeld, hold_for_slot, slot_gate, steer
+from gateway.accounts.placement import Placement
+from gateway.accounts.priorities import Priority
+from gateway.accounts.waiting import FirstByteWaits, engine_queued, within
+from gateway.engines.upstream import (
+    RETRYABLE_STATUS,
+    Response,
+    Upstream,
+    is_json,
+    openai_error_body,
+)
+from gateway.errors import (
+    ContextLengthExceeded,
+    EngineUnreachable,
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    NoWorkerAvailable,
+    Overloaded,
+    UpstreamError,
+    detail,
+)
+from gateway.fleet import FleetWatcher
+from gateway.observe.metrics import GatewayMetrics
+from gateway.observe.tracing import NO_TRACE, RequestTrace
+from gateway.request.context import error_message, refit, refused_prompt_tokens
+from gateway.routing import Choice, Decision, FullAt, Live, Policy, RequestFacts, decide
+from gateway.routing.table import REPORT_GROWTH_TOKENS, Slot
+from gateway.settings import GatewaySettings
+
+log = structlog.get_logger("gateway.attempts")
+
+FORWARD_HEADERS = {"content-type": "application/json"}
+# What a request without max_tokens is expected to generate, for the KV account.
+_DEFAULT_COMPLETION_TOKENS = 256
+_DEFAULT_PRIORITY = Priority("default")
+
+
+def _json_object(data: bytes) -> bool:
+    """Whether `data` is one whole JSON object, as every engine's 200 answer is."""
+    return data.lstrip()[:1] == b"{" and is_json(data)
+
+
+class Retryable(Exception):
+    def __init__(self, error: GatewayError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class Held(Exception):
+    """The chosen worker's KV cache is full by the account: wait there a moment (`_hold`)."""
+
+    def __init__(self, slot: Slot) -> None:
+        self.slot = slot
+
+
+class Saturated(Exception):
+    """Every eligible worker is full: the request waits in the gateway's queue."""
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """What an attempt needs: the fleet and the policy to choose, the engines' session to
+    send, and the accounts a send keeps (in flight, adapters in use, breakers, waits)."""
+
+    settings: GatewaySettings
+    watcher: FleetWatcher
+    upstream: Upstream
+    policy: Policy
+    live: Live
+    inflight: SharedInflight
+    placer: AdapterPlacer
+    placement: Placement
+    breakers: Breakers
+    waits: FirstByteWaits
+    full_at: FullAt  # settings.full_at, built once (settings do not change while the gateway runs)
+
+
+# (choice, open streaming response or None, (status, body) when not streaming)
+Result = tuple[Choice, Response | None, tuple[int, bytes]]
+
+
+class Attempt:
+    """The attempts at one request: each picks the best worker not tried yet."""
+
+    def __init__(
+        self, dispatch: Dispatch, path: str, kind: str, body: bytes, stream: bool, facts: RequestFacts, floor: int
+    ) -> None:
+        self.dispatch = dispatch
+        self.path = path
+        self.kind = kind
+        self.body = body
+        self.stream = stream
+        self.facts = facts
+        # The fewest tokens the prompt can have (equal to the estimate with a tokenizer).
+        self.floor = floor
+        # Each attempt decides afresh (the fleet may have changed), skipping these.
+        self.tried: list[str] = []
+        self.count = 0
+        self.last_error: GatewayError | None = None
+        self.unreachable = 0  # attempts that found no engine to talk to
+        self.queue_deadline: float | None = None
+        # Held once for its worker's KV room (`_hold`); never twice.
+        self.held = False
+        self.replaced = False
+        # Adapter requests: when it arrived (its slot wait is bounded from then: gateway/accounts/lora_hold.py),
+        # and whether it waited for a LoRA slot ("slot-held", "slot-timeout": its route says so).
+        self.arrived = time.monotonic()
+        self.slot_held = ""
+        self.slot_for = ""  # the worker whose slot its hold got
+        # The KV tokens this request holds on its worker by the gateway's account: its own
+        # prompt tokens and completion budget, and the prefix it shares with its key's others.
+        self.prefix = facts.prefix_tokens
+        own_prompt = max(0, facts.prompt_tokens - self.prefix)
+        budget = facts.max_tokens or _DEFAULT_COMPLETION_TOKENS
+        self.own_tokens = own_prompt + budget
+        # What it adds before its engine's next report, where the engine measures its KV use.
+        self.fresh = own_prompt + min(budget, REPORT_GROWTH_TOKENS)
+        # The work it adds to its affinity key's placement: its prompt and what a completion
+        # typically takes (a budget of thousands is an upper bound, not a prediction).
+        self.work = own_prompt + min(budget, _DEFAULT_COMPLETION_TOKENS)
+        self.key = facts.affinity_key
+        self.headers = FORWARD_HEADERS
+        self.trace: RequestTrace = NO_TRACE
+        # Its priority class (gateway/accounts/priorities.py), the key it is queued fairly among
+        # ("": all one line), and when a worker counts full for it (its class's share).
+        self.priority = _DEFAULT_PRIORITY
+        self.tenant = ""
+        self.full_at = dispatch.full_at
+        # The request has a fallback model (gateway/models/aliases.py): when this one is full or its
+        # context too small, raise at once (no queueing, no engine 400) so the fallback gets it.
+        self.falls_back = False
+
+    def kv_tokens(self, slot: Slot) -> int:
+        """The KV tokens this request counts for on `slot` when deciding whether it fits: until
+        the next report where its engine measures KV use, else its whole account."""
+        return self.fresh if slot.measured else self.own_tokens
+
+    def hold(self, worker_id: str) -> None:
+        self.dispatch.inflight.add(worker_id, self.own_tokens, self.key, self.prefix, self.fresh)
+        if self.facts.adapter:  # never evicted while in flight; a busy adapter gets a replica
+            self.dispatch.placer.started(worker_id, self.facts.model)
+
+    def release(self, worker_id: str) -> None:
+        self.dispatch.inflight.done(worker_id, self.own_tokens, self.key, self.prefix, self.fresh)
+        if self.facts.adapter:
+            self.dispatch.placer.finished(worker_id, self.facts.model)
+
+    def candidates(self) -> list[str]:
+        """The model's routable workers not tried before the newest attempt (for its trace)."""
+        routes = self.dispatch.watcher.snapshot.routes.by_model.get(self.facts.model)
+        before = self.tried[:-1]  # `tried` already holds the newest attempt's worker
+        return [s.id for s in routes.routable if s.id not in before] if routes is not None else self.tried[-1:]
+
+    def first_byte_timeout(self) -> float:
+        s = self.dispatch.settings
+        return s.first_byte_timeout_s + s.first_byte_per_1k_tokens_s * self.facts.prompt_tokens / 1000
+
+    def answer_timeout(self, worker: WorkerView) -> float:
+        """A whole non-streamed answer: its first byte's time, plus time for every token asked
+        for (without max_tokens, for what the worker's context leaves)."""
+        facts = self.facts
+        tokens = facts.max_tokens or max(_DEFAULT_COMPLETION_TOKENS, worker.info.max_model_len - facts.prompt_tokens)
+        return self.first_byte_timeout() + self.dispatch.settings.answer_per_token_s * tokens
+
+    def saturated(self) -> str | None:
+        """The limit every eligible worker is at ("slots", "kv"), or None when one has room."""
+        dispatch = self.dispatch
+        decision = decide(dispatch.watcher.snapshot.routes, self.facts, dispatch.live, dispatch.policy,
+                          self.tried, limit=1, full_at=self.full_at)
+        return decision.why or "slots" if decision.verdict == "saturated" else None
+
+    async def next(self, body: Callable[[WorkerView], bytes] | None = None) -> Result:
+        """Send the request (or `body(worker)`, shaped for the chosen worker) to the best worker left."""
+        dispatch = self.dispatch
+        if self.key is not None and self.count == 0:
+            self._placed()
+        choice = self._choose()
+        worker = choice.worker
+        if self.count == 0:
+            dispatch.placement.record(self.facts, choice, self.work)
+        self.tried.append(worker.id)
+        self.count += 1
+        self.hold(worker.id)
+        url = worker.info.url + self.path
+        headers = self.trace.attempt(self.headers, choice, url, dispatch.policy.name, self.candidates)
+        try:
+            # One wait for the first byte: a stream's head, or a whole answer's head and body.
+            with dispatch.waits.waiting(worker.id):
+                data_out = body(worker) if body else self.body
+                if self.stream:
+                    resp = await dispatch.upstream.post(url, data_out, headers, True, self.first_byte_timeout())
+                else:  # queued in its engine, a whole answer may wait as long as a stream's first event
+                    limit = self.answer_timeout(worker)
+                    most = limit + max(0.0, dispatch.settings.first_byte_queued_timeout_s - self.first_byte_timeout())
+                    resp = await within(dispatch.upstream.post(url, data_out, headers, False, most), limit, most,
+                                        lambda: engine_queued(dispatch.watcher.snapshot.by_id.get(worker.id)))
+                    resp.timeout = limit  # the body, once the answer came, reads as before
+                self.trace.attempt_status(resp.status)
+                if self.stream and resp.status == 200:
+                    return choice, resp, (200, b"")  # the relay holds the worker from here
+                try:
+                    data = await dispatch.upstream.read(resp)
+                finally:
+                    resp.release()
+        except UpstreamError as exc:
+            self.release(worker.id)
+            self._failed(worker, exc)
+        except BaseException:  # cancelled: the client hung up, the engine's request is closed
+            self.release(worker.id)
+            raise
+        self.release(worker.id)
+        if resp.status == 200 and not _json_object(data):  # never relayed: it may name the engine
+            self._failed(worker, UpstreamError("The engine's answer was not valid JSON.", detail=(
+                f"engine at {url} answered 200 with {resp.content_type or 'no content type'} that is not "
+                f"a JSON object: {data[:120]!r}")))
+        return choice, None, (resp.status, self._answered(worker, resp.status, data))
+
+    def _placed(self) -> None:
+        """Where the key is placed: looked up now, not on arrival (the request may have queued)."""
+        home, second, heavy = self.dispatch.placement.lookup(self.key)
+        if home != self.facts.home or second != self.facts.second or heavy != self.facts.heavy:
+            self.facts = replace(self.facts, home=home, second=second, heavy=heavy)
+
+    def _answered(self, worker: WorkerView, status: int, data: bytes) -> bytes:
+        """A whole answer's body for the client; raises Retryable for one another worker may answer."""
+        if status == 429:  # full, not sick: retried elsewhere, never held against it
+            self._failed(worker, Overloaded(f"Worker {worker.id} is at capacity.", retry_after=1), sick=False)
+        if status in RETRYABLE_STATUS:
+            message = openai_error_body(status, data).decode()
+            # The engine's own message stays in the log: it may name the engine's address.
+            self._failed(worker, UpstreamError(f"The engine answered {status}.",
+                                               detail=f"engine {worker.id} answered {status}: {message[:300]}"))
+        if status < 400:  # the client's 4xx says nothing of the engine's health
+            self.dispatch.breakers.success(worker.id)
+        else:
+            data = openai_error_body(status, data)
+            if (tokens := refused_prompt_tokens(status, data)) is not None:
+                self._refused(worker, tokens, data)
+        self.trace.attempt_end()
+        return data
+
+    def _refused(self, worker: WorkerView, tokens: int, data: bytes) -> None:
+        """The engine's context is too small for the prompt: try a roomier worker, if any."""
+        facts = refit(self.facts, self.dispatch.watcher.snapshot.routes, self.tried, tokens)
+        if facts is None:
+            if self.falls_back:
+                raise ContextLengthExceeded(error_message(data), param="messages")
+            return
+        self.facts, self.floor = facts, tokens
+        log.info("gateway.context_refused", worker=worker.id, prompt_tokens=tokens,
+                 max_model_len=worker.info.max_model_len)
+        self.last_error = ContextLengthExceeded(error_message(data), param="messages")
+        raise Retryable(self.last_error)
+
+    async def resume(self, body: Callable[[WorkerView], bytes]) -> tuple[Choice, Response]:
+        """Start the continuation of a broken stream on another worker (retried like a request)."""
+        for _ in range(self.dispatch.settings.retry_attempts):
+            try:
+                choice, resp, _ = await self.next(body)
+            except Retryable:
+                continue
+            if resp is not None:
+                return choice, resp
+            raise UpstreamError("the engine refused the continuation")
+        raise self.final_error() or NoWorkerAvailable("No other worker can continue this stream.")
+
+    def _choose(self) -> Choice:
+        dispatch = self.dispatch
+        routes = dispatch.watcher.snapshot.routes
+        # Shed load on a request's first attempt only: a retry or a resume has waited enough.
+        full_at = self.full_at if self.count == 0 else None
+        decision = decide(routes, self.facts, dispatch.live, dispatch.policy, self.tried, limit=1,
+                          full_at=full_at)
+        if decision.verdict == "saturated":
+            raise Saturated
+        if full_at is not None and not self.held and decision.choices:
+            slot = decision.choices[0].slot
+            if full_at.holds(slot, dispatch.live, self.kv_tokens(slot)):
+                raise Held(slot)
+        if self.facts.adapter and decision.choices:
+            choice = decision.choices[0]
+            if (why := slot_gate(self, choice.slot)) and (steered := steer(self, choice)) is not choice:
+                choice, why = steered, slot_gate(self, steered.slot)
+            if why:
+                raise SlotHeld(choice.slot, why)
+            # The decision log and the route header say it waited for a slot.
+            return Choice(choice.slot, f"{choice.reason}+{self.slot_held}") if self.slot_held else choice
+        if decision.verdict == "context_length" and self.floor + (self.facts.max_tokens or 0) < decision.limit:
+            # Only an estimate says it does not fit: let the roomiest workers' engines decide.
+            roomiest = replace(self.facts, prompt_tokens=decision.limit - 1, max_tokens=None)
+            decision = decide(routes, roomiest, dispatch.live, dispatch.policy, self.tried, limit=1)
+        if decision.choices:
+            return decision.choices[0]
+        raise self._refusal(decision)
+
+    def _refusal(self, decision: Decision) -> GatewayError:
+        """Why no worker can take the request, for the client."""
+        model, asked = self.facts.model, self.floor + (self.facts.max_tokens or 0)
+        if decision.verdict == "unknown_model":
+            return ModelNotFound(f"The model `{model}` does not exist or no worker serves it.", param="model")
+        if decision.verdict == "wrong_task":
+            if self.facts.pooling:
+                return InvalidRequest(f"`{model}` generates text; it does not serve embeddings. "
+                                      "Name an embedding model.", param="model", code="model_not_supported")
+            return InvalidRequest(f"`{model}` is an embedding model: it serves /v1/embeddings, not "
+                                  f"{self.path}.", param="model", code="model_not_supported")
+        if decision.verdict == "context_length":
+            return ContextLengthExceeded(
+                f"This model's maximum context length is {decision.limit} tokens. However, you requested "
+                f"{asked} tokens or more ({self.floor} in the prompt, {self.facts.max_tokens or 0} for the "
+                "completion). Please reduce the length of the prompt or of max_tokens.", param="messages")
+        return self.final_error() or NoWorkerAvailable(
+            f"No worker can serve `{model}` right now (all draining or unhealthy); try again shortly.",
+            retry_after=1)
+
+    def final_error(self) -> GatewayError | None:
+        """What the client gets when the attempts end: the last one's error, unless no worker
+        tried could even be reached (killed, its record not yet expired): then a 503 to retry,
+        since the fleet is changing, that names no engine's address."""
+        error = self.last_error
+        if isinstance(error, EngineUnreachable) and self.unreachable == self.count:
+            return NoWorkerAvailable(
+                f"No worker of `{self.facts.model}` could be reached ({self.count} tried); the fleet "
+                "is changing, try again shortly.", code="workers_unreachable", retry_after=1)
+        return error
+
+    def _failed(self, worker: WorkerView, error: GatewayError, sick: bool = True) -> NoReturn:
+        self.last_error = error
+        self.unreachable += isinstance(error, EngineUnreachable)
+        why = detail(error)  # the engine's address too: for the log, the circuit, the trace
+        self.trace.attempt_end(why)
+        if sick:
+            self.dispatch.breakers.failure(worker.id, why)
+        log.warning("gateway.attempt_failed", worker=worker.id, attempt=self.count, error=why)
+        raise Retryable(error)
+
+async def run(attempt: Attempt, admission: Admission, metrics: GatewayMetrics) -> Result:
+    """Attempt until a worker answers: re-place an evicted adapter once, queue while the
+    fleet is full, retry a failure that reached no client byte."""
+    placer, model = attempt.dispatch.placer, attempt.facts.model
+    if attempt.facts.adapter and placer.known(model):
+        await placer.ensure(model)
+    while True:
+        try:
+            return await attempt.next()
+        except ModelNotFound:
+            if not (attempt.facts.adapter and placer.known(model)) or attempt.replaced:
+                raise
+            attempt.replaced = True  # evicted between its placement and now: place it again
+            await placer.ensure(model)
+        except Saturated:
+            if attempt.falls_back:
+                raise Overloaded(f"Every worker of `{model}` is full.", retry_after=1) from None
+            await _wait_for_room(attempt, admission)
+        except Held as held:
+            await _hold(attempt, admission, held.slot)
+        except SlotHeld as waits:  # its own name: compiled, `held` is typed by the clause above
+            await hold_for_slot(attempt, admission, waits)
+        except Retryable as first_failure:
+            return await _retry(attempt, first_failure, metrics)
+
+
+async def _wait_for_room(attempt: Attempt, admission: Admission) -> None:
+    """Hold a request while every eligible worker is full; bounded in count and time."""
+    settings, priority = attempt.dispatch.settings, attempt.priority
+    timeout = settings.queue_timeout_s if priority.queue_timeout_s is None else priority.queue_timeout_s
+    if attempt.queue_deadline is None:
+        attempt.queue_deadline = time.monotonic() + timeout
+    facts = attempt.facts
+    await admission.wait(facts.model, attempt.saturated, attempt.queue_deadline, retry_after=max(1.0, timeout / 2),
+                         priority=priority.name, key=attempt.tenant,
+                         tokens=facts.prompt_tokens + (facts.max_tokens or _DEFAULT_COMPLETION_TOKENS))
+
+async def _hold(attempt: Attempt, admission: Admission, slot: Slot) -> None:
+    """Wait, at most `hold_max_s`, until `slot` has KV room for the request by the account
+    (a completion there wakes it), rather than have its engine preempt to admit it."""
+    attempt.held = True
+    settings = attempt.dispatch.settings
+    full_at, live, tokens = attempt.dispatch.full_at, attempt.dispatch.live, attempt.kv_tokens(slot)
+    got = await admission.hold(slot.id, lambda: not full_at.holds(slot, live, tokens),
+                               time.monotonic() + settings.hold_max_s)
+    log.debug("gateway.hold", worker_id=slot.id, model=attempt.facts.model, room=got)
+
+
+async def _retry(attempt: Attempt, failure: Retryable, metrics: GatewayMetrics) -> Result:
+    settings = attempt.dispatch.settings
+    if settings.retry_attempts <= 1:
+        raise attempt.final_error() or failure.error
+    retrying = AsyncRetrying(
+        stop=stop_after_attempt(settings.retry_attempts - 1) | stop_after_delay(settings.retry_max_s),
+        wait=wait_random_exponential(multiplier=settings.retry_backoff_s, max=1.0),
+        retry=retry_if_exception_type(Retryable),
+        reraise=True,
+        before=lambda state: _log_retry(attempt, metrics),
+    )
+    try:
+        async for state in retrying:
+            with state:
+                return await attempt.next()
+    except Retryable as last:
+        raise attempt.final_error() or last.error from None
+    raise failure.error  # pragma: no cover - tenacity either returns or raises
+
+def _log_retry(attempt: Attempt, metrics: GatewayMetrics) -> None:
+    metrics.retry(attempt.facts.model)
+    why = detail(attempt.last_error) if attempt.last_error else ""
+    attempt.trace.retry(attempt.count + 1, why)
+    log.info("gateway.retry", model=attempt.facts.model, attempt=attempt.count + 1, error=why)

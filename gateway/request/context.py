@@ -1,0 +1,84 @@
+"""An engine's refusal of a prompt longer than its context, read from its 400.
+
+Without the model's tokenizer the gateway only estimates a prompt's tokens, so a prompt
+can reach a worker whose context is too small for it while a roomier one is idle. The
+engines' refusals say the prompt's real length; with it the request is sent again where
+it fits (gateway/request/attempts.py), instead of handing the client a 400 the fleet did not need.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import msgspec
+from msgspec.structs import replace
+
+from gateway.routing import RequestFacts, Routes
+
+# vLLM 0.32: "This model's maximum context length is 2048 tokens. However, your prompt
+# contains at least 2049 input tokens, ..." (it stops counting past the limit: a lower bound,
+# enough to know a worker with a longer context may fit it); older vLLM (and the simulator):
+# "... However, your request has 2600 input tokens." LMDeploy: "Input length (2600) must be
+# smaller than the model context length (2048)."
+_PATTERNS = (
+    re.compile(rb"maximum context length is \d+ tokens\. However, your prompt contains at least (\d+) input tokens"),
+    re.compile(rb"maximum context length is \d+ tokens\. However, your request has (\d+) input tokens"),
+    re.compile(rb"maximum context length is \d+ tokens\. However, you requested (\d+) tokens \((\d+) in"),
+    re.compile(rb"Input length \((\d+)\) must be smaller than the model context length"),
+)
+
+
+class _Error(msgspec.Struct):
+    message: str = ""
+
+
+class _Body(msgspec.Struct):
+    error: _Error | None = None
+
+
+def refused_prompt_tokens(status: int, data: bytes) -> int | None:
+    """The prompt's tokens by the engine's count (at least that many) when `data` is a
+    context-length refusal (a 400 whose message says so); None for any other answer."""
+    if status != 400 or b"context length" not in data:
+        return None
+    try:
+        message = msgspec.json.decode(data, type=_Body).error
+    except msgspec.DecodeError:
+        return None
+    if message is None:
+        return None
+    text = message.message.encode()
+    for pattern in _PATTERNS:
+        if found := pattern.search(text):
+            return int(found.groups()[-1])
+    return None
+
+
+
+
+def error_message(data: bytes) -> str:
+    """The message of an error body in OpenAI's shape."""
+    try:
+        error = msgspec.json.decode(data, type=_Body).error
+    except msgspec.DecodeError:
+        return data.decode(errors="replace")[:500]
+    return error.message if error is not None else ""
+
+
+def refit(facts: RequestFacts, routes: Routes, tried: Sequence[str], tokens: int) -> RequestFacts | None:
+    """The request's facts with the prompt's real length, when a worker not tried yet has a
+    context it fits; None when none has (the engine's refusal then stands)."""
+    model_routes = routes.by_model.get(facts.model)
+    if model_routes is None:
+        return None
+    roomier = [s for s in model_routes.slots if s.routable and s.id not in tried and s.max_len > tokens]
+    if not roomier:
+        return None
+    max_tokens = facts.max_tokens
+    if max_tokens and not any(s.max_len >= tokens + max_tokens for s in roomier):
+        max_tokens = None  # the engine cuts the completion to what fits, as vLLM does
+    return replace(facts, prompt_tokens=tokens, max_tokens=max_tokens)
+
+
+__all__ = ["error_message", "refit", "refused_prompt_tokens"]

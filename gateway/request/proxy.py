@@ -1,0 +1,416 @@
+"""Proxying one OpenAI request: parse the little routing needs, pick a worker, forward, relay.
+
+Three rooms: this one turns the request into routing facts and writes its outcome;
+gateway/request/attempts.py chooses workers and sends (retries, the queue); gateway/request/relay.py
+relays a stream and continues it elsewhere when it breaks.
+
+The body goes to the engine byte for byte. Only the fields routing needs are
+decoded. A failure before any byte reached the client (refused connection,
+timeout, engine 5xx/429, a body cut short) is retried on another worker, bounded
+in attempts and in time, with jittered backoff and one log event per retry. Once a
+stream has started, events are relayed as they arrive; if the engine dies or
+stalls mid-stream, the stream is continued on another worker (gateway/request/resume.py).
+When every eligible worker is full by the gateway's own account, the request waits in a
+bounded FIFO queue woken by completions (gateway/accounts/admission.py), then gets 429 +
+Retry-After. A client that goes away closes the engine's request (gateway/front/front.py).
+The engine gets the request's `x-request-id`; a stream always asks it for usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import structlog
+
+from fleetgate.schema import WorkerView
+from gateway.accounts.adapters import AdapterPlacer
+from gateway.accounts.admission import Admission
+from gateway.accounts.circuit import Breakers
+from gateway.accounts.inflight import SharedInflight
+from gateway.accounts.placement import Placement
+from gateway.accounts.priorities import HEADER as PRIORITY_HEADER
+from gateway.accounts.priorities import Priorities, Priority
+from gateway.accounts.waiting import FirstByteWaits
+from gateway.engines.upstream import Upstream
+from gateway.errors import GatewayError, InvalidRequest, ModelNotFound
+from gateway.fleet import FleetWatcher
+from gateway.models.aliases import Route, fallback_reason, resolve, with_model
+from gateway.models.live_routes import Routes
+from gateway.observe import outcomes
+from gateway.observe.metrics import GatewayMetrics, usage_of
+from gateway.observe.tracing import RequestTrace, Tracing
+from gateway.request import attempts
+from gateway.request.attempts import FORWARD_HEADERS, Attempt, Dispatch
+from gateway.request.prefix_cache import PrefixCache
+from gateway.request.relay import relay
+from gateway.request.requests import (
+    GENERATES,
+    Probe,
+    affinity,
+    parse_request,
+    prompt_tokens,
+    shared_prefix_tokens,
+)
+from gateway.request.responses import (
+    ResponsesTracker,
+    forward_stored,
+    owner_of,
+    remember,
+    response_id_of,
+)
+from gateway.request.resume import StreamTracker, unresumable, with_usage
+from gateway.request.tokenizers import Tokenizers
+from gateway.routing import Live, Policy, RequestFacts
+from gateway.settings import GatewaySettings
+from gateway.tenants.quota import Quota, Ticket
+from gateway.tenants.tenants import Tenant
+
+log = structlog.get_logger("gateway.proxy")
+
+
+@dataclass(slots=True)
+class Reply:
+    """What the gateway answers: a whole JSON body, or an SSE stream."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes = b""
+    stream: AsyncIterator[bytes] | None = None
+    # A whole answer's bookkeeping (metrics, usage, its log line, its trace), for whoever writes
+    # the answer to call once it is written (`written`): none of it delays the client. Synchronous,
+    # so it runs in the loop step that wrote the answer, before the connection's next request.
+    after: Callable[[], None] | None = None
+
+    def written(self) -> None:
+        """The answer is written: its bookkeeping runs; a bug there is logged, not the client's."""
+        after = self.after
+        if after is not None:
+            try:
+                after()
+            except Exception:
+                log.exception("gateway.internal_error", stage="after_answer")
+
+
+class _Answered:
+    """What is left to do for a whole answer once it is written (`Reply.after`)."""
+
+    def __init__(self, metrics: GatewayMetrics, ticket: Ticket | None, model: str, worker_id: str, status: int,
+                 elapsed: float, payload: bytes, fields: dict[str, object], trace: RequestTrace) -> None:
+        self.metrics = metrics
+        self.ticket = ticket
+        self.model = model
+        self.worker_id = worker_id
+        self.status = status
+        self.elapsed = elapsed  # to the answer, not to this bookkeeping
+        self.payload = payload
+        self.fields = fields
+        self.trace = trace
+        self._usage: tuple[int, int] | None = None
+
+    def usage(self) -> tuple[int, int]:
+        if self._usage is None:
+            self._usage = usage_of(self.payload) if self.status == 200 else (0, 0)
+        return self._usage
+
+    def run(self) -> None:
+        status = self.status
+        prompt_tokens, completion_tokens = self.usage()
+        ticket = self.ticket
+        if ticket is not None:
+            ticket.settle_buffered(prompt_tokens, completion_tokens, status)  # (no-op once settled)
+        self.metrics.request_done(self.model, self.worker_id, status, False, self.elapsed, None,
+                                  prompt_tokens, completion_tokens)
+        # bind(): the lazy proxy's `info` would be found only after a failed lookup (an
+        # AttributeError built and dropped per request); bind() is a plain attribute.
+        log.bind().info("gateway.request", **self.fields, status=status, ms=round(self.elapsed * 1000, 2),
+                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 error=outcomes.error_code(self.payload) if status >= 400 else None)
+        self.trace.end(status)
+
+
+# Plain classes, not dataclasses: compiled, a dataclass's generated __init__ runs as Python.
+class _Request:
+    """One request as `Proxy._serve` took it in, for the steps that send it."""
+
+    def __init__(self, probe: Probe, body: bytes, path: str, kind: str, session: str | None, key_id: str,
+                 request_id: str, started: float, trace: RequestTrace, priority: Priority,
+                 tenant: Tenant | None) -> None:
+        self.probe, self.body, self.path, self.kind, self.session = probe, body, path, kind, session
+        self.key_id, self.request_id, self.started, self.trace = key_id, request_id, started, trace
+        self.priority, self.tenant = priority, tenant
+
+
+class _Sent:
+    """What answered: the model's request as sent, its attempts and their result, the key's
+    ticket, whether the client's stream hides the usage chunk, and whether it fell back."""
+
+    def __init__(self, probe: Probe, body: bytes, attempt: Attempt, result: attempts.Result,
+                 ticket: Ticket | None, hide_usage: bool, fell_back: bool) -> None:
+        self.probe, self.body, self.attempt, self.result = probe, body, attempt, result
+        self.ticket, self.hide_usage, self.fell_back = ticket, hide_usage, fell_back
+
+
+# Named functions, not lambdas: mypyc compiles this module (scripts/compile.py) and
+# does not take a lambda in a dataclass's methods or field defaults.
+def _new_prefix() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def _constant(routes: Routes) -> Callable[[], Routes]:
+    def get() -> Routes:
+        return routes
+    return get
+
+
+@dataclass
+class Proxy:
+    settings: GatewaySettings
+    watcher: FleetWatcher
+    upstream: Upstream
+    policy: Policy
+    inflight: SharedInflight
+    breakers: Breakers
+    metrics: GatewayMetrics
+    placer: AdapterPlacer
+    placement: Placement
+    admission: Admission
+    tokenizers: Tokenizers = field(default_factory=Tokenizers)
+    tracing: Tracing = field(default_factory=Tracing)
+    # The engines' prefix caches by their KV cache events; None: route by the placement only.
+    prefix_cache: PrefixCache | None = None
+    # Priority classes (gateway/accounts/priorities.py); None: from the settings.
+    priorities: Priorities | None = None
+    # Per-key limits and usage (gateway/tenants/quota.py); None: keys carry no limits.
+    quota: Quota | None = None
+    # The effective aliases and fallbacks; None: the settings' (create_app gives the live ones).
+    routes: Callable[[], Routes] = None  # type: ignore[assignment]
+    seq: int = 0
+    live: Live = field(init=False)
+    waits: FirstByteWaits = field(init=False)
+    dispatch: Dispatch = field(init=False)
+    classes: Priorities = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.classes = self.priorities or Priorities.from_settings(self.settings)
+        if self.routes is None:
+            static = Routes(self.settings.aliases, self.settings.fallbacks)
+            self.routes = _constant(static)
+        self.waits = FirstByteWaits(self.watcher.current)
+        self.live = self.placement.live(Live(self.inflight.total, self.inflight.total_tokens,
+                                            fresh=self.inflight.total_fresh))
+        self.watcher.on_refresh(self.inflight.reported)
+        self.inflight.on_done = self.admission.wake
+        self.dispatch = Dispatch(self.settings, self.watcher, self.upstream, self.policy, self.live, self.inflight,
+                                 self.placer, self.placement, self.breakers, self.waits, self.settings.full_at)
+    # Request ids: a random per-process prefix and a counter (no syscall per request).
+    _id_prefix: str = field(default_factory=_new_prefix)
+
+    def _next_id(self) -> str:
+        return f"{self._id_prefix}{self.seq:016x}"
+
+    async def serve(
+        self, body: bytes, header: Callable[[str], str | None], path: str, kind: str, key_id: str = "",
+        tenant: Tenant | None = None,
+    ) -> Reply:
+        """Route and forward one OpenAI request. `header(name)` reads a request header.
+
+        Raises GatewayError (with its `request_id` set) for every answer the gateway
+        gives itself; engine answers, errors included, come back as a Reply.
+        """
+        started = time.perf_counter()
+        self.seq += 1
+        request_id = header("x-request-id") or self._next_id()
+        trace = self.tracing.start(header, path, request_id)
+        try:
+            reply = await self._serve(body, header, path, kind, key_id, request_id, started, trace, tenant)
+        except GatewayError as exc:
+            trace.end(exc.status, error=exc.code)
+            if exc.request_id is None:  # refused before routing (a bad body): not logged yet
+                exc.request_id = request_id
+                outcomes.failed(self.metrics, exc, started, request_id=request_id, key_id=key_id)
+            raise
+        except asyncio.CancelledError:  # the client hung up, or the server stops
+            trace.end(outcomes.CLIENT_GONE, "client_gone")
+            raise
+        except Exception:
+            trace.end(500, error="internal_error")
+            raise
+        if reply.stream is None and reply.after is None:  # a stream's trace ends with it (gateway/request/relay.py)
+            trace.end(reply.status)
+        return reply
+
+    async def _serve(
+        self, body: bytes, header: Callable[[str], str | None], path: str, kind: str, key_id: str,
+        request_id: str, started: float, trace: RequestTrace, tenant: Tenant | None = None,
+    ) -> Reply:
+        probe = parse_request(body, kind)
+        trace.described(probe.model, probe.stream)
+        priority = self.classes.priority_of(key_id, header(PRIORITY_HEADER))
+        session = header("x-session-id") or probe.user
+        # The alias's model for this session (else request), then its fallbacks (gateway/models/aliases.py).
+        routes = self.routes()  # live: the YAML's overlaid by the admin API's (gateway/models/live_routes.py)
+        plan = resolve(routes.aliases, routes.fallbacks, probe.model, session or request_id)
+        sent = await self._send(_Request(probe, body, path, kind, session, key_id, request_id, started, trace,
+                                         priority, tenant), plan)
+        probe, attempt, ticket = sent.probe, sent.attempt, sent.ticket
+        choice, resp, data = sent.result
+        worker = choice.worker
+        route = f"{self.policy.name}:{choice.reason}"
+        self.metrics.record_decision(request_id, probe.model, worker.id, route, attempt.count,
+                                     200 if resp is not None else data[0])
+        if attempt.count > 1:
+            self.metrics.failover(probe.model)
+        headers = [
+            ("x-fleetgate-worker", worker.id),
+            ("x-fleetgate-route", route),
+            ("x-request-id", request_id),
+            ("x-fleetgate-model", probe.model),
+            *((("x-fleetgate-alias", plan.alias),) if plan.alias else ()),
+            *(ticket.headers if ticket is not None else ()),
+        ]
+        if self.classes.enabled:
+            headers.append((PRIORITY_HEADER, priority.name))
+        fields = {
+            "request_id": request_id, "key_id": key_id, "model": probe.model, "adapter": attempt.facts.adapter,
+            "worker": worker.id, "route": choice.reason, "attempts": attempt.count, "stream": probe.stream,
+            "alias": plan.alias, "fallback_from": plan.models[0] if sent.fell_back else None,
+        }
+        stores = kind == "responses" and probe.store is not False
+        if resp is not None:
+            body = sent.body  # as sent
+            tracker: StreamTracker | ResponsesTracker = (
+                ResponsesTracker() if kind == "responses"
+                else StreamTracker(kind, lambda text_sent: unresumable(body, kind, text_sent), sent.hide_usage)
+            )
+            return Reply(200, headers, stream=relay(attempt, choice, resp, tracker, self.metrics, started, fields,
+                                                    stores, ticket))
+        status, payload = data
+        if stores and status == 200 and (response_id := response_id_of(payload)):
+            await remember(self.watcher, response_id, worker.id, self.settings.responses_ttl_s)
+        done = _Answered(self.metrics, ticket, probe.model, worker.id, status, time.perf_counter() - started,
+                         payload, fields, trace)
+        if ticket is not None and not ticket.settles_at_once:  # the key's token counts (Redis): before the answer
+            await ticket.settle(*done.usage(), status)
+        return Reply(status, headers, body=payload, after=done.run)
+
+    async def _send(self, req: _Request, plan: Route) -> _Sent:
+        """Send the request to the plan's models in turn until one is answered: the next model
+        when the last one's error is a reason to fall back (gateway/models/aliases.py), else that error."""
+        probe, body = req.probe, req.body
+        last = len(plan.models) - 1
+        error: GatewayError | None = None
+        ticket = None
+        for tried, model in enumerate(plan.models):
+            if model != probe.model:  # the engine gets, and answers with, the real model's name
+                probe, body = msgspec.structs.replace(probe, model=model), with_model(body, model)
+            # A follow-up's stored response pins its worker; looked up only then (Redis).
+            owner = None if probe.previous_response_id is None else await owner_of(
+                self.watcher, probe.previous_response_id, "previous_response_id")
+            attempt, body, hide_usage = self._attempt(req, probe, body, owner, falls_back=tried < last)
+            if tried == 0 and req.tenant is not None and self.quota is not None:
+                # The key's (and its team's) limits: the prompt's tokens are charged before routing.
+                ticket = await self.quota.admit(req.tenant, model, attempt.facts.prompt_tokens)
+            try:
+                result = await attempts.run(attempt, self.admission, self.metrics)
+                return _Sent(probe, body, attempt, result, ticket, hide_usage, error is not None)
+            except GatewayError as exc:
+                reason = fallback_reason(exc) if tried < last else None
+                if reason is None:
+                    raise await self._failed_send(req, probe, attempt, ticket, error, exc) from None
+                error = error or exc
+                self.metrics.fallback(model, plan.models[tried + 1], reason)
+                log.info("gateway.fallback", request_id=req.request_id, model=model,
+                         fallback=plan.models[tried + 1], reason=reason, error=exc.message)
+            except asyncio.CancelledError:  # the client hung up (gateway/front/front.py) or the server stops
+                if ticket is not None:
+                    ticket.settle_soon(0, 0, 499)
+                outcomes.client_gone(self.metrics, req.started, request_id=req.request_id, key_id=req.key_id,
+                                     model=probe.model, stream=probe.stream)
+                raise
+        raise AssertionError("unreachable: the last model's error is raised")  # pragma: no cover
+
+    async def _failed_send(self, req: _Request, probe: Probe, attempt: Attempt, ticket: Ticket | None,
+                           first: GatewayError | None, exc: GatewayError) -> GatewayError:
+        """The error the client gets when no model of the plan answered, logged and counted."""
+        if isinstance(exc, ModelNotFound):  # a fallback no worker serves: the first error stands
+            exc = first or self.watcher.absent(exc, probe.model)
+        if ticket is not None:
+            await ticket.settle(0, 0, exc.status)
+        exc.request_id = req.request_id
+        outcomes.failed(self.metrics, exc, req.started, request_id=req.request_id, key_id=req.key_id,
+                        model=probe.model, stream=probe.stream, attempts=attempt.count)
+        return exc
+
+    def _attempt(
+        self, req: _Request, probe: Probe, body: bytes, owner: WorkerView | None, falls_back: bool,
+    ) -> tuple[Attempt, bytes, bool]:
+        """The attempts at sending `body` (a request for `probe.model`), with its routing facts;
+        the body as sent, and whether the client's stream hides the usage chunk. `owner`: the
+        worker storing the response the request continues."""
+        kind, session = req.kind, req.session
+        snapshot = self.watcher.snapshot
+        is_adapter = snapshot.models.get(probe.model, "") != ""
+        generates = kind in GENERATES
+        key, key_kind = (None, None)
+        if generates and self.policy.name == "fleet":
+            key, key_kind = affinity(probe, session, is_adapter)
+        base = snapshot.models.get(probe.model) or probe.model
+        counter = self.tokenizers.get(base)
+        # What the engines hold of the prompt (their KV cache events), with its exact token count.
+        exact: int | None = None
+        cached: dict[str, int] = {}
+        if self.prefix_cache is not None and counter is not None and generates and not is_adapter:
+            routes = snapshot.routes.by_model.get(probe.model)
+            if routes is not None:
+                exact, cached = self.prefix_cache.held(routes.routable, counter, probe)
+        estimate, floor = prompt_tokens(probe, kind, exact, counter)
+        warm, full = self.placer.residency(probe.model) if is_adapter else (frozenset(), frozenset())
+        pinned = None
+        if owner is not None:
+            pinned = owner.info.id
+            if not owner.serves(probe.model):
+                raise InvalidRequest(f"Response `{probe.previous_response_id}` is stored on worker `{pinned}`, "
+                                     f"which does not serve `{probe.model}`; continue it with a model it "
+                                     "serves.", param="model")
+        # Where the key is placed (home, second, heavy) is left to Attempt.next, which looks it
+        # up as it decides: a request may wait (the queue, a key's limits) before that.
+        facts = RequestFacts(
+            model=probe.model, prompt_tokens=estimate, max_tokens=probe.max_new_tokens, session=session,
+            seq=self.seq, adapter=is_adapter, warm=warm, full=full, affinity_key=key, affinity_kind=key_kind,
+            pinned=pinned, pooling=True if kind == "embeddings" else False if generates else None,
+            prefix_tokens=shared_prefix_tokens(probe, key_kind, estimate), cached=cached,
+        )
+        hide_usage = probe.stream and kind in ("chat", "completion") and not probe.wants_usage
+        if hide_usage:  # count every stream's tokens: ask the engine for usage anyway
+            body = with_usage(body)
+        attempt = Attempt(self.dispatch, req.path, kind, body, probe.stream, facts, floor)
+        attempt.headers = {**FORWARD_HEADERS, "x-request-id": req.request_id}
+        trace = attempt.trace = req.trace
+        if trace.forward:
+            attempt.headers = {**attempt.headers, **trace.forward}
+        attempt.falls_back = falls_back
+        attempt.priority, attempt.full_at = req.priority, req.priority.full_at(attempt.full_at)
+        if self.classes.enabled:
+            attempt.tenant = req.key_id
+        return attempt, body, hide_usage
+
+    def refused(self, exc: GatewayError, header: Callable[[str], str | None], key_id: str, started: float) -> None:
+        """Log and count a request refused before `serve` (its key, rate limit or body)."""
+        self.seq += 1
+        exc.request_id = header("x-request-id") or self._next_id()
+        outcomes.failed(self.metrics, exc, started, request_id=exc.request_id, key_id=key_id)
+
+    async def stored(self, method: str, response_id: str, suffix: str, query: str) -> Reply:
+        """Forward a retrieve (GET) or cancel (POST) of a stored response to the worker that has it."""
+        worker = await owner_of(self.watcher, response_id, "response_id")
+        status, content_type, data = await forward_stored(
+            self.upstream, worker, method, f"{response_id}{suffix}", query, self.settings.first_byte_timeout_s)
+        return Reply(status, [("x-fleetgate-worker", worker.info.id), ("content-type", content_type)], body=data)
+
+
+__all__ = ["Proxy", "Reply"]
