@@ -74,8 +74,12 @@ def test_a_stream_hung_before_its_first_event_is_done_again_elsewhere(
             with pytest.raises(httpx.ReadTimeout):
                 next(direct.iter_raw())
     results = [_stream(url) for _ in range(2)]
-    hung = [r for r in results if r[1] > FIRST_EVENT_S * 0.9]
-    assert len(hung) == 1, [r[:2] for r in results]
+    # The slower is the one that met the hang. The other is not delayed by it: it is answered
+    # well inside the first-event limit sooner (on a loaded machine both take longer, but the
+    # hang adds the limit to one only).
+    other, slower = sorted(results, key=lambda r: r[1])
+    hung = [slower]
+    assert slower[1] - other[1] > FIRST_EVENT_S * 0.5, [r[:2] for r in results]
     assert FIRST_EVENT_S * 0.9 < hung[0][1] < FIRST_EVENT_S + 4, hung[0][1]
     # After its headers the gateway had answered the client's with the hung worker's name;
     # before them, the client's headers came from the worker that answered.

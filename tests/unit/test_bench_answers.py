@@ -122,7 +122,12 @@ async def _sse_server(tokens: int, finish: str, seen: dict[str, object]) -> tupl
 
     app = web.Application(handler_args={"handler_cancellation": True})
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app, handler_cancellation=True)
+    return await _serve(app, handler_cancellation=True)
+
+
+async def _serve(app: web.Application, **kwargs: bool) -> tuple[web.AppRunner, str]:
+    """`app` on a free loopback port: its runner (to clean up) and its URL."""
+    runner = web.AppRunner(app, **kwargs)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -204,14 +209,10 @@ def test_load_sampler_reads_engines_during_a_run() -> None:
     async def main() -> list:  # type: ignore[type-arg]
         app = web.Application()
         app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        runner, url = await _serve(app)
         try:
             async with httpx.AsyncClient() as c:
-                workers = [WorkerRef("v", f"http://127.0.0.1:{port}"), WorkerRef("gone", "http://127.0.0.1:1")]
+                workers = [WorkerRef("v", url), WorkerRef("gone", "http://127.0.0.1:1")]
                 async with LoadSampler(c, workers, interval_s=0.05) as sampler:
                     await asyncio.sleep(0.3)
             return sampler.samples
@@ -292,11 +293,7 @@ def test_a_request_that_waits_for_the_clients_pool_is_marked() -> None:
         release.clear()
         app = web.Application()
         app.router.add_post("/v1/chat/completions", chat)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        runner, url = await _serve(app)
         reqs = [BenchRequest(id=i, at=0.0, model="m", messages=[{"role": "user", "content": "hi"}],
                              max_tokens=1, ignore_eos=False) for i in range(3)]  # fmt: skip
         try:
