@@ -66,9 +66,8 @@ class LoraState:
         n = self.local.get(key, 0)
         self.local[key] = n + 1
         self.touch(worker_id, adapter)
-        if n == 0:
+        if n == 0:  # an adapter newly in use there: its turn begins, the other replicas hear of it at once
             self.turns.setdefault(key, time.monotonic())
-        if n == 0:  # an adapter newly in use there: the other replicas hear of it at once
             self._wake.set()
 
     def finished(self, worker_id: str, adapter: str) -> None:
