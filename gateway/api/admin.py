@@ -29,10 +29,12 @@ _NO_WORKER = {404: "No worker has this id"}
 
 def _kv_json(kv: WorkerKv | None) -> dict[str, object] | None:
     """The worker's prefix-cache index from its engine's KV cache events (None: it publishes
-    none): `events` while they can be trusted, `lost` with the reason while not."""
+    none): `events` while they can be trusted, `lost` with the reason while not; `version` the
+    index version this gateway's copy is at ("<generation>-<entry>", as in the Redis stream)."""
     if kv is None:
         return None
-    return {"state": kv.state, "reason": kv.reason, "blocks": len(kv.keys), "block_size": kv.block_size}
+    return {"state": kv.state, "reason": kv.reason, "blocks": len(kv.keys), "block_size": kv.block_size,
+            "version": f"{kv.gen}-{kv.version}"}
 
 
 def _worker_json(w: WorkerView, inflight: int, kv: WorkerKv | None = None) -> dict[str, object]:

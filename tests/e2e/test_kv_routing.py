@@ -64,6 +64,26 @@ def settled_blocks(fleet: Fleet, url: str, wid: str) -> int:
     return counts[-1]
 
 
+def index_version(fleet: Fleet, url: str, wid: str) -> str:
+    return str(fleet.workers(url)[wid]["kv_events"]["version"])  # type: ignore[index]
+
+
+def settled_after(fleet: Fleet, url: str, wid: str, before: str, quiet_s: float = 1.0) -> str:
+    """Wait until the gateway's copy of worker `wid`'s index has moved past version `before`
+    and then stayed at one version for `quiet_s` (ten of the mirror's refreshes): the engine's
+    events for what it served before have reached it. Block counts cannot tell this once the
+    cache is full (every stored block evicts one)."""
+    deadline = time.monotonic() + 15
+    version, since = index_version(fleet, url, wid), time.monotonic()
+    while version == before or time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, (before, version)
+        time.sleep(0.1)
+        now = index_version(fleet, url, wid)
+        if now != version:
+            version, since = now, time.monotonic()
+    return version
+
+
 def warm(fleet: Fleet, url: str, engine: str, wid: str, body: dict[str, object], path: str) -> None:
     """Send `body` straight to worker `wid`'s engine (another client), and wait until the
     gateway's mirror holds its blocks (counted from a settled start, so that the blocks of a
@@ -126,12 +146,14 @@ def test_an_evicted_prefix_moves_the_next_request_to_the_engine_that_still_holds
     other = "b" if home == "a" else "a"
     warm(fleet, url, engines[other], other, chat(system, "warmed elsewhere"), "/v1/chat/completions")
     assert routed(url, chat(system, "still home")) == (home, "fleet:prefix-hit")
+    before = index_version(fleet, url, home)
     for j in range(8):  # other prompts straight to the home's engine: its cache must evict
-        httpx.post(f"{engines[home]}/v1/chat/completions", json=chat(system_prompt(100 + j), "evict"), timeout=30)
-    deadline = time.monotonic() + 10
-    while (choice := routed(url, chat(system, f"after eviction {time.monotonic()}"))) != (other, "fleet:kv-hit"):
-        assert time.monotonic() < deadline, choice
-        time.sleep(0.1)
+        resp = httpx.post(f"{engines[home]}/v1/chat/completions", json=chat(system_prompt(100 + j), "evict"), timeout=30)
+        assert resp.status_code == 200, resp.text
+    # One request only, once the gateway has the evictions: a request routed home before then
+    # would store the prompt there again, and every later one would rightly follow it.
+    settled_after(fleet, url, home, before)
+    assert routed(url, chat(system, "after eviction")) == (other, "fleet:kv-hit")
 
 
 def test_a_worker_whose_publisher_dies_falls_back_to_the_placement_and_nothing_fails(
