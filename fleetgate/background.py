@@ -1,23 +1,21 @@
 """What every background loop needs: one log line when its step starts failing and one when
-it works again (`Outage`), and a way to stop its tasks (`stop_tasks`).
+it works again (`Outage`), the loop itself (`repeat`), and a way to stop its tasks
+(`stop_tasks`).
 
 Every background loop (the gateways' Redis syncs, the agents' index writer, the autoscaler)
 repeats a step forever; while Redis or a peer is away each step fails the same way, and a line
-per step would bury the logs. An `Outage` says it once each way:
+per step would bury the logs. An `Outage` says it once each way, and `repeat` is that loop,
+written once:
 
     outage = Outage(log, "gateway.inflight_sync_failed", "gateway.inflight_sync_resumed")
-    while True:
-        try:
-            await step()
-            outage.ok()
-        except (RedisError, OSError) as exc:
-            outage.failed(exc)
-        await asyncio.sleep(interval_s)
+    await repeat(step, outage, interval_s, errors=(RedisError, OSError), on_error=forget_peers)
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 
@@ -51,6 +49,35 @@ class Outage:
         return True
 
 
+async def repeat(
+    step: Callable[[], Awaitable[object]],
+    outage: Outage,
+    interval_s: float,
+    *,
+    errors: tuple[type[Exception], ...] = (Exception,),
+    on_error: Callable[[], object] | None = None,
+    wake: asyncio.Event | None = None,
+) -> None:
+    """Run `step` until cancelled, `interval_s` apart (sooner when `wake` is set). A step that
+    raises one of `errors` is logged through `outage` (once per run of failures) and followed
+    by `on_error` (drop what can no longer be trusted); anything else, and a cancel, ends the
+    loop."""
+    while True:
+        try:
+            await step()
+            outage.ok()
+        except errors as exc:
+            outage.failed(exc)
+            if on_error is not None:
+                on_error()
+        if wake is None:
+            await asyncio.sleep(interval_s)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), interval_s)
+            wake.clear()
+
+
 async def stop_tasks(*tasks: asyncio.Task[Any] | None) -> None:
     """Cancel the tasks (None: none started), then wait for each to end. What a task raised on
     its way out is its own loop's to log: stopping goes on."""
@@ -65,4 +92,4 @@ async def stop_tasks(*tasks: asyncio.Task[Any] | None) -> None:
             task.exception()  # retrieved: asyncio would log it as never retrieved
 
 
-__all__ = ["Outage", "stop_tasks"]
+__all__ = ["Outage", "repeat", "stop_tasks"]

@@ -35,7 +35,6 @@ prompt up with `WorkerKv.cached_blocks(chain_keys(ids, wkv.block_size, lora))`.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import sys
 import time
@@ -48,7 +47,7 @@ import msgspec
 import redis.asyncio as aioredis
 import structlog
 
-from fleetgate.background import Outage
+from fleetgate.background import Outage, repeat
 from fleetgate.keys import DEFAULT_PREFIX, Keys
 from fleetgate.kv_index import BlockIndex
 
@@ -126,14 +125,10 @@ class KvIndexWriter:
         """Flush until cancelled. After a Redis error the next flush starts a new generation
         (what failed may or may not have been written); one log line per outage."""
         outage = Outage(log, "kv_registry.write_failed", "kv_registry.write_recovered", worker=self.worker_id)
-        while True:
-            try:
-                await self.flush()
-                outage.ok()
-            except (aioredis.RedisError, OSError) as exc:
-                outage.failed(exc)
-                self.gen = 0
-            await asyncio.sleep(interval_s)
+        await repeat(self.flush, outage, interval_s, errors=(aioredis.RedisError, OSError), on_error=self._new_gen)
+
+    def _new_gen(self) -> None:
+        self.gen = 0
 
     async def flush(self) -> bool:
         """Write what changed since the last flush; whether an entry was written."""
@@ -267,15 +262,12 @@ class KvMirror:
         Redis fails the copies are dropped (get() answers None): routing falls back rather
         than trust an index that no longer follows its worker."""
         outage = Outage(log, "kv_registry.read_failed", "kv_registry.read_recovered")
-        while True:
-            try:
-                await self.refresh(redis, worker_ids())
-                outage.ok()
-            except (aioredis.RedisError, OSError, msgspec.DecodeError, ValueError) as exc:
-                outage.failed(exc)
-                self._workers.clear()
-                self._absent_until.clear()
-            await asyncio.sleep(interval_s)
+        await repeat(lambda: self.refresh(redis, worker_ids()), outage, interval_s,
+                     errors=(aioredis.RedisError, OSError, msgspec.DecodeError, ValueError), on_error=self._forget)
+
+    def _forget(self) -> None:
+        self._workers.clear()
+        self._absent_until.clear()
 
     async def refresh(self, redis: aioredis.Redis, worker_ids: Collection[str]) -> None:
         for gone in set(self._workers) - set(worker_ids):

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import structlog
 
-from fleetgate.background import Outage, stop_tasks
+from fleetgate.background import Outage, repeat, stop_tasks
 from fleetgate.registry import Registry
 from fleetgate.schema import WorkerView
 
@@ -40,8 +40,8 @@ TOKENS_FIELD = "~t:"
 FRESH_FIELD = "~f:"
 
 
-class _Tokens(Mapping[str, int]):
-    """Local + remote KV tokens per worker, read like a dict."""
+class _Summed(Mapping[str, int]):
+    """Local + remote counts per worker (requests, or KV tokens), read like a dict."""
 
     def __init__(self, local: dict[str, int], remote: dict[str, int]) -> None:
         self.local = local
@@ -60,18 +60,19 @@ class _Tokens(Mapping[str, int]):
         return len(self.local.keys() | self.remote.keys())
 
 
-class SharedInflight(Mapping[str, int]):
+class SharedInflight(_Summed):
+    """Requests in flight per worker, this gateway's (`local`) and the other replicas' (`remote`)."""
+
     def __init__(self, registry: Registry, gateway_id: str, interval_s: float = 0.1,
                  lease_s: float = 3.0) -> None:
+        super().__init__({}, {})
         self.registry = registry
         self.gateway_id = gateway_id
         self.interval_s = interval_s
         self.lease_s = lease_s
-        self.local: dict[str, int] = {}
-        self.remote: dict[str, int] = {}
         self.local_tokens: dict[str, int] = {}
         self.remote_tokens: dict[str, int] = {}
-        self.tokens = _Tokens(self.local_tokens, self.remote_tokens)
+        self.tokens = _Summed(self.local_tokens, self.remote_tokens)
         # The same sums as plain dicts, kept current by `add`, `done` and each sync: what routing
         # reads (`Live`), a C-level dict lookup per worker instead of a method call.
         self.total: dict[str, int] = {}
@@ -147,18 +148,6 @@ class SharedInflight(Mapping[str, int]):
         if self.on_done is not None:
             self.on_done()
 
-    def get(self, worker_id: str, default: int = 0) -> int:  # type: ignore[override]
-        return self.local.get(worker_id, 0) + self.remote.get(worker_id, 0) or default
-
-    def __getitem__(self, worker_id: str) -> int:
-        return self.get(worker_id)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.local.keys() | self.remote.keys())
-
-    def __len__(self) -> int:
-        return len(self.local.keys() | self.remote.keys())
-
     def _fresh(self, worker_id: str, change: int) -> None:
         if n := self.local_fresh.get(worker_id, 0) + change:
             self.local_fresh[worker_id] = n
@@ -222,18 +211,12 @@ class SharedInflight(Mapping[str, int]):
 
     async def _loop(self) -> None:
         outage = Outage(log, "gateway.inflight_sync_failed", "gateway.inflight_sync_resumed")
-        while True:
-            try:
-                await self.sync()
-                outage.ok()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                outage.failed(exc)
-                # Other replicas' counts expire with their lease; so do our copies of them.
-                if time.monotonic() - self._remote_at > self.lease_s:
-                    self._set_remote({})
-            await asyncio.sleep(self.interval_s)
+        await repeat(self.sync, outage, self.interval_s, on_error=self._expire_remote)
+
+    def _expire_remote(self) -> None:
+        """Other replicas' counts expire with their lease; so do our copies of them."""
+        if time.monotonic() - self._remote_at > self.lease_s:
+            self._set_remote({})
 
 
 def _sum_into(total: dict[str, int], local: dict[str, int], remote: dict[str, int]) -> None:

@@ -13,7 +13,6 @@ An adapter is evictable from a worker only when no gateway has a request for it 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from fleetgate.background import Outage, stop_tasks
+from fleetgate.background import Outage, repeat, stop_tasks
 from fleetgate.registry import Registry
 from gateway.routing.lora_gate import Gate, SlotView, gate
 from gateway.routing.table import Slot
@@ -173,19 +172,12 @@ class LoraState:
 
     async def _loop(self, workers: Callable[[], list[str]]) -> None:
         outage = Outage(log, "gateway.lora_state_sync_failed", "gateway.lora_state_sync_resumed")
-        while True:
-            try:
-                await self.sync(workers())
-                outage.ok()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                outage.failed(exc)
-                if time.monotonic() - self._remote_at > self.lease_s:
-                    self.remote.clear()  # the other replicas' counts expire with their lease
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.interval_s)
-            self._wake.clear()
+        await repeat(lambda: self.sync(workers()), outage, self.interval_s, on_error=self._expire_remote,
+                     wake=self._wake)
+
+    def _expire_remote(self) -> None:
+        if time.monotonic() - self._remote_at > self.lease_s:
+            self.remote.clear()  # the other replicas' counts expire with their lease
 
 
 def live_adapters(slot: Slot, sent: Iterable[str], last_used: Callable[[str, str], float]) -> set[str]:

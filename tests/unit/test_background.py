@@ -9,7 +9,7 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from fleetgate.background import Outage, stop_tasks
+from fleetgate.background import Outage, repeat, stop_tasks
 
 
 @pytest.mark.parametrize(
@@ -86,3 +86,59 @@ async def test_a_caller_cancelled_while_it_stops_tasks_is_cancelled_itself() -> 
     stubborn = False
     task.cancel()
     await asyncio.wait({task})
+
+
+async def test_repeat_runs_the_step_says_each_outage_once_and_calls_on_error_per_failure() -> None:
+    """Steps fail, fail, work, fail, then the loop is cancelled: one warning per run of failures,
+    one recovery line, `on_error` after each failure, and the cancel ends the loop."""
+    plan = iter("xxox")
+    seen: list[str] = []
+    done = asyncio.Event()
+
+    async def step() -> None:
+        outcome = next(plan, None)
+        if outcome is None:
+            done.set()
+            await asyncio.sleep(3600)
+        seen.append(str(outcome))
+        if outcome == "x":
+            raise OSError("Connection refused")
+
+    errors: list[int] = []
+    outage = Outage(structlog.get_logger("t"), "loop.failed", "loop.resumed")
+    with capture_logs() as logs:
+        task = asyncio.create_task(repeat(step, outage, 0.001, on_error=lambda: errors.append(len(seen))))
+        await asyncio.wait_for(done.wait(), 5)
+        await stop_tasks(task)
+    assert seen == list("xxox") and errors == [1, 2, 4]
+    assert [e["event"] for e in logs] == ["loop.failed", "loop.resumed", "loop.failed"]
+    assert task.cancelled()
+
+
+async def test_repeat_lets_an_error_it_was_not_told_of_end_the_loop() -> None:
+    async def step() -> None:
+        raise KeyError("a bug")
+
+    outage = Outage(structlog.get_logger("t"), "loop.failed")
+    with pytest.raises(KeyError):
+        await asyncio.wait_for(repeat(step, outage, 0.001, errors=(OSError,)), 5)
+    assert not outage.failing
+
+
+async def test_repeat_with_wake_runs_the_next_step_when_woken_not_after_the_interval() -> None:
+    wake = asyncio.Event()
+    ran = [asyncio.Event(), asyncio.Event()]
+    runs = 0
+
+    async def step() -> None:
+        nonlocal runs
+        runs += 1
+        ran[min(runs, 2) - 1].set()
+
+    task = asyncio.create_task(repeat(step, Outage(structlog.get_logger("t"), "loop.failed"), 3600, wake=wake))
+    await asyncio.wait_for(ran[0].wait(), 5)
+    assert runs == 1
+    wake.set()
+    await asyncio.wait_for(ran[1].wait(), 5)  # an hour's interval: only the wake runs it
+    await stop_tasks(task)
+    assert runs == 2 and not wake.is_set()  # cleared for the next wait
