@@ -42,6 +42,7 @@ MODULES = (
     "gateway/front/hooks.py",
     "gateway/request/proxy.py",
     "gateway/request/attempts.py",
+    "gateway/request/retries.py",
     "gateway/engines/engine_conn.py",
     "gateway/engines/upstream.py",
     "gateway/request/requests.py",

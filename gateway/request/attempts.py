@@ -1,10 +1,9 @@
 """The attempts at one request: choose a worker, send, and on a safe failure choose again.
 
-`Attempt` sends one request to the best worker it has not tried yet; `run` drives it: it
-re-places an evicted adapter, waits in the gateway's queue while every eligible worker is
-full (gateway/accounts/admission.py), and retries a failure that reached no client byte on another
-worker, bounded in attempts and in time, with jittered backoff and one log event per retry.
-An attempt sees only `Dispatch`, the few collaborators a send needs, never the whole proxy.
+`Attempt` sends one request to the best worker it has not tried yet, and says by what it
+raises why it did not (`Saturated`, `Held`, `Retryable`); gateway/request/retries.py drives
+it (the queue, the holds, the retry policy). An attempt sees only `Dispatch`, the few
+collaborators a send needs, never the whole proxy.
 """
 
 from __future__ import annotations
@@ -16,20 +15,12 @@ from typing import NoReturn
 
 import structlog
 from msgspec.structs import replace
-from tenacity import (
-    AsyncRetrying,
-    retry_if_exception_type,
-    stop_after_attempt,
-    stop_after_delay,
-    wait_random_exponential,
-)
 
 from fleetgate.schema import WorkerView
 from gateway.accounts.adapters import AdapterPlacer
-from gateway.accounts.admission import Admission
 from gateway.accounts.circuit import Breakers
 from gateway.accounts.inflight import SharedInflight
-from gateway.accounts.lora_hold import SlotHeld, hold_for_slot, slot_gate, steer
+from gateway.accounts.lora_hold import SlotHeld, slot_gate, steer
 from gateway.accounts.placement import Placement
 from gateway.accounts.priorities import Priority
 from gateway.accounts.waiting import FirstByteWaits, engine_queued, within
@@ -52,7 +43,6 @@ from gateway.errors import (
     detail,
 )
 from gateway.fleet import FleetWatcher
-from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.tracing import NO_TRACE, RequestTrace
 from gateway.request.context import error_message, refit, refused_prompt_tokens
 from gateway.routing import Choice, Decision, FullAt, Live, Policy, RequestFacts, decide
@@ -63,7 +53,7 @@ log = structlog.get_logger("gateway.attempts")
 
 FORWARD_HEADERS = {"content-type": "application/json"}
 # What a request without max_tokens is expected to generate, for the KV account.
-_DEFAULT_COMPLETION_TOKENS = 256
+DEFAULT_COMPLETION_TOKENS = 256
 _DEFAULT_PRIORITY = Priority("default")
 
 
@@ -143,13 +133,13 @@ class Attempt:
         # prompt tokens and completion budget, and the prefix it shares with its key's others.
         self.prefix = facts.prefix_tokens
         own_prompt = max(0, facts.prompt_tokens - self.prefix)
-        budget = facts.max_tokens or _DEFAULT_COMPLETION_TOKENS
+        budget = facts.max_tokens or DEFAULT_COMPLETION_TOKENS
         self.own_tokens = own_prompt + budget
         # What it adds before its engine's next report, where the engine measures its KV use.
         self.fresh = own_prompt + min(budget, REPORT_GROWTH_TOKENS)
         # The work it adds to its affinity key's placement: its prompt and what a completion
         # typically takes (a budget of thousands is an upper bound, not a prediction).
-        self.work = own_prompt + min(budget, _DEFAULT_COMPLETION_TOKENS)
+        self.work = own_prompt + min(budget, DEFAULT_COMPLETION_TOKENS)
         self.key = facts.affinity_key
         self.headers = FORWARD_HEADERS
         self.trace: RequestTrace = NO_TRACE
@@ -191,7 +181,7 @@ class Attempt:
         """A whole non-streamed answer: its first byte's time, plus time for every token asked
         for (without max_tokens, for what the worker's context leaves)."""
         facts = self.facts
-        tokens = facts.max_tokens or max(_DEFAULT_COMPLETION_TOKENS, worker.info.max_model_len - facts.prompt_tokens)
+        tokens = facts.max_tokens or max(DEFAULT_COMPLETION_TOKENS, worker.info.max_model_len - facts.prompt_tokens)
         return self.first_byte_timeout() + self.dispatch.settings.answer_per_token_s * tokens
 
     def saturated(self) -> str | None:
@@ -284,18 +274,6 @@ class Attempt:
         self.last_error = ContextLengthExceeded(error_message(data), param="messages")
         raise Retryable(self.last_error)
 
-    async def resume(self, body: Callable[[WorkerView], bytes]) -> tuple[Choice, Response]:
-        """Start the continuation of a broken stream on another worker (retried like a request)."""
-        for _ in range(self.dispatch.settings.retry_attempts):
-            try:
-                choice, resp, _ = await self.next(body)
-            except Retryable:
-                continue
-            if resp is not None:
-                return choice, resp
-            raise UpstreamError("the engine refused the continuation")
-        raise self.final_error() or NoWorkerAvailable("No other worker can continue this stream.")
-
     def _choose(self) -> Choice:
         dispatch = self.dispatch
         routes = dispatch.watcher.snapshot.routes
@@ -365,76 +343,3 @@ class Attempt:
             self.dispatch.breakers.failure(worker.id, why)
         log.warning("gateway.attempt_failed", worker=worker.id, attempt=self.count, error=why)
         raise Retryable(error)
-
-async def run(attempt: Attempt, admission: Admission, metrics: GatewayMetrics) -> Result:
-    """Attempt until a worker answers: re-place an evicted adapter once, queue while the
-    fleet is full, retry a failure that reached no client byte."""
-    placer, model = attempt.dispatch.placer, attempt.facts.model
-    if attempt.facts.adapter and placer.known(model):
-        await placer.ensure(model)
-    while True:
-        try:
-            return await attempt.next()
-        except ModelNotFound:
-            if not (attempt.facts.adapter and placer.known(model)) or attempt.replaced:
-                raise
-            attempt.replaced = True  # evicted between its placement and now: place it again
-            await placer.ensure(model)
-        except Saturated:
-            if attempt.falls_back:
-                raise Overloaded(f"Every worker of `{model}` is full.", retry_after=1) from None
-            await _wait_for_room(attempt, admission)
-        except Held as held:
-            await _hold(attempt, admission, held.slot)
-        except SlotHeld as waits:  # its own name: compiled, `held` is typed by the clause above
-            await hold_for_slot(attempt, admission, waits)
-        except Retryable as first_failure:
-            return await _retry(attempt, first_failure, metrics)
-
-
-async def _wait_for_room(attempt: Attempt, admission: Admission) -> None:
-    """Hold a request while every eligible worker is full; bounded in count and time."""
-    settings, priority = attempt.dispatch.settings, attempt.priority
-    timeout = settings.queue_timeout_s if priority.queue_timeout_s is None else priority.queue_timeout_s
-    if attempt.queue_deadline is None:
-        attempt.queue_deadline = time.monotonic() + timeout
-    facts = attempt.facts
-    await admission.wait(facts.model, attempt.saturated, attempt.queue_deadline, retry_after=max(1.0, timeout / 2),
-                         priority=priority.name, key=attempt.tenant,
-                         tokens=facts.prompt_tokens + (facts.max_tokens or _DEFAULT_COMPLETION_TOKENS))
-
-async def _hold(attempt: Attempt, admission: Admission, slot: Slot) -> None:
-    """Wait, at most `hold_max_s`, until `slot` has KV room for the request by the account
-    (a completion there wakes it), rather than have its engine preempt to admit it."""
-    attempt.held = True
-    settings = attempt.dispatch.settings
-    full_at, live, tokens = attempt.dispatch.full_at, attempt.dispatch.live, attempt.kv_tokens(slot)
-    got = await admission.hold(slot.id, lambda: not full_at.holds(slot, live, tokens),
-                               time.monotonic() + settings.hold_max_s)
-    log.debug("gateway.hold", worker_id=slot.id, model=attempt.facts.model, room=got)
-
-
-async def _retry(attempt: Attempt, failure: Retryable, metrics: GatewayMetrics) -> Result:
-    settings = attempt.dispatch.settings
-    if settings.retry_attempts <= 1:
-        raise attempt.final_error() or failure.error
-    retrying = AsyncRetrying(
-        stop=stop_after_attempt(settings.retry_attempts - 1) | stop_after_delay(settings.retry_max_s),
-        wait=wait_random_exponential(multiplier=settings.retry_backoff_s, max=1.0),
-        retry=retry_if_exception_type(Retryable),
-        reraise=True,
-        before=lambda state: _log_retry(attempt, metrics),
-    )
-    try:
-        async for state in retrying:
-            with state:
-                return await attempt.next()
-    except Retryable as last:
-        raise attempt.final_error() or last.error from None
-    raise failure.error  # pragma: no cover - tenacity either returns or raises
-
-def _log_retry(attempt: Attempt, metrics: GatewayMetrics) -> None:
-    metrics.retry(attempt.facts.model)
-    why = detail(attempt.last_error) if attempt.last_error else ""
-    attempt.trace.retry(attempt.count + 1, why)
-    log.info("gateway.retry", model=attempt.facts.model, attempt=attempt.count + 1, error=why)

@@ -1,8 +1,9 @@
 """Proxying one OpenAI request: parse the little routing needs, pick a worker, forward, relay.
 
-Three rooms: this one turns the request into routing facts and writes its outcome;
-gateway/request/attempts.py chooses workers and sends (retries, the queue); gateway/request/relay.py
-relays a stream and continues it elsewhere when it breaks.
+Four rooms: this one turns the request into routing facts and writes its outcome;
+gateway/request/attempts.py chooses workers and sends; gateway/request/retries.py drives the
+attempts (retries, the queue); gateway/request/relay.py relays a stream and continues it
+elsewhere when it breaks.
 
 The body goes to the engine byte for byte. Only the fields routing needs are
 decoded. A failure before any byte reached the client (refused connection,
@@ -44,7 +45,7 @@ from gateway.models.live_routes import Routes
 from gateway.observe import outcomes
 from gateway.observe.metrics import GatewayMetrics, usage_of
 from gateway.observe.tracing import RequestTrace, Tracing
-from gateway.request import attempts
+from gateway.request import attempts, retries
 from gateway.request.attempts import FORWARD_HEADERS, Attempt, Dispatch
 from gateway.request.prefix_cache import PrefixCache
 from gateway.request.relay import relay
@@ -316,7 +317,7 @@ class Proxy:
                 # The key's (and its team's) limits: the prompt's tokens are charged before routing.
                 ticket = await self.quota.admit(req.tenant, model, attempt.facts.prompt_tokens)
             try:
-                result = await attempts.run(attempt, self.admission, self.metrics)
+                result = await retries.run(attempt, self.admission, self.metrics)
                 return _Sent(probe, body, attempt, result, ticket, hide_usage, error is not None)
             except GatewayError as exc:
                 reason = fallback_reason(exc) if tried < last else None
