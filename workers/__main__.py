@@ -150,48 +150,19 @@ def group_id(args: argparse.Namespace, engine_name: str, port: int) -> str:
 def plan(args: argparse.Namespace) -> tuple[AgentOptions, list[str]]:
     """Decide engine, card profile and spec; return the options and the reasons."""
     why: list[str] = []
-    engines = known_engines()
-    if args.engine not in ("auto", "external", *engines):
-        usage_error(_one_of("--engine", args.engine, ["auto", "external", *engines]))
-    if args.engine == "external" and args.flavor not in engines:
-        usage_error(_one_of("--flavor", args.flavor, engines))
+    _check_engine_args(args)
     gpu_ids = tuple(g for g in args.gpu.split(",") if g)
-    probe = args.engine not in ("sim", "external")
-    gpus = {g.index: g for g in query_gpus(args.nvidia_smi_output or None)} if probe else {}
-    gpu: GpuInfo | None = gpus.get(gpu_ids[0]) if gpu_ids else None
-    missing = [g for g in gpu_ids if g not in gpus]
-    if args.engine == "auto" and (missing or not gpu_ids):
-        raise SystemExit(_no_gpu_for_auto(args.gpu, missing, list(gpus)))
-    if gpus and missing:
-        raise SystemExit(f"GPU {','.join(missing)} not found by nvidia-smi (it lists {','.join(gpus)})")
+    gpu = _find_gpu(args, gpu_ids)
     profiles = load_profiles(args.profiles)
     card: CardProfile | None = profile_for(gpu, profiles) if gpu else None
-    engine_name = args.engine
-    if engine_name == "auto":
-        if card is not None:
-            engine_name = card.engine
-            why.append(f"{gpu.name if gpu else '?'}: profile {card.name} -> {engine_name} ({card.why})")
-    elif card is not None and card.engine != engine_name:
-        why.append(f"{gpu.name if gpu else '?'}: profile {card.name} is for {card.engine}; "
-                   f"{engine_name} runs with its own defaults")
+    engine_name = _choose_engine(args.engine, gpu, card, why)
     options: dict[str, Any] = dict(card.options) if card and card.engine == engine_name else {}
     if engine_name == "sim":
         sim_profile = args.sim_profile or (card.sim_profile if card else "l40s-7b")
         options = {"profile": sim_profile}
         gpu = gpu or GpuInfo(name=f"simulated {sim_profile}", profile=sim_profile, index=args.gpu)
         why.append(f"simulated card profile {sim_profile}")
-    overrides = _options(args.option)
-    _check_options(engine_name, overrides)
-    instances, instance = max(1, args.instances), args.instance or 0
-    if instances > 1:
-        why.append(_share_memory(engine_name, options, overrides, instances, args.gpu))
-    for key, value in overrides.items():
-        if key in options and options[key] != value:
-            why.append(f"--option {key}={value} overrides the profile's {options[key]}")
-    options.update(overrides)
-    if engine_name == "lmdeploy" and args.adapters and "backend" not in overrides and options.get("backend") != "pytorch":
-        options["backend"] = "pytorch"
-        why.append("adapters asked for: LMDeploy's PyTorch backend (TurboMind serves no LoRA adapters)")
+    _apply_options(args, engine_name, options, why)
     model = args.model or ("fleetgate-demo-7b" if engine_name in ("sim", "external") else "")
     if not model and engine_name != "external":
         raise SystemExit(f"--model is required for --engine {engine_name}")
@@ -202,6 +173,7 @@ def plan(args: argparse.Namespace) -> tuple[AgentOptions, list[str]]:
     elif not max_len:
         max_len, line = default_max_model_len(engine_name, model, options, gpu, len(gpu_ids))
         why.append(line)
+    instances, instance = max(1, args.instances), args.instance or 0
     port = args.port + instance if args.port else free_port(args.host)
     flavor = args.flavor if engine_name == "external" else engine_name
     spec = EngineSpec(
@@ -222,6 +194,57 @@ def plan(args: argparse.Namespace) -> tuple[AgentOptions, list[str]]:
         kv_events=args.kv_events, kv_replay=args.kv_replay, kv_topic=args.kv_topic,
     )
     return opts, why
+
+
+def _check_engine_args(args: argparse.Namespace) -> None:
+    engines = known_engines()
+    if args.engine not in ("auto", "external", *engines):
+        usage_error(_one_of("--engine", args.engine, ["auto", "external", *engines]))
+    if args.engine == "external" and args.flavor not in engines:
+        usage_error(_one_of("--flavor", args.flavor, engines))
+
+
+def _find_gpu(args: argparse.Namespace, gpu_ids: tuple[str, ...]) -> GpuInfo | None:
+    """The first card asked for, as nvidia-smi describes it (not asked for the simulator or
+    an external engine); exits when a card asked for is not there."""
+    probe = args.engine not in ("sim", "external")
+    gpus = {g.index: g for g in query_gpus(args.nvidia_smi_output or None)} if probe else {}
+    missing = [g for g in gpu_ids if g not in gpus]
+    if args.engine == "auto" and (missing or not gpu_ids):
+        raise SystemExit(_no_gpu_for_auto(args.gpu, missing, list(gpus)))
+    if gpus and missing:
+        raise SystemExit(f"GPU {','.join(missing)} not found by nvidia-smi (it lists {','.join(gpus)})")
+    return gpus.get(gpu_ids[0]) if gpu_ids else None
+
+
+def _choose_engine(asked: str, gpu: GpuInfo | None, card: CardProfile | None, why: list[str]) -> str:
+    """`--engine auto` takes the card profile's engine; any other is as asked."""
+    if asked == "auto":
+        if card is not None:
+            why.append(f"{gpu.name if gpu else '?'}: profile {card.name} -> {card.engine} ({card.why})")
+            return card.engine
+        return asked
+    if card is not None and card.engine != asked:
+        why.append(f"{gpu.name if gpu else '?'}: profile {card.name} is for {card.engine}; "
+                   f"{asked} runs with its own defaults")
+    return asked
+
+
+def _apply_options(args: argparse.Namespace, engine_name: str, options: dict[str, Any], why: list[str]) -> None:
+    """The operator's --option values over the profile's (in `options`), each instance's share
+    of the card's memory, and what adapters need of LMDeploy."""
+    overrides = _options(args.option)
+    _check_options(engine_name, overrides)
+    instances = max(1, args.instances)
+    if instances > 1:
+        why.append(_share_memory(engine_name, options, overrides, instances, args.gpu))
+    for key, value in overrides.items():
+        if key in options and options[key] != value:
+            why.append(f"--option {key}={value} overrides the profile's {options[key]}")
+    options.update(overrides)
+    if engine_name == "lmdeploy" and args.adapters and "backend" not in overrides and options.get("backend") != "pytorch":
+        options["backend"] = "pytorch"
+        why.append("adapters asked for: LMDeploy's PyTorch backend (TurboMind serves no LoRA adapters)")
 
 
 def _no_gpu_for_auto(asked: str, missing: list[str], present: list[str]) -> str:
@@ -299,12 +322,7 @@ def run_instances(argv: list[str], args: argparse.Namespace) -> int:
     if args.dry_run or args.preflight:
         if args.preflight:
             _preflight(first)
-        for line in why:
-            print(f"# {line}")
-        print(f"# worker id: {group}")
-        for k, (opts, _) in enumerate(plans):
-            print(f"# instance {k + 1} of {args.instances}: worker id {opts.worker_id}")
-            _print_plan(opts, engine)
+        _print_instances(plans, why, group, engine)
         return 0
     procs: list[subprocess.Popen[bytes]] = []
     stopping = False
@@ -328,6 +346,15 @@ def run_instances(argv: list[str], args: argparse.Namespace) -> int:
             _wait_healthy(procs[-1], opts.url + engine.health_path, args.health_timeout, lambda: stopping)
     codes = [proc.wait() for proc in procs]
     return next((code for code in codes if code), 0)
+
+
+def _print_instances(plans: list[tuple[AgentOptions, list[str]]], why: list[str], group: str, engine: Engine) -> None:
+    for line in why:
+        print(f"# {line}")
+    print(f"# worker id: {group}")
+    for k, (opts, _) in enumerate(plans):
+        print(f"# instance {k + 1} of {len(plans)}: worker id {opts.worker_id}")
+        _print_plan(opts, engine)
 
 
 def _wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout: float, stop: Any) -> None:

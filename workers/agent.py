@@ -27,48 +27,33 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import sys
 import time
 
 import httpx
 import msgspec
+import redis.asyncio as aioredis
 import structlog
 
-from fleetgate.background import Outage
-from fleetgate.registry import (
-    HeartbeatReply,
-    LoadNotStored,
-    Registry,
-    connect,
-)
+from fleetgate.registry import HeartbeatReply, Registry, connect
 from fleetgate.schema import Load, WorkerInfo, WorkerState
 from workers.engine_process import EngineDied, EngineProcess
 from workers.engines import Engine
-from workers.engines.base import pooling
 from workers.kv_agent import AgentKvEvents
 from workers.options import AgentOptions
 from workers.probes import EngineProbe
-from workers.speed import card_speed, known_profile
+from workers.registration import (
+    REJECTION_WATCH_S,
+    Registration,
+    Rejected,
+    RemovedByOperator,
+    initial_info,
+)
 from workers.speedometer import Speedometer
-from workers.tokenizer import tokenizer_path
-from workers.warmup import StartFailed, log_tail, probe_speed, retrying, warm_up
+from workers.warmup import StartFailed, report_failed_start, start_speed
 
 log = structlog.get_logger("workers.agent")
 
-
-class RemovedByOperator(Exception):
-    pass
-
-
-class Rejected(Exception):
-    """The gateways ignore this worker's record; the message says why (registry.unsigned)."""
-
-
-# Rejections are looked for while starting and this long after turning ready (registering
-# clears the key; a gateway writes it again within ~2 s). Only then: a gateway that turns up
-# later with the wrong secret must not take down workers that the others route to.
-REJECTION_WATCH_S = 5.0
 # A measured speed this far (relative) from the one last logged is logged again.
 SPEED_LOG_STEP = 0.2
 
@@ -87,16 +72,9 @@ class Agent:
         # The running speed measurement, from the warm-up on (the start-up figure seeds it).
         self.speedometer: Speedometer | None = None
         self._logged_speed = (0.0, "")
-        # What the registry last told this agent an operator wants: re-asserted if Redis
-        # loses the record.
-        self.admin_drain = False
         self._published_unhealthy = False
         self._discovered_at = time.monotonic()
-        self._watch_rejection_until = float("inf")
         self.log = log.bind(worker=options.worker_id, engine=options.engine)
-        # Redis away, or full: said once when it starts and once when it ends, not every beat.
-        self._unreachable = Outage(self.log, "agent.registry_unreachable", "agent.registry_reachable")
-        self._full = Outage(self.log, "agent.registry_full", "agent.registry_writable")
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -109,49 +87,22 @@ class Agent:
             redis, self.opts.redis_prefix, self.opts.heartbeat_ttl_s,
             secret=os.environ.get("FLEETGATE_REGISTRATION_SECRET", ""),
         )
+        self.registration = Registration(self.registry, self.opts.worker_id, self.log)
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=2.0))
         self.probe = EngineProbe(self.http, self.opts.base_url, self.engine, self.log,
                                  self.opts.probe_timeout_s, self.opts.unhealthy_after)
         code = 0
         try:
-            if self.opts.managed:
-                spec = self.opts.spec
-                if self.engine.publishes_kv_events(spec):
-                    self.kv_events = AgentKvEvents(self.opts.worker_id)
-                    self.kv_events.start(redis, self.opts.redis_prefix)
-                    spec = msgspec.structs.replace(spec, kv_events_config=self.kv_events.engine_config())
-                env = {**os.environ, **self.engine.environment(spec)}
-                self.process = EngineProcess(self.engine.command(spec), env, self.opts.engine_log, self.log)
-                await self.process.start()
-            elif self.opts.kv_events:
-                self.kv_events = AgentKvEvents(
-                    self.opts.worker_id, attached=(self.opts.kv_events, self.opts.kv_replay, self.opts.kv_topic))
-                self.kv_events.start(redis, self.opts.redis_prefix)
-            self.info = self._initial_info()
-            await self._register_quietly("starting")
-            if not await self._wait_healthy():
+            await self._start_engine(redis)
+            if not await self._start_up():
                 return 0 if self.stopping.is_set() else 1
-            self.info = await self.probe.discover(self.info, self.opts.spec.served_name)
-            if not self.opts.managed and self.info.runtime_lora:
-                await self._check_runtime_lora()
-            await self._warm_up()
-            self._start_speedometer()
-            kv = await self.probe.kv_cache()
-            if self.kv_events is not None:
-                self.kv_events.note_block_size(kv.block_size)
-            self.info = msgspec.structs.replace(
-                self.info, kv_tokens=kv.tokens, block_size=kv.block_size or self.info.block_size
-            )
-            self.load = self._with_slots(self._with_speed(await self.probe.scrape() or Load(ts=time.time())))
-            await self._learn_slots()
-            await self._become_ready()
             await self._heartbeat_until_stopped()
             await self._drain()
         except EngineDied as exc:
             self.log.error("agent.engine_died", reason=str(exc))
             code = 1
         except StartFailed as exc:
-            self._report_failed_start(exc)
+            report_failed_start(self.log, self.opts.engine_log, exc)
             code = 1
         except RemovedByOperator:
             self.log.info("agent.removed", reason="an operator removed this worker; stopping")
@@ -159,17 +110,61 @@ class Agent:
             self._report_rejected(str(exc))
             code = 1
         finally:
-            if self.kv_events is not None:
-                await self.kv_events.aclose()
-            with contextlib.suppress(Exception):
-                await self.registry.deregister(self.opts.worker_id)
-                self.log.info("agent.deregistered")
-            if self.process is not None:
-                await self.process.stop()
-                self.process.close()
-            await self.http.aclose()
-            await redis.aclose()
+            await self._close(redis)
         return code
+
+    async def _start_engine(self, redis: aioredis.Redis) -> None:
+        """Launch a managed engine (with its KV events' endpoint, where it publishes them),
+        or follow an attached engine's KV events where the operator named them."""
+        if self.opts.managed:
+            spec = self.opts.spec
+            if self.engine.publishes_kv_events(spec):
+                self.kv_events = AgentKvEvents(self.opts.worker_id)
+                self.kv_events.start(redis, self.opts.redis_prefix)
+                spec = msgspec.structs.replace(spec, kv_events_config=self.kv_events.engine_config())
+            env = {**os.environ, **self.engine.environment(spec)}
+            self.process = EngineProcess(self.engine.command(spec), env, self.opts.engine_log, self.log)
+            await self.process.start()
+        elif self.opts.kv_events:
+            self.kv_events = AgentKvEvents(
+                self.opts.worker_id, attached=(self.opts.kv_events, self.opts.kv_replay, self.opts.kv_topic))
+            self.kv_events.start(redis, self.opts.redis_prefix)
+
+    async def _start_up(self) -> bool:
+        """Register `starting`, wait for the engine, learn what it serves, warm it up, and
+        register `ready`. False if it never answered before a stop."""
+        self.info = initial_info(self.opts, self.engine)
+        await self._register_quietly("starting")
+        if not await self._wait_healthy():
+            return False
+        self.info = await self.probe.discover(self.info, self.opts.spec.served_name)
+        if not self.opts.managed and self.info.runtime_lora:
+            await self._check_runtime_lora()
+        self.info = await start_speed(self.http, self.opts.base_url, self.info, warmup=self.opts.warmup,
+                                      attempts=self.opts.warmup_attempts, log=self.log)
+        self._start_speedometer()
+        kv = await self.probe.kv_cache()
+        if self.kv_events is not None:
+            self.kv_events.note_block_size(kv.block_size)
+        self.info = msgspec.structs.replace(
+            self.info, kv_tokens=kv.tokens, block_size=kv.block_size or self.info.block_size
+        )
+        self.load = self._with_slots(self._with_speed(await self.probe.scrape() or Load(ts=time.time())))
+        await self._learn_slots()
+        await self._become_ready()
+        return True
+
+    async def _close(self, redis: aioredis.Redis) -> None:
+        if self.kv_events is not None:
+            await self.kv_events.aclose()
+        with contextlib.suppress(Exception):
+            await self.registry.deregister(self.opts.worker_id)
+            self.log.info("agent.deregistered")
+        if self.process is not None:
+            await self.process.stop()
+            self.process.close()
+        await self.http.aclose()
+        await redis.aclose()
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self.log.info("agent.signal", signal=sig.name)
@@ -182,14 +177,6 @@ class Agent:
         if self.process is not None:
             self.process.check_alive()
 
-    def _report_failed_start(self, exc: StartFailed) -> None:
-        tail = log_tail(self.opts.engine_log)
-        self.log.error("agent.start_failed", reason=str(exc), engine_log=self.opts.engine_log,
-                       engine_log_tail=tail)
-        if tail:
-            print(f"--- the last {len(tail)} lines of {self.opts.engine_log} ---", *tail,
-                  "--- end of the engine's log ---", sep="\n", file=sys.stderr, flush=True)
-
     def _report_rejected(self, reason: str) -> None:
         hint = ("set FLEETGATE_REGISTRATION_SECRET for this agent to the same registration secret "
                 "as the gateways")
@@ -198,36 +185,6 @@ class Agent:
               file=sys.stderr, flush=True)
 
     # -- starting ---------------------------------------------------------------------
-
-    def _initial_info(self) -> WorkerInfo:
-        spec = self.opts.spec
-        speed, source = 1.0, ""  # "": to be measured once the engine answers
-        if self.opts.speed > 0:
-            speed, source = self.opts.speed, "declared"
-        elif self.opts.managed and known_profile(spec):
-            speed, source = card_speed(spec), "profile"
-        return WorkerInfo(
-            id=self.opts.worker_id,
-            url=self.opts.base_url,
-            engine=self.opts.engine if self.opts.managed else f"external:{self.opts.engine}",
-            model=spec.served_name,
-            adapters=tuple(spec.adapters),
-            max_model_len=spec.max_model_len,
-            gpu=spec.gpu,
-            host=socket.gethostname(),
-            capacity=self.engine.capacity(spec),
-            speed=speed,
-            speed_source=source,
-            runtime_lora=self.engine.runtime_lora,
-            max_loras=self.engine.max_loras(spec),
-            reports_load=self.engine.reports_load,
-            continues_trailing_assistant=self.engine.continues_trailing_assistant(spec),
-            pooling=pooling(spec),
-            tokenizer=tokenizer_path(spec),
-            heartbeat_s=self.opts.heartbeat_interval_s,
-            agent_pid=os.getpid(),
-            started_at=time.time(),
-        )
 
     async def _wait_healthy(self) -> bool:
         deadline = time.monotonic() + self.opts.health_timeout_s
@@ -240,35 +197,12 @@ class Agent:
                 return True
             if time.monotonic() - last_beat >= self.opts.heartbeat_interval_s:
                 last_beat = time.monotonic()
-                await self._handle(await self._beat(Load(ts=time.time())))
-                await self._check_rejected()
+                await self._handle(await self.registration.beat(Load(ts=time.time())))
+                await self.registration.check_rejected()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), 0.25)
         url = self.opts.base_url + self.engine.health_path
         raise EngineDied(f"no healthy answer from {url} within {self.opts.health_timeout_s:.0f} s")
-
-    async def _warm_up(self) -> None:
-        """The warm-up request, then the speed probe when nothing else gives the speed."""
-        assert self.info is not None
-        info, base = self.info, self.opts.base_url
-        attempts = self.opts.warmup_attempts
-        if self.opts.warmup:
-            ms = await retrying("warm-up", lambda: warm_up(self.http, base, info), self.log, attempts)
-            # warm_up raises unless the engine answered 200 on that route.
-            route = "/v1/embeddings" if info.pooling else "/v1/completions"
-            self.log.info("agent.warmup", ms=ms, route=route, status=200)
-        if info.speed_source:
-            self.log.info("agent.speed", speed=info.speed, source=info.speed_source)
-            return
-        if not self.opts.warmup or info.pooling:
-            why = "--no-warmup" if not self.opts.warmup else "an embedding model generates nothing to time"
-            self.info = msgspec.structs.replace(info, speed=1.0, speed_source="assumed")
-            self.log.warning("agent.speed_assumed", speed=1.0, reason=f"not measured: {why}",
-                             hint="declare the card's speed with --speed X (an H100 with a 7B model is 1.0)")
-            return
-        speed, figures = await retrying("speed probe", lambda: probe_speed(self.http, base, info), self.log, attempts)
-        self.info = msgspec.structs.replace(info, speed=speed, speed_source="measured")
-        self.log.info("agent.speed", speed=speed, source="measured", **figures)
 
     def _start_speedometer(self) -> None:
         """The running measurement, seeded by the start-up figure; a declared --speed is the
@@ -327,11 +261,11 @@ class Agent:
 
     async def _become_ready(self) -> None:
         assert self.info is not None
-        if await self._was_removed():
+        if await self.registration.was_removed():
             raise RemovedByOperator
-        await self._check_rejected()
+        await self.registration.check_rejected()
         self.state = "ready"
-        self._watch_rejection_until = time.monotonic() + REJECTION_WATCH_S
+        self.registration.watch_rejections_for(REJECTION_WATCH_S)
         await self._register_quietly("ready")
         self.log.info("agent.ready", url=self.info.url, model=self.info.model,
                       adapters=list(self.info.adapters), max_model_len=self.info.max_model_len,
@@ -341,65 +275,13 @@ class Agent:
 
     async def _register_quietly(self, state: WorkerState) -> None:
         assert self.info is not None
-        try:
-            await self.registry.register(self.info, state, self.load, admin_drain=self.admin_drain)
-        except Exception as exc:  # Redis down: keep the engine, retry on the next beat
-            self._unreachable.failed(exc)
-
-    async def _was_removed(self) -> bool:
-        """Whether an operator removed this worker since it started (False while Redis is away:
-        the next heartbeat asks again)."""
-        try:
-            return await self.registry.was_removed(self.opts.worker_id)
-        except Exception as exc:
-            self._unreachable.failed(exc)
-            return False
-
-    async def _check_rejected(self) -> None:
-        """Raise Rejected if a gateway said it ignores this record (while still watching)."""
-        if time.monotonic() > self._watch_rejection_until:
-            return
-        try:
-            reason = await self.registry.rejection(self.opts.worker_id)
-        except Exception as exc:  # Redis away: the next beat asks again
-            self._unreachable.failed(exc)
-            return
-        if reason:
-            raise Rejected(reason)
-
-    async def _beat(self, load: Load, announce: bool = False) -> HeartbeatReply | None:
-        """The registry's answer to a heartbeat; None when Redis is unreachable."""
-        try:
-            if moved := await self.registry.follow_master():
-                self.log.warning("agent.registry_master_moved", master=moved)
-            reply = await self.registry.heartbeat(self.opts.worker_id, load, announce=announce)
-        except LoadNotStored as exc:  # the record lives on, with the load last stored
-            self._unreachable.ok()
-            self._full.failed(exc.__cause__ or exc, reason=str(exc))
-            return exc.reply
-        except Exception as exc:
-            self._unreachable.failed(exc)
-            return None
-        self._unreachable.ok()
-        self._full.ok()
-        return reply
+        await self.registration.register_quietly(self.info, state, self.load)
 
     async def _handle(self, reply: HeartbeatReply | None) -> None:
-        """Act on a heartbeat's answer: remember the operator's drain, stop when asked,
-        register again when the record is gone (unless an operator removed it)."""
-        if reply is None:  # nothing learnt while Redis is away
-            return
-        if reply == "missing":
-            if await self._was_removed():
-                raise RemovedByOperator
-            self.log.warning("agent.reregister", reason="record missing in Redis", state=self.state,
-                             admin_drain=self.admin_drain)
-            await self._register_quietly(self.state)
-            return
-        drained = reply in ("drained", "stop")
-        if drained != self.admin_drain:
-            self.log.info("agent.admin_drain", drained=drained)
-        self.admin_drain = drained
+        """Act on a heartbeat's answer: the record's part (workers/registration.py), then
+        stop when an operator asked for it."""
+        assert self.info is not None
+        await self.registration.handle(reply, self.info, self.state, self.load)
         if reply == "stop" and not self.stopping.is_set():
             self.log.info("agent.stop_requested", reason="an operator drained this worker with stop=true")
             self.stopping.set()
@@ -435,11 +317,11 @@ class Agent:
         # Kept on the load, so that registering again (a lost record) says it too.
         self.load = msgspec.structs.replace(self.load, unhealthy=unhealthy)
         changed = bool(unhealthy) != self._published_unhealthy
-        reply = await self._beat(self.load, announce=changed)
+        reply = await self.registration.beat(self.load, announce=changed)
         if reply is not None:
             self._published_unhealthy = bool(unhealthy)
         await self._handle(reply)
-        await self._check_rejected()
+        await self.registration.check_rejected()
 
     async def _rediscover(self) -> None:
         """Adapters can be loaded and unloaded at runtime (by a gateway, or by hand): keep the

@@ -43,6 +43,41 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+async def _states(registry: Registry, ids: list[str]) -> dict[str, str]:
+    """Each worker's state as the registry shows it (or why it cannot say)."""
+    try:
+        views = {i: await registry.read(i) for i in ids}
+        return {i: (v.effective_state if v else "not registered yet") for i, v in views.items()}
+    except Exception as exc:
+        return {i: f"Redis unreachable ({exc})" for i in ids}
+
+
+def _show_tails(logs: list[str]) -> None:
+    for path in logs:
+        tail = log_tail(path, 15)
+        if tail:
+            say(f"--- the last {len(tail)} lines of {path} ---")
+            for line in tail:
+                say(line)
+
+
+def _outcome(ids: list[str], states: dict[str, str], pid: int, elapsed: float, timeout_s: float,
+             logs: list[str]) -> int | None:
+    """The exit status once the wait is over (ready, the agent gone, or too long); else None."""
+    if all(state in ("ready", "draining", "unhealthy") for state in states.values()):
+        say(f"worker {', '.join(ids)} ready after {elapsed:.0f} s")
+        return 0
+    if not _alive(pid):
+        say(f"worker {', '.join(ids)} failed to start: its agent (pid {pid}) exited")
+        _show_tails(logs)
+        return 1
+    if elapsed > timeout_s:
+        say(f"worker {', '.join(ids)} not ready after {elapsed:.0f} s; its agent (pid {pid}) "
+            "keeps trying in the background: stop it with kill, or wait and check `fleetgate status`")
+        return 1
+    return None
+
+
 async def wait(ids: list[str], pid: int, redis_url: str, prefix: str, timeout_s: float,
                logs: list[str]) -> int:
     redis = connect(redis_url)
@@ -53,31 +88,14 @@ async def wait(ids: list[str], pid: int, redis_url: str, prefix: str, timeout_s:
     try:
         while True:
             elapsed = time.monotonic() - started
-            try:
-                views = {i: await registry.read(i) for i in ids}
-                states = {i: (v.effective_state if v else "not registered yet") for i, v in views.items()}
-            except Exception as exc:
-                states = {i: f"Redis unreachable ({exc})" for i in ids}
+            states = await _states(registry, ids)
             for worker_id, state in states.items():
                 if seen.get(worker_id) != state:
                     seen[worker_id] = state
                     say(f"worker {worker_id}: {state} ({elapsed:.0f} s)")
-            if all(state in ("ready", "draining", "unhealthy") for state in states.values()):
-                say(f"worker {', '.join(ids)} ready after {elapsed:.0f} s")
-                return 0
-            if not _alive(pid):
-                say(f"worker {', '.join(ids)} failed to start: its agent (pid {pid}) exited")
-                for path in logs:
-                    tail = log_tail(path, 15)
-                    if tail:
-                        say(f"--- the last {len(tail)} lines of {path} ---")
-                        for line in tail:
-                            say(line)
-                return 1
-            if elapsed > timeout_s:
-                say(f"worker {', '.join(ids)} not ready after {elapsed:.0f} s; its agent (pid {pid}) "
-                    "keeps trying in the background: stop it with kill, or wait and check `fleetgate status`")
-                return 1
+            code = _outcome(ids, states, pid, elapsed, timeout_s, logs)
+            if code is not None:
+                return code
             if time.monotonic() - last_progress >= PROGRESS_EVERY_S:
                 last_progress = time.monotonic()
                 say(f"worker {', '.join(ids)}: still {', '.join(sorted(set(states.values())))} "

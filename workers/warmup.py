@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import time
 import uuid
 from collections import deque
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import msgspec
 import structlog
 
 from fleetgate.schema import WorkerInfo
@@ -139,3 +141,36 @@ def log_tail(path: str | None, lines: int = 20) -> list[str]:
         return []
     with open(path, "rb") as f:
         return [line.decode(errors="replace").rstrip() for line in deque(f, maxlen=lines)]
+
+
+def report_failed_start(log: structlog.typing.FilteringBoundLogger, engine_log: str | None, exc: StartFailed) -> None:
+    """Say why the start failed, with the engine's last log lines (on stderr too)."""
+    tail = log_tail(engine_log)
+    log.error("agent.start_failed", reason=str(exc), engine_log=engine_log, engine_log_tail=tail)
+    if tail:
+        print(f"--- the last {len(tail)} lines of {engine_log} ---", *tail,
+              "--- end of the engine's log ---", sep="\n", file=sys.stderr, flush=True)
+
+
+async def start_speed(
+    http: httpx.AsyncClient, base: str, info: WorkerInfo, *, warmup: bool, attempts: int,
+    log: structlog.typing.FilteringBoundLogger,
+) -> WorkerInfo:
+    """The warm-up request (unless `warmup` is off), then the speed probe when nothing else
+    gives the speed: `info` with the speed it will register."""
+    if warmup:
+        ms = await retrying("warm-up", lambda: warm_up(http, base, info), log, attempts)
+        # warm_up raises unless the engine answered 200 on that route.
+        route = "/v1/embeddings" if info.pooling else "/v1/completions"
+        log.info("agent.warmup", ms=ms, route=route, status=200)
+    if info.speed_source:
+        log.info("agent.speed", speed=info.speed, source=info.speed_source)
+        return info
+    if not warmup or info.pooling:
+        why = "--no-warmup" if not warmup else "an embedding model generates nothing to time"
+        log.warning("agent.speed_assumed", speed=1.0, reason=f"not measured: {why}",
+                    hint="declare the card's speed with --speed X (an H100 with a 7B model is 1.0)")
+        return msgspec.structs.replace(info, speed=1.0, speed_source="assumed")
+    speed, figures = await retrying("speed probe", lambda: probe_speed(http, base, info), log, attempts)
+    log.info("agent.speed", speed=speed, source="measured", **figures)
+    return msgspec.structs.replace(info, speed=speed, speed_source="measured")

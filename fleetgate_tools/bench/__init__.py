@@ -4,6 +4,7 @@ gateway and simulated-worker processes, and a side-by-side report of routing pol
 `scripts/bench_fleet.py` is the command line; README's "Benchmarks" section the guide.
 """
 
+from fleetgate_tools.bench.arrivals import bursty_arrivals
 from fleetgate_tools.bench.fleet import FleetSpec, WorkerSpec, capacity, load_fleet
 from fleetgate_tools.bench.loadgen import Outcome, run_requests
 from fleetgate_tools.bench.report import format_ratios, format_table, ratios, summarise
@@ -12,7 +13,6 @@ from fleetgate_tools.bench.workloads import (
     WORKLOADS,
     BenchRequest,
     FleetFacts,
-    bursty_arrivals,
     contents,
     read_trace,
     write_trace,

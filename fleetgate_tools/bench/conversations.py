@@ -40,17 +40,11 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from fleetgate_tools.bench.arrivals import poisson_arrivals
 from fleetgate_tools.bench.engines import WorkerRef
 from fleetgate_tools.bench.loadgen import POOL, Outcome, send_one, targets
 from fleetgate_tools.bench.report import percentile
-from fleetgate_tools.bench.workloads import (
-    BenchRequest,
-    Draft,
-    FleetFacts,
-    poisson_arrivals,
-    words,
-    zipf_weights,
-)
+from fleetgate_tools.bench.workloads import BenchRequest, Draft, FleetFacts, words, zipf_weights
 
 # Request ids: conversation id x TURN_IDS + turn index.
 TURN_IDS = 1000

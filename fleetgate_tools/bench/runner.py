@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 from fleetgate_tools.bench import engines, variants
+from fleetgate_tools.bench.arrivals import arrivals
 from fleetgate_tools.bench.cluster import Cluster, StartupError
 from fleetgate_tools.bench.conversations import (
     CONVERSATION_WORKLOADS,
@@ -54,7 +55,6 @@ from fleetgate_tools.bench.workloads import (
     BYTES_PER_TOKEN,
     DEFAULT_WORKLOADS,
     BenchRequest,
-    arrivals,
     build,
     contents,
     read_trace,

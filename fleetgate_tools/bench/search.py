@@ -42,6 +42,16 @@ def passes(run: Mapping[str, Any], target_p50: float) -> bool:
     return p50 is not None and p50 < target_p50 and requests > 0 and failed <= MAX_ERROR_SHARE * requests
 
 
+def describe(step: Step, phase: str) -> str:
+    """One step's progress line."""
+    p50 = "-" if step.ttft_p50 is None else f"{step.ttft_p50:.3f}"
+    if step.ttft_p50_late is not None:
+        p50 += f" (later half {step.ttft_p50_late:.3f})"
+    p99 = "-" if step.ttft_p99 is None else f"{step.ttft_p99:.3f}"
+    return (f"capacity {phase}: {step.rate:g} req/s -> TTFT p50 {p50} s, p99 {p99} s, "
+            f"{step.errors}/{step.requests} errors: {'pass' if step.passed else 'over'}")  # fmt: skip
+
+
 def find_capacity(
     measure: Callable[[float], Mapping[str, Any]],
     *,
@@ -65,14 +75,28 @@ def find_capacity(
         step = Step(rate, run.get("ttft_p50"), run.get("ttft_p50_late"), run.get("ttft_p99"),
                     int(run.get("errors") or 0), int(run.get("requests") or 0), ok)  # fmt: skip
         steps.append(step)
-        p50 = "-" if step.ttft_p50 is None else f"{step.ttft_p50:.3f}"
-        if step.ttft_p50_late is not None:
-            p50 += f" (later half {step.ttft_p50_late:.3f})"
-        p99 = "-" if step.ttft_p99 is None else f"{step.ttft_p99:.3f}"
-        note(f"capacity {phase}: {rate:g} req/s -> TTFT p50 {p50} s, p99 {p99} s, "
-             f"{step.errors}/{step.requests} errors: {'pass' if ok else 'over'}")  # fmt: skip
+        note(describe(step, phase))
         return ok
 
+    good, bad = _bracket(probe, start, grow, min_rate, max_rate)
+    if good is None or bad is None:
+        return (None if good is None else round(good, 1)), steps
+    for _ in range(fine_steps):
+        mid = (good + bad) / 2
+        if round(mid, 1) in (round(good, 1), round(bad, 1)):
+            break
+        if probe(mid, "fine"):
+            good = mid
+        else:
+            bad = mid
+    return round(good, 1), steps
+
+
+def _bracket(
+    probe: Callable[[float, str], bool], start: float, grow: float, min_rate: float, max_rate: float
+) -> tuple[float | None, float | None]:
+    """The coarse phase: from `start`, up or down by `grow` until a passing rate and a failing
+    one are neighbours (None for a side never found within min_rate..max_rate)."""
     good: float | None = None
     bad: float | None = None
     rate = start
@@ -92,14 +116,4 @@ def find_capacity(
                 good = rate
                 break
             bad = rate
-    if good is None or bad is None:
-        return (None if good is None else round(good, 1)), steps
-    for _ in range(fine_steps):
-        mid = (good + bad) / 2
-        if round(mid, 1) in (round(good, 1), round(bad, 1)):
-            break
-        if probe(mid, "fine"):
-            good = mid
-        else:
-            bad = mid
-    return round(good, 1), steps
+    return good, bad

@@ -39,11 +39,12 @@ import httpx
 import msgspec
 
 from fleetgate_tools.bench import engines, speed_track
+from fleetgate_tools.bench.arrivals import poisson_arrivals
 from fleetgate_tools.bench.loadgen import Outcome, run_requests
 from fleetgate_tools.bench.progress import Progress
 from fleetgate_tools.bench.report import percentile
 from fleetgate_tools.bench.tables import _f, _md, done_when
-from fleetgate_tools.bench.workloads import BYTES_PER_TOKEN, BenchRequest, poisson_arrivals, words
+from fleetgate_tools.bench.workloads import BYTES_PER_TOKEN, BenchRequest, words
 from workers.engines.base import EngineWork
 from workers.engines.vllm import parse_vllm_work
 from workers.speedometer import sample_speed

@@ -5,9 +5,8 @@ A workload is two independent streams drawn from one seed:
 * contents (`prefix`, `adapters`, `mixed`, `pressure`, `skew`, `pressure_long`, `lora`): an endless,
   deterministic sequence of chat requests (model, messages, max_tokens, session, tag, and
   how the answer ends);
-* arrivals: a bursty Poisson process (a Markov-modulated one: bursts at `burst` times the
-  mean rate alternate with calm spells, so the mean stays at the target rate), or a plain
-  Poisson process for the tenant workloads (`arrivals: poisson|bursty` in their params).
+* arrivals: a bursty Poisson process, or a plain Poisson one for the tenant workloads
+  (fleetgate_tools/bench/arrivals.py).
 
 Contents do not depend on the rate, so the load generator can first look at the shape of
 the requests (their token counts), estimate the fleet's capacity for them, and only then
@@ -327,8 +326,7 @@ WORKLOADS: dict[str, ContentGen] = {
 # What `scripts/bench_fleet.py` runs when no --workloads are given: the tenant workloads
 # are sized for their own fleets (config/bench/pressure.yaml, ample.yaml).
 DEFAULT_WORKLOADS = ("prefix", "adapters", "mixed")
-# Workloads whose arrivals are plain Poisson unless their params say `arrivals: bursty`.
-POISSON_WORKLOADS = frozenset({"pressure", "skew", "pressure_long", "lora"})
+
 
 
 def contents(
@@ -340,61 +338,6 @@ def contents(
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}") from None
     # One RNG per (workload, seed), independent of the arrival RNG.
     return gen(random.Random(f"{name}:{seed}"), fleet, dict(params or {}))
-
-
-# ---------------------------------------------------------------- arrivals
-
-
-def bursty_arrivals(
-    rate: float, duration: float, seed: int, *, burst: float = 2.0, mean_phase_s: float = 2.0
-) -> list[float]:
-    """Arrival times in [0, duration) at mean `rate`/s: bursts at burst x rate for about a
-    third of the time, calm spells at the rate that keeps the mean (Poisson within each)."""
-    if rate <= 0 or duration <= 0:
-        return []
-    rng = random.Random(f"arrivals:{seed}")
-    burst_frac = 1 / 3
-    calm_rate = max(0.0, rate * (1 - burst * burst_frac) / (1 - burst_frac))
-    t, out = 0.0, []
-    bursting = rng.random() < burst_frac
-    while t < duration:
-        mean = mean_phase_s * (burst_frac if bursting else 1 - burst_frac) * 2
-        end = min(duration, t + rng.expovariate(1 / mean))
-        r = rate * burst if bursting else calm_rate
-        if r > 0:
-            while True:
-                t += rng.expovariate(r)
-                if t >= end:
-                    break
-                out.append(t)
-        t = end
-        bursting = not bursting
-    return out
-
-
-def poisson_arrivals(rate: float, duration: float, seed: int) -> list[float]:
-    """Arrival times in [0, duration) of a Poisson process at `rate`/s."""
-    if rate <= 0 or duration <= 0:
-        return []
-    rng = random.Random(f"poisson:{seed}")
-    t, out = rng.expovariate(rate), []
-    while t < duration:
-        out.append(t)
-        t += rng.expovariate(rate)
-    return out
-
-
-def arrivals(
-    workload: str, rate: float, duration: float, seed: int, params: dict[str, Any] | None = None
-) -> list[float]:
-    """The workload's arrival process: `arrivals` in its params, else its default."""
-    default = "poisson" if workload in POISSON_WORKLOADS else "bursty"
-    kind = str((params or {}).get("arrivals", default))
-    if kind == "poisson":
-        return poisson_arrivals(rate, duration, seed)
-    if kind == "bursty":
-        return bursty_arrivals(rate, duration, seed)
-    raise ValueError(f"unknown arrival process {kind!r}; known: poisson, bursty")
 
 
 def build(drafts: Iterator[Draft], times: Sequence[float]) -> list[BenchRequest]:

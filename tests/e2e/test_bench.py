@@ -11,19 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from fleetgate_tools.bench.arrivals import bursty_arrivals
 from fleetgate_tools.bench.fleet import capacity, load_fleet
 from fleetgate_tools.bench.loadgen import Outcome, classify
 from fleetgate_tools.bench.png import Canvas, render
 from fleetgate_tools.bench.report import format_ratios, format_table, percentile, ratios, summarise
 from fleetgate_tools.bench.runner import BenchOptions, plan
-from fleetgate_tools.bench.workloads import (
-    WORKLOADS,
-    FleetFacts,
-    bursty_arrivals,
-    contents,
-    read_trace,
-    write_trace,
-)
+from fleetgate_tools.bench.workloads import WORKLOADS, FleetFacts, contents, read_trace, write_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = ROOT / "config/bench/default.yaml"

@@ -199,7 +199,7 @@ def test_a_gateway_that_turns_up_later_with_a_secret_does_not_stop_a_serving_wor
     the gateway without one."""
     import time
 
-    from workers.agent import REJECTION_WATCH_S
+    from workers.registration import REJECTION_WATCH_S
 
     fleet = fleet_factory()
     _, open_url = fleet.gateway()

@@ -800,8 +800,8 @@ def test_frontend_token_cost_delays_the_next_step(decoding: int, f_tok: float) -
     for i in range(decoding):
         _submit(s, _seq(f"d{i}", [i] * 5, out=50))
     s.step()  # prefill: every sequence samples its first token
-    assert s._take_frontend_debt() == pytest.approx(decoding * f_tok)
-    assert s._take_frontend_debt() == 0.0  # paid once
+    assert s.frontend.take_debt() == pytest.approx(decoding * f_tok)
+    assert s.frontend.take_debt() == 0.0  # paid once
     assert PROFILES["h100-7b"].frontend_per_token_s == 0.0
 
 
@@ -838,7 +838,7 @@ async def test_frontend_admission(f_req: float, arrivals: int, busy: bool, ready
     t0 = loop.time()
     for i in range(arrivals):
         s.submit(_seq(f"r{i}", 5))
-    assert s._frontend_debt == pytest.approx(debt)
+    assert s.frontend.debt == pytest.approx(debt)
     if f_req:
         with pytest.raises(RuntimeError):  # requests in the front-end count as busy
             s.reset()
@@ -859,7 +859,7 @@ async def test_abort_while_in_the_frontend() -> None:
     seq = _seq("gone", 5)
     s.submit(seq)
     s.abort(seq)
-    assert seq.status == "aborted" and not s.admitting
+    assert seq.status == "aborted" and not s.frontend.admitting
     await asyncio.sleep(0.03)
     assert not s.waiting
     s.reset()

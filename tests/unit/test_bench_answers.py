@@ -13,6 +13,7 @@ import httpx
 import pytest
 from aiohttp import web
 
+from fleetgate_tools.bench.arrivals import arrivals, poisson_arrivals
 from fleetgate_tools.bench.engines import LoadSampler, WorkerRef, load_stats, parse_gauges
 from fleetgate_tools.bench.fleet import FleetSpec, WorkerSpec, capacity, load_fleet
 from fleetgate_tools.bench.loadgen import Outcome, run_requests
@@ -21,9 +22,7 @@ from fleetgate_tools.bench.runner import BenchOptions, plan
 from fleetgate_tools.bench.workloads import (
     BenchRequest,
     FleetFacts,
-    arrivals,
     contents,
-    poisson_arrivals,
     read_trace,
     write_trace,
 )

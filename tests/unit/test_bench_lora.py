@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from fleetgate_tools.bench import engines
+from fleetgate_tools.bench.arrivals import arrivals, poisson_arrivals
 from fleetgate_tools.bench.engines import WorkerRef
 from fleetgate_tools.bench.fleet import load_fleet
 from fleetgate_tools.bench.lora import (
@@ -39,13 +40,7 @@ from fleetgate_tools.bench.strategies import (
     make_route,
 )
 from fleetgate_tools.bench.tables import means
-from fleetgate_tools.bench.workloads import (
-    BenchRequest,
-    FleetFacts,
-    arrivals,
-    contents,
-    poisson_arrivals,
-)
+from fleetgate_tools.bench.workloads import BenchRequest, FleetFacts, contents
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data"

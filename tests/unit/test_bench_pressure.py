@@ -15,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetgate_tools.bench import engines
+from fleetgate_tools.bench.arrivals import arrivals, bursty_arrivals, poisson_arrivals
 from fleetgate_tools.bench.cluster import running
 from fleetgate_tools.bench.engines import WorkerRef
 from fleetgate_tools.bench.fleet import FleetSpec, WorkerSpec, load_fleet
@@ -30,15 +31,7 @@ from fleetgate_tools.bench.runner import (
 )
 from fleetgate_tools.bench.search import find_capacity, passes
 from fleetgate_tools.bench.strategies import direct_round_robin, tenant_affinity, tenant_of
-from fleetgate_tools.bench.workloads import (
-    BenchRequest,
-    Draft,
-    FleetFacts,
-    arrivals,
-    bursty_arrivals,
-    contents,
-    poisson_arrivals,
-)
+from fleetgate_tools.bench.workloads import BenchRequest, Draft, FleetFacts, contents
 
 ROOT = Path(__file__).resolve().parents[2]
 FACTS = FleetFacts(model="m")

@@ -110,12 +110,7 @@ class SimConfig:
     profile_overrides: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.profile not in PROFILES:
-            raise ValueError(f"unknown profile {self.profile!r}; known: {', '.join(PROFILES)}")
-        known = {f.name for f in fields(Profile)} - {"name"}
-        unknown = set(self.profile_overrides) - known
-        if unknown:
-            raise ValueError(f"unknown profile field(s) {sorted(unknown)}; known: {sorted(known)}")
+        self._check_profile()
         if self.lora_modules:
             self.enable_lora = True
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
@@ -127,6 +122,18 @@ class SimConfig:
             from workers.simulator.kv_events import KvEventsConfig
 
             KvEventsConfig.from_json(self.kv_events_config)  # raises ValueError
+        self._resolve_runner()
+
+    def _check_profile(self) -> None:
+        if self.profile not in PROFILES:
+            raise ValueError(f"unknown profile {self.profile!r}; known: {', '.join(PROFILES)}")
+        known = {f.name for f in fields(Profile)} - {"name"}
+        unknown = set(self.profile_overrides) - known
+        if unknown:
+            raise ValueError(f"unknown profile field(s) {sorted(unknown)}; known: {sorted(known)}")
+
+    def _resolve_runner(self) -> None:
+        """vLLM's --runner and --convert, "auto" resolved, their conflicts refused."""
         if self.runner == "auto":
             self.runner = "pooling" if self.convert == "embed" else "generate"
         if self.runner == "pooling":

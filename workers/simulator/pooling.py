@@ -116,29 +116,40 @@ def _prompts(body: Mapping[str, Any], ctx: Context) -> list[tuple[list[int], boo
     if messages is None and isinstance(value, list) and value and isinstance(value[0], dict):
         messages = value
     if messages is not None:
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
-        ):
-            raise invalid(("list_type", "body.messages", "Input should be a valid list", "..."))
-        add_prompt = bool(body.get("add_generation_prompt", False))
-        text = render_prompt(
-            ctx.tokens, messages, add_generation_prompt=add_prompt, continue_final=False,
-        )  # fmt: skip
-        return [(ctx.tokens.encode(text), True)]
+        return [(_chat_prompt(body, messages, ctx), True)]
     if "input" not in body:
         raise invalid(("missing", "body.input", "Field required", f"<dict of {len(body)} items>"))
     if isinstance(value, str):
         value = [value]
     if isinstance(value, list) and not value:
         raise bad("You must pass at least one prompt", None)
-    if isinstance(value, list):
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-            return [(list(value), False)]
-        if all(isinstance(t, str) for t in value):
-            return [(ctx.tokens.encode(t), True) for t in value]
-        if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in value):
-            return [(list(p), False) for p in value]
+    if isinstance(value, list) and (prompts := _input_prompts(value, ctx)) is not None:
+        return prompts
     raise invalid(("list_type", "body.input", "Input should be a valid list", str(value)[:40]))
+
+
+def _chat_prompt(body: Mapping[str, Any], messages: Any, ctx: Context) -> list[int]:
+    """A chat's messages rendered by the model's template, as token ids."""
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
+    ):
+        raise invalid(("list_type", "body.messages", "Input should be a valid list", "..."))
+    add_prompt = bool(body.get("add_generation_prompt", False))
+    text = render_prompt(
+        ctx.tokens, messages, add_generation_prompt=add_prompt, continue_final=False,
+    )  # fmt: skip
+    return ctx.tokens.encode(text)
+
+
+def _input_prompts(value: list[Any], ctx: Context) -> list[tuple[list[int], bool]] | None:
+    """`input` as one token list, texts, or token lists; None for any other list."""
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return [(list(value), False)]
+    if all(isinstance(t, str) for t in value):
+        return [(ctx.tokens.encode(t), True) for t in value]
+    if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in value):
+        return [(list(p), False) for p in value]
+    return None
 
 
 def _fit(ids: list[int], as_text: bool, keep: int | None, ctx: Context) -> list[int]:

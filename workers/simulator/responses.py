@@ -64,6 +64,30 @@ def _too_long(limit: int) -> SimError:
     )
 
 
+def _output_budget(body: dict[str, Any], n: int, ctx: Context) -> int:
+    """The most a response may generate after a prompt of `n` tokens (vLLM's checks first)."""
+    limit = ctx.max_model_len
+    if n > limit:
+        raise _too_long(limit)
+    if n == limit:
+        message = (
+            f"The engine prompt length {n} exceeds the max_model_len {limit}. "
+            "Please reduce prompt."
+        )
+        raise SimError(400, "invalid_request", message, "input")
+    if n + 1 > ctx.kv_tokens:
+        raise bad(f"the prompt ({n} tokens) does not fit the KV cache ({ctx.kv_tokens})")
+    wanted = opt_int(body, "max_output_tokens", 1)
+    if wanted is not None and wanted > limit:
+        raise bad(
+            f"max_output_tokens={wanted} cannot be greater than max_model_len={limit}. "
+            f"Please request fewer output tokens. (parameter=max_output_tokens, value={wanted})",
+            "max_output_tokens",
+        )
+    room = min(limit, ctx.kv_tokens) - n
+    return max(1, room if wanted is None else min(wanted, room))
+
+
 class Responses:
     """One engine's Responses API: request parsing, response objects, the store."""
 
@@ -80,19 +104,7 @@ class Responses:
         model, adapter = resolve_model(body, ctx)
         if "input" not in body:
             raise bad("Field required", "body.input")
-        background = bool(body.get("background"))
-        store = bool(body.get("store", True))
-        if store and background and not self.store_enabled:
-            raise SimError(
-                400, "invalid_request",
-                "This vLLM engine does not support `store=True` and therefore does not support "
-                "the background mode. To enable these features, set the environment variable "
-                "`VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server.",
-                "background",
-            )  # fmt: skip
-        store = store and self.store_enabled  # vLLM ignores `store` when it cannot store
-        if background and body.get("stream"):
-            raise bad("the simulator does not stream background responses", "background")
+        store, background = self._store_and_background(body)
         previous = None
         previous_id = body.get("previous_response_id")
         if previous_id is not None:
@@ -104,26 +116,7 @@ class Responses:
             ctx.tokens, messages, add_generation_prompt=True, continue_final=False,
         )  # fmt: skip
         prompt_ids = ctx.tokens.encode(prompt_text)
-        n, limit = len(prompt_ids), ctx.max_model_len
-        if n > limit:
-            raise _too_long(limit)
-        if n == limit:
-            message = (
-                f"The engine prompt length {n} exceeds the max_model_len {limit}. "
-                "Please reduce prompt."
-            )
-            raise SimError(400, "invalid_request", message, "input")
-        if n + 1 > ctx.kv_tokens:
-            raise bad(f"the prompt ({n} tokens) does not fit the KV cache ({ctx.kv_tokens})")
-        wanted = opt_int(body, "max_output_tokens", 1)
-        if wanted is not None and wanted > limit:
-            raise bad(
-                f"max_output_tokens={wanted} cannot be greater than max_model_len={limit}. "
-                f"Please request fewer output tokens. (parameter=max_output_tokens, value={wanted})",
-                "max_output_tokens",
-            )
-        room = min(limit, ctx.kv_tokens) - n
-        max_tokens = max(1, room if wanted is None else min(wanted, room))
+        max_tokens = _output_budget(body, len(prompt_ids), ctx)
         request_id = body.get("request_id")
         tools = body.get("tools") or []
         tool_choice = body.get("tool_choice", "auto")
@@ -168,6 +161,22 @@ class Responses:
             id=request_id if isinstance(request_id, str) and request_id else f"resp_{_short_uuid()}",
             prep=prep, messages=messages, echo=echo, store=store, background=background,
         )  # fmt: skip
+
+    def _store_and_background(self, body: dict[str, Any]) -> tuple[bool, bool]:
+        """`store` (ignored, as vLLM does, when this engine cannot store) and `background`."""
+        background = bool(body.get("background"))
+        store = bool(body.get("store", True))
+        if store and background and not self.store_enabled:
+            raise SimError(
+                400, "invalid_request",
+                "This vLLM engine does not support `store=True` and therefore does not support "
+                "the background mode. To enable these features, set the environment variable "
+                "`VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server.",
+                "background",
+            )  # fmt: skip
+        if background and body.get("stream"):
+            raise bad("the simulator does not stream background responses", "background")
+        return store and self.store_enabled, background
 
     # --- response objects ----------------------------------------------------------------
     def response(self, turn: Turn, status: str, output: list[Json], seq: Seq | None = None) -> Json:

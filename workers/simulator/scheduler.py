@@ -17,16 +17,8 @@ The step then "runs" for a time taken from the profile (times `slowdown`, the `s
 fault), and each sequence that caught up with its tokens samples one more, which its request handler streams at once. What the
 step changed (load, admissions, preemptions) is published when it ends (`StepStats`).
 
-The API front-end shares the machine with the engine when the profile says so
-(`frontend_per_request_s`, `frontend_per_token_s`; zero on GPU profiles, whose front-end
-runs on otherwise idle host cores). vLLM's OpenAI server is one process that parses and
-tokenizes each request before handing it to the engine, and detokenizes and writes an SSE
-chunk for each token the engine returns. On a small CPU machine that work runs on the same
-cores as the engine's compute threads, so it costs twice: a request is schedulable only
-after the front-end has admitted it (one request at a time, `frontend_per_request_s` each),
-and the front-end's work done while the engine is busy stretches the engine's next step by
-as much (admissions during a step, and `frontend_per_token_s` for every token the previous
-step sampled). See profiles.py (cpu-tiny) for the measured figures.
+The API front-end's work, where it shares the engine's cores, delays admissions and
+stretches steps (frontend.py).
 
 Everything is deterministic for a given arrival order and seed: no wall clock decides
 anything except how long the loop sleeps.
@@ -41,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.simulator.frontend import Frontend
 from workers.simulator.kvcache import BlockPool, extend_hashes
 from workers.simulator.loras import LoraCache, LoraRequests
 from workers.simulator.seqs import Event, Limits, SchedulerHooks, Seq, StepStats
@@ -76,9 +69,7 @@ class Scheduler:
         self.preemptions = 0
         self.steps = 0
         self._wake = asyncio.Event()
-        self.admitting: set[Seq] = set()  # in the front-end, not yet in `waiting`
-        self._frontend_free_at = 0.0
-        self._frontend_debt = 0.0  # front-end seconds the next step pays for
+        self.frontend = Frontend()
         # Queued since the last schedule (at the tail of `waiting`): vLLM's engine core
         # takes them from its input queue only before the next step, so its stats of the
         # running step do not count them.
@@ -112,20 +103,7 @@ class Scheduler:
             for seq in seqs:
                 self._enqueue(seq)
             return
-        # The front-end admits one request at a time; while the engine is busy, that work
-        # takes the CPU from the engine's current step as well.
-        ready = max(now, self._frontend_free_at) + cost
-        self._frontend_free_at = ready
-        if self.running:
-            self._frontend_debt += cost
-        self.admitting.update(seqs)
-        asyncio.get_running_loop().call_at(ready, self._admitted_by_frontend, list(seqs))
-
-    def _admitted_by_frontend(self, seqs: list[Seq]) -> None:
-        for seq in seqs:
-            if seq in self.admitting:  # not aborted meanwhile
-                self.admitting.discard(seq)
-                self._enqueue(seq)
+        self.frontend.admit(seqs, now, cost, engine_busy=bool(self.running), then=self._enqueue)
 
     def _enqueue(self, seq: Seq) -> None:
         if seq.adapter:
@@ -134,15 +112,10 @@ class Scheduler:
         self._late.add(seq)
         self._wake.set()
 
-    def _take_frontend_debt(self) -> float:
-        debt, self._frontend_debt = self._frontend_debt, 0.0
-        return debt
-
     def abort(self, seq: Seq) -> None:
         """The client went away: drop the sequence and free what it held."""
         counted = seq.adapter is not None and seq.status in ("waiting", "running")
-        if seq in self.admitting:  # still in the front-end: the engine never saw it
-            self.admitting.discard(seq)
+        if self.frontend.abort(seq):  # still in the front-end: the engine never saw it
             counted = False
         elif seq.status == "waiting":
             self.waiting.remove(seq)
@@ -168,7 +141,7 @@ class Scheduler:
 
     def reset(self) -> None:
         """Forget the prefix cache, the LoRA slots and the step counters; only when idle."""
-        if self.running or self.waiting or self.admitting:
+        if self.running or self.waiting or self.frontend.admitting:
             raise RuntimeError("the engine is busy")
         self.pool.reset()  # keeps its event sink, which publishes AllBlocksCleared
         self.loras = self._lora_cache()
@@ -200,7 +173,7 @@ class Scheduler:
                 self._wake.clear()
                 await self._wake.wait()
                 deadline = self._now()
-                self._frontend_debt = 0.0  # done while the engine had nothing to run
+                self.frontend.take_debt()  # done while the engine had nothing to run
             plan = self._schedule()
             if not plan.work:
                 self._end_step(plan)
@@ -211,7 +184,7 @@ class Scheduler:
                     pass
                 deadline = self._now()
                 continue
-            deadline += (self._step_seconds(plan) + self._take_frontend_debt()) * self.slowdown
+            deadline += (self._step_seconds(plan) + self.frontend.take_debt()) * self.slowdown
             now = self._now()
             if deadline < now:  # we fell behind: do not try to catch up in a burst
                 deadline = now
@@ -352,7 +325,7 @@ class Scheduler:
                     self._sample(seq, now)
         # Detokenizing and streaming these tokens (or writing out a pooled vector) runs
         # during the next step, on its CPU.
-        self._frontend_debt += outputs * self.profile.frontend_per_token_s * self.limits.time_scale
+        self.frontend.charge(outputs * self.profile.frontend_per_token_s * self.limits.time_scale)
         self.hooks.on_step(scheduled, sampled, gaps)
         self._end_step(plan)
 

@@ -81,13 +81,21 @@ def example(schema: Any, rng: random.Random, depth: int = 0) -> Any:
     kind = schema.get("type", "object" if "properties" in schema else "string")
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), "null")
+    if kind in ("object", "array"):
+        return _container(schema, kind, rng, depth)
+    return _scalar(schema, kind, rng)
+
+
+def _container(schema: dict[str, Any], kind: str, rng: random.Random, depth: int) -> Any:
     if kind == "object":
         props = schema.get("properties") or {}
         if depth > 4:
             return {}
         return {name: example(sub, rng, depth + 1) for name, sub in props.items()}
-    if kind == "array":
-        return [example(schema.get("items") or {}, rng, depth + 1) for _ in range(max(1, schema.get("minItems", 1)))]
+    return [example(schema.get("items") or {}, rng, depth + 1) for _ in range(max(1, schema.get("minItems", 1)))]
+
+
+def _scalar(schema: dict[str, Any], kind: str, rng: random.Random) -> Any:
     if kind == "integer":
         return rng.randint(int(schema.get("minimum", 1)), int(schema.get("maximum", 100)))
     if kind == "number":
