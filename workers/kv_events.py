@@ -14,7 +14,8 @@ sequence order, and keeps a health state that the agent publishes beside the ind
 
 How it stays in sync:
 
-- On every (re)connection to the publisher: resync. Clear the index and replay from seq 0; a
+- On every (re)connection to the publisher: resync. Clear the index and replay from seq 0
+  ("lost" until the replay's end marker: a partial index is not to be trusted); a
   replay that starts later means the engine published before the buffer's window (vLLM keeps
   10,000 batches): lost until an AllBlocksCleared makes the index whole again.
 - A batch whose seq skips ahead: replay the missing ones (the ROUTER answers with every
@@ -89,6 +90,7 @@ class KvEventSubscriber:
         self._peers = 0
         self._need_resync = True
         self._joining = False
+        self._replaying = False  # a resync's replay is under way: the index is partial
         self._last_sign = -math.inf  # monotonic time of the last batch or replay answer
         self._ctx: zmq.asyncio.Context | None = None
         self._dealer: zmq.asyncio.Socket | None = None
@@ -212,10 +214,16 @@ class KvEventSubscriber:
         self._complete = True
         if not self.replay_endpoint:
             self._joining = True  # the first batch seen says whether history is missing
-        elif not await self._replay_from(0):
-            if self._peers:  # else the monitor said why
-                self._gap("the replay endpoint did not answer")
-            self._need_resync = True
+        else:
+            self._replaying = True
+            try:
+                replayed = await self._replay_from(0)
+            finally:
+                self._replaying = False
+            if not replayed:
+                if self._peers:  # else the monitor said why
+                    self._gap("the replay endpoint did not answer")
+                self._need_resync = True
         self._update()
         self.log.info(
             "kv_events.resync", state=self.state, next_seq=self.next_seq, blocks=len(self.index)
@@ -305,7 +313,9 @@ class KvEventSubscriber:
 
     def _update(self) -> None:
         state: State = "lost"
-        if not self._complete:
+        if self._replaying:  # not "events" until the whole history is in
+            reason = "replaying the engine's history"
+        elif not self._complete:
             reason = self._gap_reason
         elif not self._peers:
             reason = "publisher disconnected" if self.resyncs else "not connected yet"

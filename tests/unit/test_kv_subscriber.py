@@ -47,6 +47,7 @@ class FakeEngine:
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.seq = 0
         self.replays = 0
+        self.pause_after_first: asyncio.Event | None = None  # set: a replay holds after its first batch
         self.task: asyncio.Task[None] | None = asyncio.create_task(self._serve())
 
     async def publish(self, *events: object, send: bool = True) -> None:
@@ -60,9 +61,13 @@ class FakeEngine:
         while True:
             client, _, start = await self.router.recv_multipart()
             self.replays += 1
+            sent = 0
             for seq, payload in list(self.buffer):
                 if seq >= int.from_bytes(start, "big"):
+                    if sent == 1 and self.pause_after_first is not None:
+                        await self.pause_after_first.wait()
                     await self.router.send_multipart([client, b"", TOPIC, encode_seq(seq), payload])
+                    sent += 1
             await self.router.send_multipart([client, b"", b"", END_SEQ, b""])
 
     async def hang(self) -> None:
@@ -122,6 +127,24 @@ async def test_history_published_before_we_joined_is_replayed(ports: tuple[int, 
             assert sub.next_seq == 2 and all(k in sub.index for k in KEYS[:2])
             await engine.publish(block(2, 1001))
             await until(lambda: KEYS[2] in sub.index)
+    finally:
+        await engine.close()
+
+
+async def test_a_partial_replay_is_not_trusted_until_its_end(ports: tuple[int, int]) -> None:
+    """The replay's first batch is in, the rest held back (a busy engine, a loaded host): the
+    index is partial, so the state is not "events" until the end marker."""
+    engine = FakeEngine(*ports)
+    engine.pause_after_first = release = asyncio.Event()
+    try:
+        await engine.publish(block(0))
+        await engine.publish(block(1, 1000))
+        async with subscribed(subscriber(ports, replay_timeout_s=30.0, silence_s=30.0)) as sub:
+            await until(lambda: sub.next_seq == 1)  # the first batch applied, the second held
+            assert sub.state == "lost" and sub.reason == "replaying the engine's history"
+            release.set()
+            await until(lambda: sub.state == "events")
+            assert sub.next_seq == 2 and all(k in sub.index for k in KEYS[:2])
     finally:
         await engine.close()
 
