@@ -15,7 +15,9 @@ does for workers that publish no events:
 - an adapter's request (the adapters' placement decides; their blocks are apart anyway).
 
 The look-up is in memory: no Redis on the request path. Rendering and tokenizing are done
-only when a worker that can serve the request publishes a usable index.
+only when a worker that can serve the request publishes a usable index; the template is
+rendered whole for each request, but only the text between its special tokens that was not
+seen lately is tokenized (gateway/request/token_pieces.py): the ids are the same.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from fleetgate.chat_template import ChatTemplate, load_chat_template
 from fleetgate.kv_index import chain_keys
 from fleetgate.kv_registry import KvMirror, WorkerKv
 from gateway.request.requests import TokenCounter, separate_prompts
+from gateway.request.token_pieces import PieceTokenizer
 from gateway.routing.table import Slot
 from gateway.wire import Message, Probe
 
@@ -47,9 +50,12 @@ def _given(raw: msgspec.Raw) -> bool:
 class PromptTokens:
     """The token ids an engine prefills for a request, with one model's tokenizer and template."""
 
-    def __init__(self, counter: TokenCounter, template: ChatTemplate | None) -> None:
+    def __init__(self, counter: TokenCounter, template: ChatTemplate | None, *, cut: bool = True) -> None:
         self.tokenizer = counter.tokenizer
         self.template = template
+        # A chat's rendered text, tokenized piece by piece between the template's special
+        # tokens, the pieces' ids kept: a repeated system prompt is tokenized once.
+        self.pieces = PieceTokenizer(self.tokenizer, cut=cut)
 
     def ids(self, probe: Probe) -> list[int] | None:
         """The prompt's token ids, or None where the gateway cannot know them exactly."""
@@ -83,7 +89,7 @@ class PromptTokens:
         except Exception as exc:  # a template that refuses these messages: the engine will say so
             log.debug("gateway.template_refused", error=str(exc)[:200])
             return None
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return self.pieces.encode(text)
 
 
 def _message(msg: Message) -> dict[str, object] | None:
@@ -99,10 +105,12 @@ def _message(msg: Message) -> dict[str, object] | None:
 
 
 class PrefixCache:
-    """Looks requests up in the workers' KV indexes (`mirror`)."""
+    """Looks requests up in the workers' KV indexes (`mirror`). `cut_pieces` False: chats are
+    tokenized whole every time (the old path, for scripts/bench_prefix_tokens.py)."""
 
-    def __init__(self, mirror: KvMirror) -> None:
+    def __init__(self, mirror: KvMirror, *, cut_pieces: bool = True) -> None:
         self.mirror = mirror
+        self.cut_pieces = cut_pieces
         self._prompts: dict[int, PromptTokens] = {}  # id(counter) -> its prompt builder
         self._counters: list[TokenCounter] = []  # keeps the ids above meaning one counter
 
@@ -122,6 +130,8 @@ class PrefixCache:
         held: dict[str, int] = {}
         keys_by_size: dict[int, list[int]] = {}
         for wid, wkv in indexes:
+            if not wkv.keys:  # holds nothing: no keys to compute for it
+                continue
             size = wkv.block_size
             keys = keys_by_size.get(size)
             if keys is None:
@@ -138,7 +148,7 @@ class PrefixCache:
                 template = load_chat_template(Path(counter.path).parent)
             except Exception as exc:  # unreadable, or a template Jinja cannot compile
                 log.warning("gateway.chat_template_unusable", path=counter.path, error=str(exc)[:200])
-            found = self._prompts[id(counter)] = PromptTokens(counter, template)
+            found = self._prompts[id(counter)] = PromptTokens(counter, template, cut=self.cut_pieces)
             self._counters.append(counter)
         return found
 
