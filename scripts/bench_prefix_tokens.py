@@ -10,8 +10,9 @@ gateway/request/token_pieces.py), side by side in one run; issue 31.
 Each round times `PrefixCache.held` (what the gateway calls per chat when events are on) over
 the same requests with a fresh cache for each path, the paths in turn, against two workers
 whose indexes hold the prompts of the first requests; the answers (exact token count, tokens
-held per worker) must be the same for both. `count`: the tokenizer's count the gateway makes
-without events (gateway/request/requests.py `TokenCounter.count`), for scale. Workloads: the
+held per worker) must be the same for both. `count-0` and `count`: the token count the gateway
+makes without events (gateway/request/requests.py `TokenCounter.count`), every text encoded
+(`max_chars=0`) beside long texts' counts kept (the default); their counts must agree. Workloads: the
 bench's `pressure` (16 tenants, ~1,500-token system prompts, a ~65-token question each) and
 `multiturn` (shared system prompts, a document per conversation, the turns' history).
 """
@@ -39,7 +40,7 @@ from fleetgate.kv_registry import KvMirror, WorkerKv  # noqa: E402
 from fleetgate_tools.bench.conversations import conversations, sample_turns  # noqa: E402
 from fleetgate_tools.bench.workloads import FleetFacts, contents, words  # noqa: E402
 from gateway.request.prefix_cache import PrefixCache  # noqa: E402
-from gateway.request.requests import TokenCounter  # noqa: E402
+from gateway.request.requests import CACHED_CHARS, TokenCounter  # noqa: E402
 from gateway.wire import Probe  # noqa: E402
 
 BLOCK = 16
@@ -119,8 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         slots: Any = [SimpleNamespace(id=w) for w in ("w0", "w1")]
         print(f"\n{workload}: {len(reqs)} requests, {statistics.fmean(len(p.messages or []) for p in reqs):.1f} messages each")
         print(f"{'round':<6} {'path':<8} {'wall mean':>9} {'p50':>8} {'p99':>8} {'CPU mean':>9}")
-        p50s: dict[str, list[float]] = {"old": [], "new": [], "count": []}
-        cpus: dict[str, list[float]] = {"old": [], "new": [], "count": []}
+        p50s: dict[str, list[float]] = {"old": [], "new": [], "count-0": [], "count": []}
+        cpus: dict[str, list[float]] = {"old": [], "new": [], "count-0": [], "count": []}
         for r in range(args.rounds):
             answers = {}
             order = ("old", "new") if r % 2 == 0 else ("new", "old")
@@ -133,13 +134,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             if answers["old"] != answers["new"]:
                 print("DIFFERENT ANSWERS: old and new paths disagree", file=sys.stderr)
                 return 1
-            times, cpu, _ = timed(counter.count, reqs)
-            p50s["count"].append(statistics.median(times))
-            cpus["count"].append(cpu)
-            print(f"{r + 1:<6} {row('count', times, cpu)}")
+            counts = {}
+            for path, kept in (("count-0", 0), ("count", CACHED_CHARS)):  # a fresh counter each
+                fresh = TokenCounter(counter.path, max_chars=kept)
+                times, cpu, counts[path] = timed(fresh.count, reqs)
+                p50s[path].append(statistics.median(times))
+                cpus[path].append(cpu)
+                print(f"{r + 1:<6} {row(path, times, cpu)}")
+            if counts["count-0"] != counts["count"]:
+                print("DIFFERENT COUNTS: kept and fresh token counts disagree", file=sys.stderr)
+                return 1
         hits = sum(1 for n, held in answers["new"] if n and held)
         print(f"{workload}: answers identical; {hits}/{len(reqs)} with a hit; median over rounds, µs per request:")
-        for path in ("old", "new", "count"):
+        for path in ("old", "new", "count-0", "count"):
             print(f"  {path:<6} CPU {statistics.median(cpus[path]):>7.0f}   wall p50 {statistics.median(p50s[path]):>7.0f}")
     return 0
 

@@ -10,6 +10,7 @@ prefix or a session on one worker.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 
 import msgspec
@@ -23,6 +24,11 @@ from gateway.wire import Embeddings, Part, Probe
 PREFIX_CHARS = 2048
 # Tokens a chat template adds around each message (role markers, separators).
 TEMPLATE_TOKENS_PER_MESSAGE = 4
+# A message text this long has its token count kept (a system prompt, a document, an earlier
+# turn: sent again and again), up to CACHED_CHARS characters of texts per tokenizer (~2 bytes
+# a character in memory, so ~16 MB), least recently used out first.
+CACHED_TEXT_CHARS = 256
+CACHED_CHARS = 1 << 23
 
 
 _probe = msgspec.json.Decoder(Probe)
@@ -255,11 +261,15 @@ def shared_prefix_tokens(probe: Probe, kind: str | None, estimate: int) -> int:
 class TokenCounter:
     """Exact prompt token counts with a base model's own tokenizer (a tokenizer.json)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, max_chars: int = CACHED_CHARS) -> None:
         from tokenizers import Tokenizer
 
         self.path = path
+        self.max_chars = max_chars
         self.tokenizer = Tokenizer.from_file(path)
+        # Long texts' token counts, by their exact text (the same text always encodes alike).
+        self._counts: OrderedDict[str, int] = OrderedDict()
+        self._chars = 0
 
     def count(self, probe: Probe) -> int:
         """The prompt's tokens; for separate prompts, the longest one's."""
@@ -269,5 +279,30 @@ class TokenCounter:
             encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
             return max([len(e.ids) for e in encoded] + [len(p) for p in prompts if isinstance(p, list)], default=0)
         texts = [t for t in prompt_texts(probe) if t]
-        encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
-        return sum(len(e.ids) for e in encoded) + TEMPLATE_TOKENS_PER_MESSAGE * _messages(probe)
+        return self.texts(texts) + TEMPLATE_TOKENS_PER_MESSAGE * _messages(probe)
+
+    def texts(self, texts: list[str]) -> int:
+        """The tokens of `texts`, each encoded on its own; a long text seen lately is not
+        encoded again."""
+        counts = self._counts
+        total = 0
+        missing: list[str] = []
+        for text in texts:
+            n = counts.get(text)
+            if n is None:
+                missing.append(text)
+            else:
+                counts.move_to_end(text)
+                total += n
+        if not missing:
+            return total
+        for text, encoding in zip(missing, self.tokenizer.encode_batch(missing, add_special_tokens=False), strict=True):
+            n = len(encoding.ids)
+            total += n
+            if len(text) >= CACHED_TEXT_CHARS and text not in counts:
+                counts[text] = n
+                self._chars += len(text)
+        while self._chars > self.max_chars:
+            gone, _ = counts.popitem(last=False)
+            self._chars -= len(gone)
+        return total

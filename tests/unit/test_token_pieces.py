@@ -202,3 +202,28 @@ def test_prompt_tokens_are_the_uncached_ones(tmp_path: Path, template: str) -> N
             ids = uncached.ids(probe)
             assert ids is not None
             assert cached.ids(probe) == ids
+
+
+def test_token_counts_of_long_texts_are_kept_and_stay_exact(tmp_path: Path) -> None:
+    """TokenCounter keeps long texts' counts (a system prompt sent again is not encoded again):
+    each count equals a fresh encode's, the second round is answered from the cache, and the
+    cache stays within its character bound, oldest out first."""
+    from gateway.request import requests
+
+    tok = byte_level()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    counter = TokenCounter(str(tmp_path / "tokenizer.json"))
+    texts = [SYSTEM, SYSTEM + "hello", "short question", SYSTEM * 2, "naïve café " * 40]
+
+    def fresh(batch: list[str]) -> int:
+        return sum(len(tok.encode(t, add_special_tokens=False).ids) for t in batch)
+
+    for _ in range(2):
+        for i in range(len(texts)):
+            assert counter.texts(texts[: i + 1]) == fresh(texts[: i + 1])
+    long = [t for t in texts if len(t) >= requests.CACHED_TEXT_CHARS]
+    assert set(counter._counts) == set(long) and "short question" not in counter._counts
+    small = TokenCounter(str(tmp_path / "tokenizer.json"), max_chars=len(SYSTEM) + len(SYSTEM + "hello"))
+    for text in (SYSTEM, SYSTEM + "hello", SYSTEM * 2):
+        assert small.texts([text]) == fresh([text])
+    assert list(small._counts) == [SYSTEM * 2] and small._chars == len(SYSTEM * 2)
