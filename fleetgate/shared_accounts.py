@@ -12,7 +12,8 @@ layout is fleetgate/keys.py's.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -74,18 +75,9 @@ class SharedAccounts:
 
     async def read_inflight(self, exclude_gateway: str = "") -> dict[str, int]:
         """Requests in flight per worker, summed over every gateway but `exclude_gateway`."""
-        members = await self.redis.smembers(self.keys.gateways)  # type: ignore[misc]
-        ids = sorted(m.decode() if isinstance(m, bytes) else str(m) for m in members)
-        ids = [i for i in ids if i != exclude_gateway]
-        if not ids:
-            return {}
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for gateway_id in ids:
-                pipe.hgetall(self.keys.inflight(gateway_id))
-            rows = await pipe.execute()
         total: dict[str, int] = {}
         dead = []
-        for gateway_id, row in zip(ids, rows, strict=True):
+        for gateway_id, row in await self._peer_hashes(exclude_gateway, self.keys.inflight):
             if not row:
                 dead.append(gateway_id)
             for worker, n in row.items():
@@ -95,6 +87,20 @@ class SharedAccounts:
         if dead:
             await self.redis.srem(self.keys.gateways, *dead)
         return total
+
+    async def _peer_hashes(self, exclude_gateway: str, key: Callable[[str], str]) -> list[tuple[str, dict[Any, Any]]]:
+        """(gateway, its hash under `key(gateway)`) for every gateway in the in-flight counts'
+        index but `exclude_gateway`, in one round trip after the index's."""
+        members = await self.redis.smembers(self.keys.gateways)  # type: ignore[misc]
+        ids = sorted(m.decode() if isinstance(m, bytes) else str(m) for m in members)
+        ids = [i for i in ids if i != exclude_gateway]
+        if not ids:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for gateway_id in ids:
+                pipe.hgetall(key(gateway_id))
+            rows = await pipe.execute()
+        return list(zip(ids, rows, strict=True))
 
     async def forget_gateway(self, gateway_id: str) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -158,17 +164,8 @@ class SharedAccounts:
     async def read_lora(self, exclude_gateway: str = "") -> dict[tuple[str, str], int]:
         """Adapter requests in flight per (worker, adapter), summed over every gateway but
         `exclude_gateway` (gateways as listed by the in-flight counts' index)."""
-        members = await self.redis.smembers(self.keys.gateways)  # type: ignore[misc]
-        ids = sorted(m.decode() if isinstance(m, bytes) else str(m) for m in members)
-        ids = [i for i in ids if i != exclude_gateway]
-        if not ids:
-            return {}
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for gateway_id in ids:
-                pipe.hgetall(self.keys.lora(gateway_id))
-            rows = await pipe.execute()
         total: dict[tuple[str, str], int] = {}
-        for row in rows:
+        for _, row in await self._peer_hashes(exclude_gateway, self.keys.lora):
             for raw, n in row.items():
                 name = raw.decode() if isinstance(raw, bytes) else str(raw)
                 worker, sep, adapter = name.partition("\t")
