@@ -18,10 +18,12 @@ def _real(item: pytest.Item) -> bool:
 
 
 @pytest.fixture(scope="session")
-def vllm_pool(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmPool]:
-    """The pool; on first use it starts every server the collected tests of tests/real use."""
+def vllm_pool(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, redis_url: str,
+) -> Iterator[VllmPool]:
+    """The pool; on first use it starts every server (and fleet) the collected tests of tests/real use."""
     require_vllm()
-    pool = VllmPool(tmp_path_factory.mktemp("vllm-pool"))
+    pool = VllmPool(tmp_path_factory.mktemp("vllm-pool"), redis_url)
     modules = {item.path.name for item in request.session.items if _real(item)}
     for module, names in USERS.items():
         if module in modules:

@@ -12,6 +12,8 @@ operator would) and shared where one server can serve several modules:
   (`--engine external`); test_vllm_kv_events subscribes to lora-a's events. A test that changes
   a server's adapters puts them back; each test asserts the state it starts from.
 - "fresh": a bf16 vLLM that nobody asks anything before test_vllm_first_request takes it.
+- the fleet "embed": test_vllm_embeddings' own gateway and agent-managed pooling vLLM (not
+  shared: only started early with the rest).
 
 All the servers the collected tests use start at once, in threads, when the first real-vLLM test
 runs, so their start-ups overlap with each other and with the tests before their users.
@@ -23,7 +25,9 @@ of tests/real so that nothing starts twice; no test's outcome depends on that or
 from __future__ import annotations
 
 import json
+import tempfile
 import threading
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,7 +36,7 @@ from pathlib import Path
 import httpx
 
 from fleetgate.net import free_port
-from tests.conftest import ROOT, Proc, require_setup, wait_until
+from tests.conftest import ROOT, Fleet, Proc, require_setup, wait_until
 from workers.engines.base import EngineSpec
 from workers.engines.vllm import VllmEngine
 
@@ -48,7 +52,7 @@ CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": 1, "VLLM_ENABLE_V1_MULTIPROCESSING": 0, "HF
 KILLERS = {"test_vllm_kv_events.py": "test_a_killed_vllm_reads_lost_at_once"}
 # The servers each module's tests use (the pool starts those of the collected modules).
 USERS = {"test_vllm_lora_slots.py": ("lora-a", "lora-b"), "test_vllm_kv_events.py": ("lora-a",),
-         "test_vllm_first_request.py": ("fresh",)}
+         "test_vllm_first_request.py": ("fresh",), "test_vllm_embeddings.py": ("embed",)}
 SETUP = [VLLM_PYTHON, TINY / "model" / "config.json", TINY / "lora"]
 
 
@@ -117,25 +121,58 @@ def _fresh_server(log: Path) -> Server:
     return start_vllm(spec, log)
 
 
+def _embed_fleet(fleet: Fleet) -> str:
+    """test_vllm_embeddings' fleet: a gateway and an agent that starts a pooling vLLM itself."""
+    _, url = fleet.gateway()
+    fleet.worker(
+        "vllm-embed", "--model", str(TINY / "model"), "--served-model-name", "tiny-embed",
+        "--max-model-len", "2048", "--option", f"python={VLLM_PYTHON}", "--option", "enforce_eager=true",
+        "--option", "max_num_seqs=16", "--option", "runner=pooling", "--option", "convert=embed",
+        "--option", "env={VLLM_CPU_KVCACHE_SPACE: 1, VLLM_ENABLE_V1_MULTIPROCESSING: 0, "
+        "HF_HUB_OFFLINE: 1, TRANSFORMERS_OFFLINE: 1}",
+        engine="vllm",
+    )
+    fleet.wait_ready(url, "vllm-embed", timeout=420)
+    return url
+
+
 STARTERS: dict[str, Callable[[Path], Server]] = {
     "lora-a": _lora_server, "lora-b": _lora_server, "fresh": _fresh_server,
 }
+# Fleets of one module's own (gateway, agents, their engines), only started early.
+FLEETS: dict[str, Callable[[Fleet], str]] = {"embed": _embed_fleet}
+
+
+def _started(fleet: Fleet, start: Callable[[Fleet], str]) -> tuple[Fleet, str]:
+    try:
+        return fleet, start(fleet)
+    except BaseException:
+        fleet.close()
+        raise
 
 
 class VllmPool:
     """Servers by name: `start` (in the background), `get` (waits for it), `take` (hands it
-    over to a test that ends it or must be its only user)."""
+    over to a test that ends it or must be its only user); and fleets, `take_fleet`."""
 
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self._threads = ThreadPoolExecutor(max_workers=len(STARTERS), thread_name_prefix="vllm-start")
+    def __init__(self, tmp: Path, redis_url: str) -> None:
+        self.tmp, self.redis_url = tmp, redis_url
+        self._threads = ThreadPoolExecutor(max_workers=len(STARTERS) + len(FLEETS), thread_name_prefix="vllm-start")
         self._futures: dict[str, Future[Server]] = {}
         self._all: list[Future[Server]] = []
+        self._fleets: dict[str, Future[tuple[Fleet, str]]] = {}
+        self._all_fleets: list[Fleet] = []
         self._lock = threading.Lock()
 
     def start(self, name: str) -> None:
         with self._lock:
-            if name not in self._futures:
+            if name in FLEETS:
+                if name not in self._fleets:
+                    fleet = Fleet(self.redis_url, f"fgtest-{uuid.uuid4().hex[:10]}",
+                                  Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.tmp)))
+                    self._all_fleets.append(fleet)
+                    self._fleets[name] = self._threads.submit(_started, fleet, FLEETS[name])
+            elif name not in self._futures:
                 future = self._threads.submit(STARTERS[name], self.tmp / f"{name}-{len(self._all)}.log")
                 self._futures[name] = future
                 self._all.append(future)
@@ -153,10 +190,17 @@ class VllmPool:
             del self._futures[name]
         return server
 
+    def take_fleet(self, name: str) -> tuple[Fleet, str]:
+        """The fleet `name` and its gateway's URL, once ready (its module closes it)."""
+        self.start(name)
+        with self._lock:
+            future = self._fleets.pop(name)
+        return future.result()
+
     def close(self) -> None:
         self._threads.shutdown(wait=True)
         for future in self._all:
             if future.exception() is None:
                 future.result().proc.stop()
-
-
+        for fleet in self._all_fleets:
+            fleet.close()
