@@ -15,8 +15,9 @@ operator would) and shared where one server can serve several modules:
 - the fleet "embed": test_vllm_embeddings' own gateway and agent-managed pooling vLLM (not
   shared: only started early with the rest).
 
-All the servers the collected tests use start at once, in threads, when the first real-vLLM test
-runs, so their start-ups overlap with each other and with the tests before their users.
+All the servers the collected tests use are started in threads when the first real-vLLM test
+runs, two at a time in their users' order, so their start-ups overlap with each other and with
+the tests before their users.
 A test that kills a server (or needs it never asked) `take`s it: the pool forgets it and would
 start a new one for a later test. pytest_collection_modifyitems runs the killers after the rest
 of tests/real so that nothing starts twice; no test's outcome depends on that order.
@@ -51,8 +52,12 @@ CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": 1, "VLLM_ENABLE_V1_MULTIPROCESSING": 0, "HF
 # tests/real (tests/real/conftest.py), so that no server starts twice.
 KILLERS = {"test_vllm_kv_events.py": "test_a_killed_vllm_reads_lost_at_once"}
 # The servers each module's tests use (the pool starts those of the collected modules).
-USERS = {"test_vllm_lora_slots.py": ("lora-a", "lora-b"), "test_vllm_kv_events.py": ("lora-a",),
-         "test_vllm_first_request.py": ("fresh",), "test_vllm_embeddings.py": ("embed",)}
+# In the modules' order (pytest's, by name), which is the order the pool starts them in.
+USERS = {"test_vllm_embeddings.py": ("embed",), "test_vllm_first_request.py": ("fresh",),
+         "test_vllm_kv_events.py": ("lora-a",), "test_vllm_lora_slots.py": ("lora-a", "lora-b")}
+# Start-ups at once: on 2 cores more only bunch the same CPU work into a spike that slows the
+# simulator tests running beside them on the other pytest-xdist workers.
+STARTING_AT_ONCE = 2
 SETUP = [VLLM_PYTHON, TINY / "model" / "config.json", TINY / "lora"]
 
 
@@ -157,7 +162,7 @@ class VllmPool:
 
     def __init__(self, tmp: Path, redis_url: str) -> None:
         self.tmp, self.redis_url = tmp, redis_url
-        self._threads = ThreadPoolExecutor(max_workers=len(STARTERS) + len(FLEETS), thread_name_prefix="vllm-start")
+        self._threads = ThreadPoolExecutor(max_workers=STARTING_AT_ONCE, thread_name_prefix="vllm-start")
         self._futures: dict[str, Future[Server]] = {}
         self._all: list[Future[Server]] = []
         self._fleets: dict[str, Future[tuple[Fleet, str]]] = {}
