@@ -41,6 +41,7 @@ MODULES = (
     "gateway/front/front.py",
     "gateway/front/hooks.py",
     "gateway/request/proxy.py",
+    "gateway/request/reply.py",
     "gateway/request/attempts.py",
     "gateway/request/retries.py",
     "gateway/engines/engine_conn.py",

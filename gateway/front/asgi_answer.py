@@ -17,7 +17,7 @@ import structlog
 
 from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge
 from gateway.front import front
-from gateway.request.proxy import Reply
+from gateway.request.reply import Reply
 from gateway.request.requests import header_reader, headers_by_name
 
 log = structlog.get_logger("gateway.asgi_answer")

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from gateway.errors import GatewayError
-from gateway.request.proxy import Reply
+from gateway.request.reply import Reply
 
 Receive = Callable[[], Awaitable[Mapping[str, Any]]]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -43,12 +43,13 @@ from gateway.fleet import FleetWatcher
 from gateway.models.aliases import Route, fallback_reason, resolve, with_model
 from gateway.models.live_routes import Routes
 from gateway.observe import outcomes
-from gateway.observe.metrics import GatewayMetrics, usage_of
+from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.tracing import RequestTrace, Tracing
 from gateway.request import attempts, retries
 from gateway.request.attempts import FORWARD_HEADERS, Attempt, Dispatch
 from gateway.request.prefix_cache import PrefixCache
 from gateway.request.relay import relay
+from gateway.request.reply import Answered, Reply
 from gateway.request.requests import (
     GENERATES,
     Probe,
@@ -72,66 +73,6 @@ from gateway.tenants.quota import Quota, Ticket
 from gateway.tenants.tenants import Tenant
 
 log = structlog.get_logger("gateway.proxy")
-
-
-@dataclass(slots=True)
-class Reply:
-    """What the gateway answers: a whole JSON body, or an SSE stream."""
-
-    status: int
-    headers: list[tuple[str, str]]
-    body: bytes = b""
-    stream: AsyncIterator[bytes] | None = None
-    # A whole answer's bookkeeping (metrics, usage, its log line, its trace), for whoever writes
-    # the answer to call once it is written (`written`): none of it delays the client. Synchronous,
-    # so it runs in the loop step that wrote the answer, before the connection's next request.
-    after: Callable[[], None] | None = None
-
-    def written(self) -> None:
-        """The answer is written: its bookkeeping runs; a bug there is logged, not the client's."""
-        after = self.after
-        if after is not None:
-            try:
-                after()
-            except Exception:
-                log.exception("gateway.internal_error", stage="after_answer")
-
-
-class _Answered:
-    """What is left to do for a whole answer once it is written (`Reply.after`)."""
-
-    def __init__(self, metrics: GatewayMetrics, ticket: Ticket | None, model: str, worker_id: str, status: int,
-                 elapsed: float, payload: bytes, fields: dict[str, object], trace: RequestTrace) -> None:
-        self.metrics = metrics
-        self.ticket = ticket
-        self.model = model
-        self.worker_id = worker_id
-        self.status = status
-        self.elapsed = elapsed  # to the answer, not to this bookkeeping
-        self.payload = payload
-        self.fields = fields
-        self.trace = trace
-        self._usage: tuple[int, int] | None = None
-
-    def usage(self) -> tuple[int, int]:
-        if self._usage is None:
-            self._usage = usage_of(self.payload) if self.status == 200 else (0, 0)
-        return self._usage
-
-    def run(self) -> None:
-        status = self.status
-        prompt_tokens, completion_tokens = self.usage()
-        ticket = self.ticket
-        if ticket is not None:
-            ticket.settle_buffered(prompt_tokens, completion_tokens, status)  # (no-op once settled)
-        self.metrics.request_done(self.model, self.worker_id, status, False, self.elapsed, None,
-                                  prompt_tokens, completion_tokens)
-        # bind(): the lazy proxy's `info` would be found only after a failed lookup (an
-        # AttributeError built and dropped per request); bind() is a plain attribute.
-        log.bind().info("gateway.request", **self.fields, status=status, ms=round(self.elapsed * 1000, 2),
-                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 error=outcomes.error_code(self.payload) if status >= 400 else None)
-        self.trace.end(status)
 
 
 # Plain classes, not dataclasses: compiled, a dataclass's generated __init__ runs as Python.
@@ -293,7 +234,7 @@ class Proxy:
         status, payload = data
         if stores and status == 200 and (response_id := response_id_of(payload)):
             await remember(self.watcher, response_id, worker.id, self.settings.responses_ttl_s)
-        done = _Answered(self.metrics, ticket, probe.model, worker.id, status, time.perf_counter() - started,
+        done = Answered(self.metrics, ticket, probe.model, worker.id, status, time.perf_counter() - started,
                          payload, fields, trace)
         if ticket is not None and not ticket.settles_at_once:  # the key's token counts (Redis): before the answer
             await ticket.settle(*done.usage(), status)

@@ -255,7 +255,7 @@ class _Relayed:
             str(self.fields["model"]), worker_id, 200, True, elapsed,
             first_chunk_ms / 1000 if first_chunk_ms is not None else None, *tokens,
         )
-        log.bind().info(  # bind(): see _Answered.run in gateway/request/proxy.py
+        log.bind().info(  # bind(): see Answered.run in gateway/request/reply.py
             "gateway.request", **self.fields, final_worker=worker_id, status=200, outcome=self.outcome,
             resumes=self.resumes, ttft_ms=first_chunk_ms, ms=round(elapsed * 1000, 2),
             prompt_tokens=tokens[0], completion_tokens=tokens[1],

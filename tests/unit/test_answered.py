@@ -1,4 +1,4 @@
-"""A whole answer's bookkeeping runs once the answer is written (`Reply.after`, gateway/request/proxy.py)."""
+"""A whole answer's bookkeeping runs once the answer is written (`Reply.after`, gateway/request/reply.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.tracing import RequestTrace
-from gateway.request.proxy import Reply, _Answered
+from gateway.request.reply import Answered, Reply
 
 PAYLOAD = json.dumps({"id": "c1", "usage": {"prompt_tokens": 11, "completion_tokens": 5, "total_tokens": 16}}).encode()
 
@@ -27,7 +27,7 @@ def test_bookkeeping_records_the_answer_as_it_was_when_written() -> None:
     """Metrics, tokens and the log line carry the elapsed time to the answer, not to the bookkeeping."""
     metrics = GatewayMetrics()
     fields: dict[str, object] = {"request_id": "r1", "model": "m", "worker": "w1", "stream": False}
-    done = _Answered(metrics, None, "m", "w1", 200, 0.0123, PAYLOAD, fields, RequestTrace({}))
+    done = Answered(metrics, None, "m", "w1", 200, 0.0123, PAYLOAD, fields, RequestTrace({}))
     assert _sample(metrics, "fleetgate_requests_total", worker="w1") is None  # nothing before it runs
     time.sleep(0.02)
     with structlog.testing.capture_logs() as logs:
@@ -43,7 +43,7 @@ def test_bookkeeping_records_the_answer_as_it_was_when_written() -> None:
 def test_an_engine_error_is_logged_with_its_code_and_no_usage() -> None:
     metrics = GatewayMetrics()
     body = json.dumps({"error": {"message": "no", "type": "BadRequestError", "code": "bad_thing"}}).encode()
-    done = _Answered(metrics, None, "m", "w1", 400, 0.001, body, {"request_id": "r2"}, RequestTrace({}))
+    done = Answered(metrics, None, "m", "w1", 400, 0.001, body, {"request_id": "r2"}, RequestTrace({}))
     with structlog.testing.capture_logs() as logs:
         done.run()
     [line] = [e for e in logs if e["event"] == "gateway.request"]
