@@ -17,7 +17,7 @@ Routing reads `residency`: where an adapter is live (by every gateway's requests
 and the engines' own reports), and where every LoRA slot is taken by others, or where a second
 copy of it would take the slot of an adapter still in demand (gateway/accounts/lora_state.py). A request
 whose adapter would find every slot busy is held in the gateway by the slot gate first
-(gateway/accounts/lora_hold.py); one sent so anyway (the gate off, or its wait ran out) waits in the
+(gateway/request/retries.py); one sent so anyway (the gate off, or its wait ran out) waits in the
 engine for one; each is counted (`slot_waits`, fleetgate_adapter_slot_waits_total) and logged,
 never hidden.
 """

@@ -20,7 +20,6 @@ from fleetgate.schema import WorkerView
 from gateway.accounts.adapters import AdapterPlacer
 from gateway.accounts.circuit import Breakers
 from gateway.accounts.inflight import SharedInflight
-from gateway.accounts.lora_hold import SlotHeld, slot_gate, steer
 from gateway.accounts.placement import Placement
 from gateway.accounts.priorities import Priority
 from gateway.accounts.waiting import FirstByteWaits, engine_queued, within
@@ -46,6 +45,7 @@ from gateway.fleet import FleetWatcher
 from gateway.observe.tracing import NO_TRACE, RequestTrace
 from gateway.request.context import error_message, refit, refused_prompt_tokens
 from gateway.routing import Choice, Decision, FullAt, Live, Policy, RequestFacts, decide
+from gateway.routing.lora_gate import Gate
 from gateway.routing.table import REPORT_GROWTH_TOKENS, Slot
 from gateway.settings import GatewaySettings
 
@@ -77,6 +77,15 @@ class Held(Exception):
 
 class Saturated(Exception):
     """Every eligible worker is full: the request waits in the gateway's queue."""
+
+
+class SlotHeld(Exception):
+    """The chosen worker's LoRA slots are busy with other adapters: the request waits in the
+    gateway for one (gateway/request/retries.py `hold_for_slot`)."""
+
+    def __init__(self, slot: Slot, why: Gate) -> None:
+        self.slot = slot
+        self.why = why
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +133,7 @@ class Attempt:
         # Held once for its worker's KV room (`_hold`); never twice.
         self.held = False
         self.replaced = False
-        # Adapter requests: when it arrived (its slot wait is bounded from then: gateway/accounts/lora_hold.py),
+        # Adapter requests: when it arrived (its slot wait is bounded from then: gateway/request/retries.py),
         # and whether it waited for a LoRA slot ("slot-held", "slot-timeout": its route says so).
         self.arrived = time.monotonic()
         self.slot_held = ""
@@ -289,8 +298,8 @@ class Attempt:
                 raise Held(slot)
         if self.facts.adapter and decision.choices:
             choice = decision.choices[0]
-            if (why := slot_gate(self, choice.slot)) and (steered := steer(self, choice)) is not choice:
-                choice, why = steered, slot_gate(self, steered.slot)
+            if (why := self._slot_gate(choice.slot)) and (steered := self._steer(choice)) is not choice:
+                choice, why = steered, self._slot_gate(steered.slot)
             if why:
                 raise SlotHeld(choice.slot, why)
             # The decision log and the route header say it waited for a slot.
@@ -302,6 +311,28 @@ class Attempt:
         if decision.choices:
             return decision.choices[0]
         raise self._refusal(decision)
+
+    def _slot_gate(self, slot: Slot) -> Gate | None:
+        """Why this adapter request waits before going to `slot` (None: it goes): only while
+        its slot wait has time left (`lora_slot_wait_max_s` from its arrival; 0: never)."""
+        settings = self.dispatch.settings
+        if settings.lora_slot_wait_max_s <= 0 or time.monotonic() - self.arrived >= settings.lora_slot_wait_max_s:
+            return None
+        return self.dispatch.placer.state.gate(slot, self.facts.model, self.arrived, settings.lora_slot_turn_s)
+
+    def _steer(self, choice: Choice) -> Choice:
+        """Where an adapter request goes when the gate would hold it at the policy's choice: the
+        worker its hold got a slot on, else where this gateway holds requests for the adapter
+        (it joins their line rather than take a second engine's slot); else the choice."""
+        state, model = self.dispatch.placer.state, self.facts.model
+        target = self.slot_for or state.held_on(model)
+        if not target or target == choice.slot.id:
+            return choice
+        routes = self.dispatch.watcher.snapshot.routes.by_model.get(model)
+        slot = next((s for s in routes.routable if s.id == target), None) if routes is not None else None
+        if slot is None or target in self.tried:
+            return choice
+        return Choice(slot, "adapter-held")
 
     def _refusal(self, decision: Decision) -> GatewayError:
         """Why no worker can take the request, for the client."""

@@ -2,7 +2,17 @@
 
 `run` re-places an evicted adapter, waits in the gateway's queue while every eligible worker
 is full (gateway/accounts/admission.py), holds a request for KV room or a LoRA slot, and
-retries a failure that reached no client byte on another worker. `resume` starts a broken
+retries a failure that reached no client byte on another worker.
+
+The LoRA slot hold: the rule is the slot gate's (gateway/routing/lora_gate.py, over
+gateway/accounts/lora_state.py's `slot_view`; `Attempt` asks it before it sends); the wait is
+the admission queue's hold, one line per (worker, adapter): a completion anywhere wakes each
+line's first request to check again, and free slots go to the adapters held longest (the
+gate's rule). A request waits at most `lora_slot_wait_max_s` from its arrival in all, then goes
+to its engine anyway (counted: a never-freed slot, say one held by another client, cannot hold
+it for ever). Each hold is counted by adapter and reason (fleetgate_adapter_slot_holds_total),
+each that ran out too (fleetgate_adapter_slot_hold_timeouts_total), and the request's route
+says so (`adapter-warm+slot-held` in the decision log and x-fleetgate-route). `resume` starts a broken
 stream's continuation on another worker under the same policy (`policy`): bounded in attempts
 and in time, jittered exponential backoff, tenacity's, one log event per retry.
 """
@@ -24,7 +34,6 @@ from tenacity import (
 
 from fleetgate.schema import WorkerView
 from gateway.accounts.admission import Admission
-from gateway.accounts.lora_hold import SlotHeld, hold_for_slot
 from gateway.engines.upstream import Response
 from gateway.errors import ModelNotFound, NoWorkerAvailable, Overloaded, UpstreamError, detail
 from gateway.observe.metrics import GatewayMetrics
@@ -35,6 +44,7 @@ from gateway.request.attempts import (
     Result,
     Retryable,
     Saturated,
+    SlotHeld,
 )
 from gateway.routing import Choice
 from gateway.routing.table import Slot
@@ -128,6 +138,33 @@ async def _retry(attempt: Attempt, failure: Retryable, metrics: GatewayMetrics) 
     except Retryable as last:
         raise attempt.final_error() or last.error from None
     raise failure.error  # pragma: no cover - tenacity either returns or raises
+
+
+async def hold_for_slot(attempt: Attempt, admission: Admission, held: SlotHeld) -> None:
+    """Wait until the gate lets the request go to `held.slot`'s worker (by its freshest record),
+    or its slot wait runs out; then the request is placed again."""
+    dispatch, model, arrived = attempt.dispatch, attempt.facts.model, attempt.arrived
+    state, worker_id = dispatch.placer.state, held.slot.id
+    until = arrived + dispatch.settings.lora_slot_wait_max_s
+    turn_s = dispatch.settings.lora_slot_turn_s
+
+    def room() -> bool:
+        routes = dispatch.watcher.snapshot.routes.by_model.get(model)
+        slot = next((s for s in routes.slots if s.id == worker_id), None) if routes is not None else None
+        return slot is None or state.gate(slot, model, arrived, turn_s) is None
+
+    state.hold(worker_id, model, arrived, held.why)
+    started = time.monotonic()
+    got = False
+    try:
+        got = await admission.hold(f"lora\0{worker_id}\0{model}", room, until)
+    finally:
+        state.unhold(worker_id, model, arrived, timed_out=not got and time.monotonic() >= until)
+    attempt.slot_held = "slot-held" if got else "slot-timeout"
+    if got:
+        attempt.slot_for = worker_id
+    log.debug("gateway.adapter_slot_held", worker=worker_id, adapter=model, why=held.why, got=got,
+              ms=round((time.monotonic() - started) * 1000, 1))
 
 
 def _log_retry(attempt: Attempt, metrics: GatewayMetrics) -> None:
