@@ -313,10 +313,10 @@ class KvEventSubscriber:
 
     def _update(self) -> None:
         state: State = "lost"
-        if self._replaying:  # not "events" until the whole history is in
-            reason = "replaying the engine's history"
-        elif not self._complete:
+        if not self._complete:
             reason = self._gap_reason
+        elif self._replaying:  # not "events" until the whole history is in
+            reason = "replaying the engine's history"
         elif not self._peers:
             reason = "publisher disconnected" if self.resyncs else "not connected yet"
         elif self.replay_endpoint and time.monotonic() - self._last_sign > self.silence_s:

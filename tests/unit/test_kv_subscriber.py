@@ -47,7 +47,9 @@ class FakeEngine:
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.seq = 0
         self.replays = 0
-        self.pause_after_first: asyncio.Event | None = None  # set: a replay holds after its first batch
+        # (n, event): a replay holds after its n-th batch (before the end marker if it has n),
+        # until the event is set.
+        self.pause: tuple[int, asyncio.Event] | None = None
         self.task: asyncio.Task[None] | None = asyncio.create_task(self._serve())
 
     async def publish(self, *events: object, send: bool = True) -> None:
@@ -64,10 +66,10 @@ class FakeEngine:
             sent = 0
             for seq, payload in list(self.buffer):
                 if seq >= int.from_bytes(start, "big"):
-                    if sent == 1 and self.pause_after_first is not None:
-                        await self.pause_after_first.wait()
                     await self.router.send_multipart([client, b"", TOPIC, encode_seq(seq), payload])
                     sent += 1
+                    if self.pause is not None and sent == self.pause[0]:
+                        await self.pause[1].wait()
             await self.router.send_multipart([client, b"", b"", END_SEQ, b""])
 
     async def hang(self) -> None:
@@ -135,7 +137,7 @@ async def test_a_partial_replay_is_not_trusted_until_its_end(ports: tuple[int, i
     """The replay's first batch is in, the rest held back (a busy engine, a loaded host): the
     index is partial, so the state is not "events" until the end marker."""
     engine = FakeEngine(*ports)
-    engine.pause_after_first = release = asyncio.Event()
+    engine.pause = (1, release := asyncio.Event())
     try:
         await engine.publish(block(0))
         await engine.publish(block(1, 1000))
@@ -181,12 +183,14 @@ async def test_a_gap_older_than_the_buffer_is_lost_until_a_clear(ports: tuple[in
     """History the replay buffer no longer holds cannot be rebuilt: "lost" with the reason,
     until an AllBlocksCleared makes the index whole again."""
     engine = FakeEngine(*ports, buffer_steps=2)
+    engine.pause = (2, release := asyncio.Event())  # the replay's end marker held back at first
     try:
         for n in range(4):
             await engine.publish(block(n, 1000 + n - 1 if n else None))
-        async with subscribed(subscriber(ports)) as sub:
-            await until(lambda: sub.next_seq == 4)
+        async with subscribed(subscriber(ports, replay_timeout_s=30.0, silence_s=30.0)) as sub:
+            await until(lambda: sub.next_seq == 4)  # both batches the buffer holds, not yet its end
             assert sub.state == "lost" and "gone from the replay buffer" in sub.reason
+            release.set()
             await engine.publish(AllBlocksCleared(), block(0))
             await until(lambda: sub.state == "events")
             assert len(sub.index) == 1
