@@ -1,5 +1,5 @@
 """Fixtures for tests/real: the pool of shared real vLLM servers (tests/real/vllm_pool.py says
-which servers, who shares them and why), started early, and the order that lets each start once."""
+which servers, who shares them and why), and the order that lets each start once."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.real.vllm_pool import KILLERS, SETUP, USERS, VllmPool, require_vllm
+from tests.real.vllm_pool import KILLERS, USERS, VllmPool, require_vllm
 
 REAL = Path(__file__).resolve().parent
 
@@ -21,7 +21,9 @@ def _real(item: pytest.Item) -> bool:
 def vllm_pool(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, redis_url: str,
 ) -> Iterator[VllmPool]:
-    """The pool; on first use it starts every server (and fleet) the collected tests of tests/real use."""
+    """The pool; on first use (the first module that uses a shared server, after
+    test_vllm_e2e's own engines have stopped: a start-up beside engines under test starves
+    them on 2 cores) it starts every server (and fleet) the collected tests of tests/real use."""
     require_vllm()
     pool = VllmPool(tmp_path_factory.mktemp("vllm-pool"), redis_url)
     modules = {item.path.name for item in request.session.items if _real(item)}
@@ -33,17 +35,6 @@ def vllm_pool(
         yield pool
     finally:
         pool.close()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _vllm_pool_early(request: pytest.FixtureRequest) -> None:
-    """The first real-vLLM module (marked `vllm`) starts the pool's servers before its own
-    fixtures, when any collected test uses them and `make vllm` has run (a test that needs them
-    skips or fails on its own): they start beside that module's own engines, not under the
-    timing-sensitive simulator tests before it."""
-    if (request.node.get_closest_marker("vllm") and all(p.exists() for p in SETUP)
-            and any(_real(i) and i.path.name in USERS for i in request.session.items)):
-        request.getfixturevalue("vllm_pool")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -2,7 +2,7 @@
 behind the agent and the gateway. Needs `make vllm`, like tests/real/test_vllm_e2e.py.
 
 The fleet (a gateway, and an agent that starts the pooling vLLM itself) is this module's own;
-tests/real/vllm_pool.py starts it early, beside the other real-vLLM start-ups.
+tests/real/vllm_pool.py starts it with the pool's other servers.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def _cpu() -> str:
 @pytest.fixture(scope="module")
 def fresh_vllm(vllm_pool: VllmPool) -> Iterator[tuple[Proc, str]]:
     """A real vLLM started with the argv and environment the agent would use, never asked anything
-    yet: tests/real/vllm_pool.py's "fresh", started early with the pool's other servers and
+    yet: tests/real/vllm_pool.py's "fresh", started with the pool's other servers and
     taken out of the pool (no other test gets it)."""
     server = vllm_pool.take("fresh")
     try:

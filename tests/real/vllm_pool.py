@@ -13,11 +13,12 @@ operator would) and shared where one server can serve several modules:
   a server's adapters puts them back; each test asserts the state it starts from.
 - "fresh": a bf16 vLLM that nobody asks anything before test_vllm_first_request takes it.
 - the fleet "embed": test_vllm_embeddings' own gateway and agent-managed pooling vLLM (not
-  shared: only started early with the rest).
+  shared: only started with the rest).
 
-All the servers the collected tests use are started in threads when the first real-vLLM test
-runs, two at a time in their users' order, so their start-ups overlap with each other and with
-the tests before their users.
+All the servers the collected tests use are started in threads when the first module that
+uses one sets up, two at a time in their users' order, so their start-ups overlap with each
+other and with the tests of the modules before their users. Not earlier: started beside
+test_vllm_e2e's engines, they starved them (a stream stalled past its 30 s limit, CI-local).
 A test that kills a server (or needs it never asked) `take`s it: the pool forgets it and would
 start a new one for a later test. pytest_collection_modifyitems runs the killers after the rest
 of tests/real so that nothing starts twice; no test's outcome depends on that order.
@@ -144,7 +145,7 @@ def _embed_fleet(fleet: Fleet) -> str:
 STARTERS: dict[str, Callable[[Path], Server]] = {
     "lora-a": _lora_server, "lora-b": _lora_server, "fresh": _fresh_server,
 }
-# Fleets of one module's own (gateway, agents, their engines), only started early.
+# Fleets of one module's own (gateway, agents, their engines), only started with the rest.
 FLEETS: dict[str, Callable[[Fleet], str]] = {"embed": _embed_fleet}
 
 
