@@ -89,8 +89,9 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # for (`max_tokens`; without it, what the worker's context leaves): 10 tokens a second
     # is slower than any healthy engine generates one sequence.
     answer_per_token_s: float = 0.1
-    # A stream that sends nothing for this long after its first event counts as dead (it is
-    # given up within a tenth of this after: gateway/request/relay.py's STALL_MARGIN).
+    # A stream whose engine sends nothing for this long after its first event, while the
+    # gateway waits on it, counts as dead (it is given up within a tenth of this after:
+    # gateway/request/relay.py's STALL_MARGIN); a client reading slowly never counts.
     stall_timeout_s: float = 30.0
     # How many times one stream may be continued on another worker.
     max_resumes: int = 2

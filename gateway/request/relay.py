@@ -94,25 +94,26 @@ async def relay(
                 with waiting(books.worker.id):
                     data = await first_event(read, attempt, books.worker.id)
                 async with asyncio.timeout(None) as deadline:
-                    armed = -math.inf  # the stall deadline set last
-                    while data:
-                        # The stall deadline moves only when it is less than `stall_s` away, to
-                        # STALL_MARGIN times that: never before `stall_s` of silence, at most a
-                        # tenth of it late, and one timer set per few seconds, not one per read.
-                        now = clock()
-                        if armed - now < stall_s:
-                            armed = now + stall_s * STALL_MARGIN
-                            deadline.reschedule(armed)
-                        piece, rest = on_block(feed(data))  # (b"", b"") until an event is whole
-                        if rest:
-                            piece = books.one_by_one(piece, rest)
-                        if piece:
-                            if books.before_first:
-                                await books.first_out()
-                            yield piece
-                            if tracker.done:
-                                break
-                        data = await read()
+                    watch = _StallWatch(deadline, stall_s)
+                    try:
+                        while data:
+                            piece, rest = on_block(feed(data))  # (b"", b"") until an event is whole
+                            if rest:
+                                piece = books.one_by_one(piece, rest)
+                            if piece:
+                                if books.before_first:
+                                    await books.first_out()
+                                yield piece  # at the client's pace: not the engine's silence
+                                if tracker.done:
+                                    break
+                            now = clock()
+                            if watch.armed - now < stall_s:
+                                watch.arm(now)
+                            watch.reading = True
+                            data = await read()
+                            watch.reading = False
+                    finally:
+                        watch.close()
                 last = books.ending()
             except BROKEN as exc:
                 last = await books.fail_over(exc)
@@ -123,6 +124,49 @@ async def relay(
         # Otherwise the client went away (cancellation) or the server is stopping: `close`
         # aborts the engine's request by closing its connection instead of reading it to the end.
         await books.close()
+
+
+class _StallWatch:
+    """A stream segment's stall limit: `stall_s` of the engine's silence while the relay waits
+    on it. The time the relay spends at its `yield` is the client's (a client that reads slowly
+    holds the relay there, and the engine's connection is not read meanwhile), so it never
+    counts: a client paused for longer than the limit is waited for, not cut off as if the
+    engine had stalled.
+
+    The deadline moves only when it is less than `stall_s` away, to STALL_MARGIN times that:
+    never before `stall_s` of silence, at most a tenth of it late, and one timer per few
+    seconds, not one per read. When it is due during a read, the segment's `asyncio.timeout`
+    is made to expire, so the read raises TimeoutError (a stall, continued elsewhere)."""
+
+    __slots__ = ("armed", "deadline", "handle", "loop", "reading", "stall_s")
+
+    def __init__(self, deadline: asyncio.Timeout, stall_s: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.deadline, self.stall_s = deadline, stall_s
+        self.armed = -math.inf  # the read must have brought data by then
+        self.handle: asyncio.TimerHandle | None = None
+        self.reading = False
+
+    def arm(self, now: float) -> None:
+        self.armed = now + self.stall_s * STALL_MARGIN
+        if self.handle is None:
+            self.handle = self.loop.call_at(self.armed, self._due)
+        # else the timer set earlier finds the deadline moved when it fires, and follows it
+
+    def _due(self) -> None:
+        now = self.loop.time()
+        if now < self.armed:  # moved since the timer was set
+            self.handle = self.loop.call_at(self.armed, self._due)
+        elif self.reading:
+            self.handle = None
+            self.deadline.reschedule(now)  # expires at once: the read raises TimeoutError
+        else:  # at the client's pace since: the next read arms it again
+            self.handle = None
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
 
 
 class _Relayed:
