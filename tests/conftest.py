@@ -8,12 +8,19 @@ never touched.
 In parallel (`pytest -n 4 --dist loadfile`, as `make test` runs): ports come from one
 range in a turn that every process shares (fleetgate/net.py, FLEETGATE_PORT_RANGE), so two
 servers started at once never get the same one; a module runs on one pytest-xdist worker
-(its module-scoped fleet starts once), and the real engines' tests all on one, in turn.
+(its module-scoped fleet starts once), and the real engines' tests all on one, in turn;
+modules go out longest first (tests/module_seconds.json).
+
+Gateways and agents are started from a fork server that has imported them already
+(tests/forkserver.py): the suite is CPU-bound on 2 cores, and their imports were a third of
+its start-up cost. They are real processes all the same, with their own session, output,
+signals and exit status; FLEETGATE_TEST_NO_FORKSERVER=1 starts each fresh.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import subprocess
@@ -30,6 +37,8 @@ import structlog
 
 from fleetgate.net import PORT_RANGE_ENV
 from fleetgate_tools.redis_server import EmbeddedRedis, free_port, ping
+from tests.forkserver import DISABLE_ENV as FORKSERVER_OFF_ENV
+from tests.forkserver import ForkedPopen, ForkServer
 
 # Below Linux's ephemeral ports (32768-60999), so no outgoing connection takes one, and
 # above the Redis Cluster test's nodes and their bus ports (tests/e2e/test_redis_cluster.py);
@@ -58,29 +67,72 @@ ADMIN_TOKEN = "test-admin-token"
 REAL_ENGINES_SCOPE = "tests/real/"
 
 
+# Each module's seconds in a full run (setup + call + teardown of its tests), to hand out the
+# longest first: on 2 cores the suite is CPU-bound until its last modules, and a long module
+# started last runs alone on a machine left idle. Refreshed by a full run with
+# FLEETGATE_TEST_COSTS_OUT=tests/module_seconds.json; a module not in it counts as the median.
+MODULE_SECONDS = ROOT / "tests" / "module_seconds.json"
+COSTS_OUT_ENV = "FLEETGATE_TEST_COSTS_OUT"
+
+
+def module_order(scopes: list[str], seconds: dict[str, float]) -> list[str]:
+    """`scopes` longest first by `seconds` (unknown: the median), the real engines' unit first
+    (minutes of vLLM start-ups on one worker, so it must not start late); ties by name."""
+    known = sorted(seconds.values())
+    median = known[len(known) // 2] if known else 0.0
+    cost = {s: (float("inf") if s == REAL_ENGINES_SCOPE else seconds.get(s, median)) for s in scopes}
+    return sorted(scopes, key=lambda s: (-cost[s], s))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """`--dist loadfile`, as `make test` runs it: each module's tests go to one worker, so a
     module-scoped fleet is started once, and tests/real's all go to one worker, where its real
-    engines (vLLM, ms-swift: seconds to start, a core each) run one at a time. (pytest 9 keeps
-    the node id where pytest-xdist 3.8's `xdist_group` marks no longer reach, so the grouping
-    is by path, in the scheduler.)"""
+    engines (vLLM, ms-swift: seconds to start, a core each) run one at a time. Modules are handed
+    out longest first (`module_order`). (pytest 9 keeps the node id where pytest-xdist 3.8's
+    `xdist_group` marks no longer reach, so the grouping is by path, in the scheduler.)"""
     if config.getvalue("dist") != "loadfile":
         return None
+    import json
+
     from xdist.scheduler import LoadFileScheduling
 
-    class ByModuleRealEnginesTogether(LoadFileScheduling):
+    seconds = json.loads(MODULE_SECONDS.read_text()) if MODULE_SECONDS.exists() else {}
+
+    class ByModuleLongestFirst(LoadFileScheduling):
+        ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             return REAL_ENGINES_SCOPE if path.startswith(REAL_ENGINES_SCOPE) else path
 
         def _assign_work_unit(self, node: Any) -> None:
-            # The real engines' unit is the longest (minutes of vLLM start-ups): first out.
-            if REAL_ENGINES_SCOPE in self.workqueue:
-                self.workqueue.move_to_end(REAL_ENGINES_SCOPE, last=False)
+            if not self.ordered:  # the queue is complete by the first assignment
+                self.ordered = True
+                for scope in module_order(list(self.workqueue), seconds):
+                    self.workqueue.move_to_end(scope)
             super()._assign_work_unit(node)
 
-    return ByModuleRealEnginesTogether(config, log)
+    return ByModuleLongestFirst(config, log)
+
+
+_module_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With FLEETGATE_TEST_COSTS_OUT set, sum each module's seconds (on the controller, where
+    every worker's reports arrive) for `pytest_sessionfinish` to write."""
+    if os.environ.get(COSTS_OUT_ENV):
+        module = report.nodeid.split("::", 1)[0]
+        _module_seconds[module] = _module_seconds.get(module, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    out = os.environ.get(COSTS_OUT_ENV)
+    if out and _module_seconds and not os.environ.get("PYTEST_XDIST_WORKER"):
+        import json
+
+        Path(out).write_text(json.dumps({m: round(s, 1) for m, s in sorted(_module_seconds.items())}, indent=1) + "\n")
 
 
 def require_setup(what: str, paths: list[Path], make_target: str, env_var: str) -> None:
@@ -138,6 +190,16 @@ def prefix() -> str:
     return f"fgtest-{uuid.uuid4().hex[:10]}"
 
 
+@functools.cache
+def fork_server() -> ForkServer | None:
+    """This test process's fork server (tests/forkserver.py), or None where it is turned off
+    (FLEETGATE_TEST_NO_FORKSERVER=1) or could not be used."""
+    if os.environ.get(FORKSERVER_OFF_ENV) == "1":
+        return None
+    server = ForkServer(ROOT)
+    return server if server.ready else None
+
+
 class Proc:
     """A child process in its own session, with its output in a log file."""
 
@@ -145,11 +207,16 @@ class Proc:
         self.argv = argv
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        self.popen = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, cwd=ROOT,
-            start_new_session=True,
-        )
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        server = fork_server()
+        self.popen: subprocess.Popen[bytes] | ForkedPopen
+        if server is not None and server.can_start(argv, full_env):
+            self.popen = server.start(argv, full_env, ROOT, log_path)
+        else:
+            self.popen = subprocess.Popen(
+                argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=full_env, cwd=ROOT, start_new_session=True,
+            )
 
     @property
     def pid(self) -> int:

@@ -24,7 +24,7 @@ import h11
 import httpx
 import pytest
 
-from tests.conftest import Fleet
+from tests.conftest import Fleet, wait_until
 
 MODEL = "proto-model"
 LIMIT = 4096  # max_body_bytes
@@ -74,7 +74,7 @@ class Reader:
 
     def answer(self) -> tuple[int, dict[str, str], bytes]:
         """The next whole answer (an interim 1xx comes back on its own, body b"")."""
-        status, headers, body = 0, {}, b""
+        status, headers, body = 0, {}, bytearray()  # a stream's body comes an event a chunk: 40,000 of them
         while True:
             event = self.conn.next_event()
             if event is h11.NEED_DATA:
@@ -90,7 +90,7 @@ class Reader:
             elif isinstance(event, h11.EndOfMessage):
                 if self.conn.our_state is h11.DONE:
                     self.conn.start_next_cycle()
-                return status, headers, body
+                return status, headers, bytes(body)
             elif isinstance(event, h11.ConnectionClosed):
                 raise ConnectionError("closed before an answer")
 
@@ -239,12 +239,9 @@ def test_keep_alive_closes_an_idle_connection_but_never_a_busy_one(gateway: tupl
     assert results.get("busy_after") == 200, results
 
 
-def test_a_stream_to_a_client_that_reads_slowly_waits_for_it_and_loses_nothing(
-        gateway: tuple[str, int, Path]) -> None:
-    """A client with a small receive window that reads nothing for a second: the gateway's
-    writes back up (the transport pauses it), the relay waits for the client, and every
-    event arrives once the client reads."""
-    _, port, _ = gateway
+def _read_slowly(port: int, pause_s: float) -> None:
+    """A long stream to a client with a small receive window that reads nothing for `pause_s`,
+    then everything: every event arrives, and the writes did back up meanwhile."""
     tokens = SLOW_READER_TOKENS
     body = json.dumps({"model": FAST_MODEL, "prompt": "hi", "max_tokens": tokens, "ignore_eos": True,
                        "stream": True}).encode()
@@ -254,10 +251,37 @@ def test_a_stream_to_a_client_that_reads_slowly_waits_for_it_and_loses_nothing(
     with sock:
         reader = Reader(sock)
         reader.send(_post(body))
-        time.sleep(3.0)  # the answer backs up in the gateway (and then the engine's connection)
+        time.sleep(pause_s)  # the answer backs up in the gateway (and then the engine's connection)
         [(status, _, answer)] = _expect(reader, 1)
     events = [line for line in answer.split(b"\n\n") if line.startswith(b"data: ")]
     assert status == 200 and events[-1] == b"data: [DONE]"
     text = [json.loads(e[6:]) for e in events[:-1]]
     assert len(text) >= tokens and text[-1]["choices"][0]["finish_reason"] == "length"
     assert len(answer) > 5 * 2**20  # more than the socket buffers hold: the writes did back up
+
+
+def test_a_stream_to_a_client_that_reads_slowly_waits_for_it_and_loses_nothing(
+        gateway: tuple[str, int, Path]) -> None:
+    """A client with a small receive window that reads nothing for a few seconds: the gateway's
+    writes back up (the transport pauses it), the relay waits for the client, and every
+    event arrives once the client reads."""
+    _read_slowly(gateway[1], 3.0)
+
+
+def test_a_client_paused_past_the_stall_limit_is_waited_for_not_cut_off(fleet_factory: Any) -> None:
+    """The stall limit is the engine's silence while the gateway waits on it: a client that
+    reads nothing for longer (here 3 s against a 1 s limit) holds the stream at its own pace
+    and gets all of it; the gateway's books say it completed, with no stall and no resume.
+    (Before, the limit also ran while the relay waited for the client: at 1.1 s the stream was
+    cut off and logged as the client's hang-up.)"""
+    fleet = fleet_factory()
+    proc, url = fleet.gateway("--set", "stall_timeout_s=1")
+    fleet.worker("f1", "--model", FAST_MODEL, "--max-model-len", str(SLOW_READER_TOKENS + 64),
+                 "--option", "time_scale=0.001")
+    fleet.wait_ready(url, "f1")
+    _read_slowly(int(url.rsplit(":", 1)[1]), 3.0)
+    # the gateway writes its line as the stream ends, just after the client's last byte
+    log = str(wait_until(lambda: '"gateway.request"' in proc.output() and proc.output(), timeout=10))
+    [done] = [json.loads(line) for line in log.splitlines() if '"gateway.request"' in line]
+    assert (done["outcome"], done["resumes"], done["final_worker"]) == ("completed", 0, "f1"), done
+    assert "gateway.stream_broke" not in log
