@@ -6,6 +6,7 @@ Every request here crosses loopback: client -> gateway -> engine simulator.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -376,12 +377,19 @@ def test_replicas_share_in_flight_counts_through_redis(fleet_factory: Callable[[
     _, url2 = fleet.gateway()
     fleet.worker("w", "--model", MODEL, "--option", "time_scale=0.5")
     fleet.wait_ready(url1, "w")
-    body = {"model": MODEL, "prompt": "x", "max_tokens": 60, "ignore_eos": True}
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        futures = [pool.submit(httpx.post, f"{url1}/v1/completions", json=body, timeout=60) for _ in range(3)]
-        wait_until(lambda: fleet.workers(url2)["w"]["load"]["inflight"] == 3, timeout=5)
-        assert all(f.result().status_code == 200 for f in futures)
-    wait_until(lambda: fleet.workers(url2)["w"]["load"]["inflight"] == 0, timeout=5)
+    # Three streams held open: each is in flight from its first event until the test closes it,
+    # however fast or slow this machine is (finished answers would race the replicas' sync).
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    held = []  # each stream's line iterator: one dropped would close its stream
+    with httpx.Client(base_url=url1, timeout=60) as client, contextlib.ExitStack() as streams:
+        for _ in range(3):
+            resp = streams.enter_context(client.stream("POST", "/v1/completions", json=body))
+            assert resp.status_code == 200
+            held.append(lines := resp.iter_lines())
+            assert next(line for line in lines if line.startswith("data: "))
+        wait_until(lambda: fleet.workers(url2)["w"]["load"]["inflight"] == 3, timeout=10)
+    # Closed by their client: released here and in the other replica's view.
+    wait_until(lambda: fleet.workers(url2)["w"]["load"]["inflight"] == 0, timeout=10)
 
 
 def test_keep_alive_connections_survive_many_concurrent_streams(shared_fleet: tuple[Fleet, str]) -> None:
