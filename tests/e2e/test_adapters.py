@@ -224,15 +224,17 @@ def test_burst_for_a_hot_adapter_gets_its_second_replica_while_it_runs(
                      "--option", "max_num_seqs=2")
     fleet.wait_ready(url, "a", "b")
     assert chat(url, "fin").status_code == 200  # fin on one worker
-    body = {"model": "fin", "prompt": "x", "max_tokens": 60, "ignore_eos": True}
+    # 300 tokens at half speed: seconds of work each, so they still run when the replica
+    # comes (it took 0.1-2 s; with 60 tokens, on one loaded core, a request ended first).
+    body = {"model": "fin", "prompt": "x", "max_tokens": 300, "ignore_eos": True}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         started = time.monotonic()
-        futures = [pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60) for _ in range(2)]
+        futures = [pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=120) for _ in range(2)]
         wait_until(lambda: all("fin" in w["adapters"] for w in fleet.workers(url).values()), timeout=10)
         replicated_s = time.monotonic() - started
         assert not any(f.done() for f in futures), "the replica came only after a request finished"
         assert [f.result().status_code for f in futures] == [200, 200]
-    print(f"second replica {replicated_s:.2f} s into the burst")
+    print(f"second replica {replicated_s:.2f} s into the burst, requests done after {time.monotonic() - started:.2f} s")
 
 
 def test_adapter_added_through_the_admin_api_survives_a_gateway_restart(
