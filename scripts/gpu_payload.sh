@@ -26,9 +26,10 @@ done
 # 2. vLLM 0.26.0 (three parts of <= 60 MiB).
 [ -s "$vl/vllm026-slim.sha256" ] || bash "$gpu/build_vllm_payload.sh" "$vl"
 rm -rf .vl0 .vl1 .vl2 && mkdir -p .vl0 .vl1 .vl2
-parts=("$vl"/vllm026-slim.tar.xz.part*)
-[ "${#parts[@]}" -le 3 ] || { echo "expected <= 3 vLLM parts, got ${#parts[@]}" >&2; exit 1; }
-for i in "${!parts[@]}"; do cp "${parts[$i]}" ".vl$i/"; done
+# Parts of 56, 56 and ~33 MiB: a call carries one beside the working tree (~4 MiB) and, on the
+# third, .whl (12 MiB) and a snapshot of the tree (~5 MiB), inside the device tool's 64 MiB.
+cat "$vl"/vllm026-slim.tar.xz.part* | split -b 56M -d -a 2 - /tmp/fg-vlsplit.
+for i in 0 1 2; do mv "/tmp/fg-vlsplit.0$i" ".vl$i/vllm026-slim.tar.xz.part0$i"; done
 cp "$vl/vllm026-slim.sha256" "$gpu/make_config_model.py" .vl2/
 
 # 3. LMDeploy 0.18.0, PyTorch backend (one part of ~8 MB).
