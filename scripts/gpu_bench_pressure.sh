@@ -203,6 +203,17 @@ p_gateway() {  # policy name workers [gateway flags...]: a fresh gateway on GW_P
   done
 }
 
+p_gateway_cpu() {  # pid-file name, run name: the gateway's CPU seconds over its life (its
+  # process and any children it waited for), from /proc/<pid>/stat, so that a policy's own
+  # cost shows beside its latency (gateway-cpu.txt)
+  local pid tck; pid=$(cat "$W/pids/$1" 2>/dev/null) || return 0
+  tck=$(getconf CLK_TCK 2>/dev/null || echo 100)
+  [ -r "/proc/$pid/stat" ] || return 0
+  sed 's/^.*) //' "/proc/$pid/stat" | awk -v n="$2" -v t="$tck" \
+    '{printf "gateway CPU %s: %.2f s (user %.2f, system %.2f, children %.2f)\n", n, ($12+$13+$14+$15)/t, $12/t, $13/t, ($14+$15)/t}' \
+    | tee -a "$W/logs/gateway-cpu.txt"
+}
+
 p_eos() {  # the GPU model's EOS token id (what `long` biases); the simulator ignores it
   if [ "$MODE" != sim ] && [ -f /tmp/vl/m7/config.json ]; then
     python3 -c "import json; print(json.load(open('/tmp/vl/m7/config.json'))['eos_token_id'])" 2>/dev/null && return
@@ -291,6 +302,7 @@ p_run() {  # scenario strategy round
   # The registry's view at the run's end: each worker's measured speed and its source (issue 37).
   curl -s -m 5 -H "authorization: Bearer $TOKEN" "http://127.0.0.1:$GW_PORT/admin/workers" \
     > "$W/logs/workers-$name.json" 2>/dev/null
+  p_gateway_cpu "gateway-$name" "$name"
   p_stop "gateway-$name" 10
   if [ $rc = 0 ]; then
     mv "$P_DIR/$name.tmp.json" "$P_DIR/$name.json"
