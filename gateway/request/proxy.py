@@ -53,6 +53,7 @@ from gateway.request.reply import Answered, Reply
 from gateway.request.requests import (
     GENERATES,
     Probe,
+    adapter_prefix,
     affinity,
     parse_request,
     prompt_tokens,
@@ -312,6 +313,10 @@ class Proxy:
                 exact, cached = self.prefix_cache.held(routes.routable, counter, probe)
         estimate, floor = prompt_tokens(probe, kind, exact, counter)
         warm, full = self.placer.residency(probe.model) if is_adapter else (frozenset(), frozenset())
+        if key_kind == "adapter":
+            prefix, prefix_key = adapter_prefix(probe, probe.model, estimate)
+        else:
+            prefix, prefix_key = shared_prefix_tokens(probe, key_kind, estimate), None
         pinned = None
         if owner is not None:
             pinned = owner.info.id
@@ -325,7 +330,7 @@ class Proxy:
             model=probe.model, prompt_tokens=estimate, max_tokens=probe.max_new_tokens, session=session,
             seq=self.seq, adapter=is_adapter, warm=warm, full=full, affinity_key=key, affinity_kind=key_kind,
             pinned=pinned, pooling=True if kind == "embeddings" else False if generates else None,
-            prefix_tokens=shared_prefix_tokens(probe, key_kind, estimate), cached=cached,
+            prefix_tokens=prefix, prefix_key=prefix_key, cached=cached,
         )
         hide_usage = probe.stream and kind in ("chat", "completion") and not probe.wants_usage
         if hide_usage:  # count every stream's tokens: ask the engine for usage anyway
