@@ -53,11 +53,10 @@ from gateway.request.reply import Answered, Reply
 from gateway.request.requests import (
     GENERATES,
     Probe,
-    adapter_prefix,
     affinity,
     parse_request,
     prompt_tokens,
-    shared_prefix_tokens,
+    shared_prefix,
 )
 from gateway.request.responses import (
     ResponsesTracker,
@@ -222,6 +221,7 @@ class Proxy:
             "request_id": request_id, "key_id": key_id, "model": probe.model, "adapter": attempt.facts.adapter,
             "worker": worker.id, "route": choice.reason, "attempts": attempt.count, "stream": probe.stream,
             "alias": plan.alias, "fallback_from": plan.models[0] if sent.fell_back else None,
+            "kv_held": attempt.held,
         }
         stores = kind == "responses" and probe.store is not False
         if resp is not None:
@@ -313,10 +313,7 @@ class Proxy:
                 exact, cached = self.prefix_cache.held(routes.routable, counter, probe)
         estimate, floor = prompt_tokens(probe, kind, exact, counter)
         warm, full = self.placer.residency(probe.model) if is_adapter else (frozenset(), frozenset())
-        if key_kind == "adapter":
-            prefix, prefix_key = adapter_prefix(probe, probe.model, estimate)
-        else:
-            prefix, prefix_key = shared_prefix_tokens(probe, key_kind, estimate), None
+        prefix, prefix_key = shared_prefix(probe, key_kind, estimate)
         pinned = None
         if owner is not None:
             pinned = owner.info.id

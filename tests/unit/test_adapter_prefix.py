@@ -1,5 +1,5 @@
 """An adapter request's system prompt in the gateway's KV account (gateway/request/requests.py
-`adapter_prefix`, gateway/accounts/inflight.py): requests of one adapter and one system prompt
+`shared_prefix`, gateway/accounts/inflight.py): requests of one adapter and one system prompt
 share its KV blocks on an engine, so the account counts that prefix once per worker, not once
 per request (issue 36: counted per request, 16 requests sent between two reports of an
 engine filled its 33,696-token cache on paper and held every later request `hold_max_s`)."""
@@ -11,7 +11,7 @@ import json
 import pytest
 
 from gateway.accounts.inflight import SharedInflight
-from gateway.request.requests import adapter_prefix, affinity, parse_request, prompt_tokens
+from gateway.request.requests import affinity, parse_request, prompt_tokens, shared_prefix
 
 SYSTEM = "s" * 6000  # ~1,500 tokens
 
@@ -23,7 +23,9 @@ def _probe(adapter: str, system: str | None, question: str = "q" * 260):  # type
 
 def _prefix(adapter: str, system: str | None) -> tuple[int, int | None]:
     probe = _probe(adapter, system)
-    return adapter_prefix(probe, adapter, prompt_tokens(probe, "chat", None, None)[0])
+    _, kind = affinity(probe, None, True)
+    assert kind == "adapter"
+    return shared_prefix(probe, kind, prompt_tokens(probe, "chat", None, None)[0])
 
 
 @pytest.mark.parametrize(
@@ -47,6 +49,13 @@ def test_adapter_requests_share_a_prefix_by_adapter_and_system_prompt(
 
 def test_no_system_prompt_no_shared_prefix() -> None:
     assert _prefix("a0", None) == (0, None)
+
+
+def test_a_base_model_request_shares_its_system_prompt_under_its_affinity_key() -> None:
+    probe = parse_request(json.dumps({"model": "base", "messages": [
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": "q"}]}).encode(), "chat")
+    _, kind = affinity(probe, None)
+    assert shared_prefix(probe, kind, prompt_tokens(probe, "chat", None, None)[0]) == (1500, None)
 
 
 def test_the_account_counts_an_adapters_prompt_once_per_worker() -> None:
