@@ -150,6 +150,8 @@ class Attempt:
         # typically takes (a budget of thousands is an upper bound, not a prediction).
         self.work = own_prompt + min(budget, DEFAULT_COMPLETION_TOKENS)
         self.key = facts.affinity_key
+        # What its prefix is shared under on a worker (gateway/accounts/inflight.py).
+        self.share_key = facts.prefix_key if facts.prefix_key is not None else facts.affinity_key
         self.headers = FORWARD_HEADERS
         self.trace: RequestTrace = NO_TRACE
         # Its priority class (gateway/accounts/priorities.py), the key it is queued fairly among
@@ -167,12 +169,12 @@ class Attempt:
         return self.fresh if slot.measured else self.own_tokens
 
     def hold(self, worker_id: str) -> None:
-        self.dispatch.inflight.add(worker_id, self.own_tokens, self.key, self.prefix, self.fresh)
+        self.dispatch.inflight.add(worker_id, self.own_tokens, self.share_key, self.prefix, self.fresh)
         if self.facts.adapter:  # never evicted while in flight; a busy adapter gets a replica
             self.dispatch.placer.started(worker_id, self.facts.model)
 
     def release(self, worker_id: str) -> None:
-        self.dispatch.inflight.done(worker_id, self.own_tokens, self.key, self.prefix, self.fresh)
+        self.dispatch.inflight.done(worker_id, self.own_tokens, self.share_key, self.prefix, self.fresh)
         if self.facts.adapter:
             self.dispatch.placer.finished(worker_id, self.facts.model)
 

@@ -56,7 +56,7 @@ from gateway.request.requests import (
     affinity,
     parse_request,
     prompt_tokens,
-    shared_prefix_tokens,
+    shared_prefix,
 )
 from gateway.request.responses import (
     ResponsesTracker,
@@ -221,6 +221,7 @@ class Proxy:
             "request_id": request_id, "key_id": key_id, "model": probe.model, "adapter": attempt.facts.adapter,
             "worker": worker.id, "route": choice.reason, "attempts": attempt.count, "stream": probe.stream,
             "alias": plan.alias, "fallback_from": plan.models[0] if sent.fell_back else None,
+            "kv_held": attempt.held,
         }
         stores = kind == "responses" and probe.store is not False
         if resp is not None:
@@ -312,6 +313,7 @@ class Proxy:
                 exact, cached = self.prefix_cache.held(routes.routable, counter, probe)
         estimate, floor = prompt_tokens(probe, kind, exact, counter)
         warm, full = self.placer.residency(probe.model) if is_adapter else (frozenset(), frozenset())
+        prefix, prefix_key = shared_prefix(probe, key_kind, estimate)
         pinned = None
         if owner is not None:
             pinned = owner.info.id
@@ -325,7 +327,7 @@ class Proxy:
             model=probe.model, prompt_tokens=estimate, max_tokens=probe.max_new_tokens, session=session,
             seq=self.seq, adapter=is_adapter, warm=warm, full=full, affinity_key=key, affinity_kind=key_kind,
             pinned=pinned, pooling=True if kind == "embeddings" else False if generates else None,
-            prefix_tokens=shared_prefix_tokens(probe, key_kind, estimate), cached=cached,
+            prefix_tokens=prefix, prefix_key=prefix_key, cached=cached,
         )
         hide_usage = probe.stream and kind in ("chat", "completion") and not probe.wants_usage
         if hide_usage:  # count every stream's tokens: ask the engine for usage anyway

@@ -239,6 +239,22 @@ def affinity(probe: Probe, session: str | None, adapter: bool = False) -> tuple[
     return None, None
 
 
+def shared_prefix(probe: Probe, kind: str | None, estimate: int) -> tuple[int, int | None]:
+    """(tokens, key) of the prompt's head a request shares with others on a worker, for the KV
+    account (gateway/accounts/inflight.py): that of its affinity key (key None: the affinity
+    key itself), but for an "adapter" key the system prompt, under a key of its own. Requests
+    of one adapter meet by adapter, but an engine shares KV blocks only between requests of
+    one adapter (the LoRA id is part of vLLM's block hash) and one prompt, so the account
+    counts it once per (adapter, system prompt) on a worker, never once per request."""
+    if kind != "adapter":
+        return shared_prefix_tokens(probe, kind, estimate), None
+    first = probe.messages[0] if probe.messages else None
+    if first is None or first.role not in ("system", "developer") or not first.content:
+        return 0, None
+    text = _text(first.content)
+    return min(estimate, math.ceil(len(text.encode()) / 4)), stable_hash(f"{probe.model}\0{text[:PREFIX_CHARS]}")
+
+
 def shared_prefix_tokens(probe: Probe, kind: str | None, estimate: int) -> int:
     """Tokens of what a "prefix" affinity key stands for (the system prompt or instructions
     the requests share; the head of the first message), at most the prompt's estimate; 0

@@ -46,6 +46,10 @@ class RequestFacts(msgspec.Struct, frozen=True):
     pooling: bool | None = None
     # Tokens of the shared part the affinity key stands for (a system prompt).
     prefix_tokens: int = 0
+    # The key those tokens are shared under in the KV account, where it is not the affinity
+    # key: an adapter's requests meet by adapter, but share KV blocks by system prompt (one
+    # adapter's tenants may each have their own).
+    prefix_key: int | None = None
     # Where the gateway has placed this affinity key (gateway/routing/homes.py), and its
     # second home while it has one; None for a key not placed yet.
     home: str | None = None
