@@ -216,8 +216,7 @@ def residency(
     another engine only when the budget has a slot to spare beyond all of those: otherwise
     every other engine is full for it (a second copy of a hot adapter would leave a cold one
     without a slot, waiting), unless its engines report themselves overloaded (`_overloaded`:
-    they queue it anyway; where the budget is exactly enough, only while they have requests
-    waiting, never for a full KV cache alone). An adapter live on several engines while the budget is short goes
+    they queue it anyway). An adapter live on several engines while the budget is short goes
     to one of them (`_primary`) unless that one is overloaded: the others' copies drain and
     give their slots back.
     A worker with unknown slots, or whose adapters all fit its slots, is never full.
@@ -310,10 +309,7 @@ class _Survey:
         room unless a slot is spare, and one engine for an adapter live on several when short."""
         by_id = {s.id: s for s in slots}
         homes = [w for w in self.warm if w not in self.full]
-        # With a slot for every adapter in demand (spare 0), a second copy takes a cold one's:
-        # only an engine that queues now is worth it, not a full cache alone (issue 36, 2 x 8).
-        queueing = spare >= 0
-        if spare < 1 and homes and not all(_overloaded(by_id[w], queueing) for w in homes):
+        if spare < 1 and homes and not all(_overloaded(by_id[w]) for w in homes):
             # Live with room: another engine only with a slot to spare in the whole fleet.
             self.full.extend(s.id for s in slots if s.id not in self.warm)
         if spare < 0 and len(self.warm) > 1:
@@ -350,12 +346,9 @@ def fleet_spare(
     return total - placed - len(wanted - live_anywhere)
 
 
-def _overloaded(slot: Slot, queueing: bool = False) -> bool:
-    """Its last report shows it at its sequence slots or its KV cache nearly full (with
-    `queueing`, and requests waiting there too): a hot adapter there is worth a second engine
-    even at the cost of a slot wait (the engine queues anyway)."""
-    if queueing and not slot.waiting:
-        return False
+def _overloaded(slot: Slot) -> bool:
+    """Its last report shows it at its sequence slots or its KV cache nearly full: a hot adapter
+    there is worth a second engine even at the cost of a slot wait (the engine queues anyway)."""
     return slot.running >= slot.capacity or slot.kv >= _KV_FULL
 
 
