@@ -81,7 +81,7 @@ m_subst() {  # text k -> text with {k}, {events}, {replay} replaced for engine k
 
 m_model() {  # the served folder: the GPU model with a ChatML chat template (once per machine)
   [ "$MODE" = sim ] && { [ -f "$M_MODEL/tokenizer.json" ] || { log "multiturn: $M_MODEL has no tokenizer.json (make vllm)"; return 1; }; return 0; }
-  [ -f "$M_MODEL/chat_template.jinja" ] && return 0
+  [ -f "$M_MODEL/chat_template.jinja" ] && grep -q '"<|im_start|>"' "$M_MODEL/tokenizer.json" && return 0
   [ -f /tmp/vl/m7/config.json ] || { log "multiturn: /tmp/vl/m7 is missing (setup did not run)"; return 1; }
   mkdir -p "$M_MODEL" && cp /tmp/vl/m7/* "$M_MODEL/" || return 1
   python3 - "$M_MODEL" <<'EOF'
@@ -92,6 +92,18 @@ template = ("{%- for message in messages %}{%- if loop.first and message['role']
             "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
             "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 (folder / "chat_template.jinja").write_text(template)
+# <|im_start|> and <|im_end|> are the tokenizer's special (added) tokens, as in every ChatML
+# model (Qwen2.5's among them), not text cut into a dozen BPE pieces: what the engine's prompt
+# holds then matches a real model's, and the gateway tokenizes only the chat's text it has not
+# seen lately (gateway/request/token_pieces.py cuts at added tokens); the config's vocab_size
+# follows the tokenizer's, so that every id the dummy weights sample decodes.
+from tokenizers import AddedToken, Tokenizer
+tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<|im_start|>", "<|im_end|>")])
+tok.save(str(folder / "tokenizer.json"))
+cfg = json.loads((folder / "config.json").read_text())
+cfg["vocab_size"] = tok.get_vocab_size()
+(folder / "config.json").write_text(json.dumps(cfg, indent=1))
 config = folder / "tokenizer_config.json"
 data = json.loads(config.read_text()) if config.exists() else {}
 data["chat_template"] = template
