@@ -1,9 +1,9 @@
 """Proxying one OpenAI request: parse the little routing needs, pick a worker, forward, relay.
 
-Four rooms: this one turns the request into routing facts and writes its outcome;
-gateway/request/attempts.py chooses workers and sends; gateway/request/retries.py drives the
-attempts (retries, the queue); gateway/request/relay.py relays a stream and continues it
-elsewhere when it breaks.
+Three rooms: this one turns the request into routing facts and writes its outcome;
+gateway/request/attempts.py's `Attempt.run` chooses workers and sends, calling down to the
+queue, the holds and the retry policy (gateway/request/retries.py); gateway/request/relay.py
+relays a stream and continues it elsewhere when it breaks (`Attempt.resume`).
 
 The body goes to the engine byte for byte. Only the fields routing needs are
 decoded. A failure before any byte reached the client (refused connection,
@@ -45,8 +45,8 @@ from gateway.models.live_routes import Routes
 from gateway.observe import outcomes
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.tracing import RequestTrace, Tracing
-from gateway.request import attempts, retries
-from gateway.request.attempts import FORWARD_HEADERS, Attempt, Dispatch
+from gateway.request.attempts import Attempt
+from gateway.request.dispatch import FORWARD_HEADERS, Dispatch, Result
 from gateway.request.prefix_cache import PrefixCache
 from gateway.request.relay import relay
 from gateway.request.reply import Answered, Reply
@@ -88,19 +88,24 @@ class _Request:
 
 
 class _Sent:
-    """What answered: the model's request as sent, its attempts and their result, the key's
-    ticket, whether the client's stream hides the usage chunk, and whether it fell back."""
+    """What answered: the model's request, its attempts (their body as sent) and their result,
+    the key's ticket, and whether it fell back."""
 
-    def __init__(self, probe: Probe, body: bytes, attempt: Attempt, result: attempts.Result,
-                 ticket: Ticket | None, hide_usage: bool, fell_back: bool) -> None:
-        self.probe, self.body, self.attempt, self.result = probe, body, attempt, result
-        self.ticket, self.hide_usage, self.fell_back = ticket, hide_usage, fell_back
+    def __init__(self, probe: Probe, attempt: Attempt, result: Result, ticket: Ticket | None,
+                 fell_back: bool) -> None:
+        self.probe, self.attempt, self.result = probe, attempt, result
+        self.ticket, self.fell_back = ticket, fell_back
 
 
 # Named functions, not lambdas: mypyc compiles this module (scripts/compile.py) and
 # does not take a lambda in a dataclass's methods or field defaults.
 def _new_prefix() -> str:
     return uuid.uuid4().hex[:16]
+
+
+def _hides_usage(probe: Probe, kind: str) -> bool:
+    """Whether the client's stream goes without the usage chunk (the engine is asked for it)."""
+    return probe.stream and kind in ("chat", "completion") and not probe.wants_usage
 
 
 def _constant(routes: Routes) -> Callable[[], Routes]:
@@ -224,10 +229,10 @@ class Proxy:
         }
         stores = kind == "responses" and probe.store is not False
         if resp is not None:
-            body = sent.body  # as sent
+            body = attempt.body  # as sent
             tracker: StreamTracker | ResponsesTracker = (
                 ResponsesTracker() if kind == "responses"
-                else StreamTracker(kind, lambda text_sent: unresumable(body, kind, text_sent), sent.hide_usage)
+                else StreamTracker(kind, lambda text_sent: unresumable(body, kind, text_sent), _hides_usage(probe, kind))
             )
             return Reply(200, headers, stream=relay(attempt, choice, resp, tracker, self.metrics, started, fields,
                                                     stores, ticket))
@@ -253,13 +258,13 @@ class Proxy:
             # A follow-up's stored response pins its worker; looked up only then (Redis).
             owner = None if probe.previous_response_id is None else await owner_of(
                 self.watcher, probe.previous_response_id, "previous_response_id")
-            attempt, body, hide_usage = self._attempt(req, probe, body, owner, falls_back=tried < last)
+            attempt = self._attempt(req, probe, body, owner, falls_back=tried < last)
             if tried == 0 and req.tenant is not None and self.quota is not None:
                 # The key's (and its team's) limits: the prompt's tokens are charged before routing.
                 ticket = await self.quota.admit(req.tenant, model, attempt.facts.prompt_tokens)
             try:
-                result = await retries.run(attempt, self.admission, self.metrics)
-                return _Sent(probe, body, attempt, result, ticket, hide_usage, error is not None)
+                result = await attempt.run(self.admission, self.metrics)
+                return _Sent(probe, attempt, result, ticket, error is not None)
             except GatewayError as exc:
                 reason = fallback_reason(exc) if tried < last else None
                 if reason is None:
@@ -290,10 +295,10 @@ class Proxy:
 
     def _attempt(
         self, req: _Request, probe: Probe, body: bytes, owner: WorkerView | None, falls_back: bool,
-    ) -> tuple[Attempt, bytes, bool]:
-        """The attempts at sending `body` (a request for `probe.model`), with its routing facts;
-        the body as sent, and whether the client's stream hides the usage chunk. `owner`: the
-        worker storing the response the request continues."""
+    ) -> Attempt:
+        """The attempts at sending `body` (a request for `probe.model`; a stream that hides the
+        usage chunk asks for it anyway), with its routing facts. `owner`: the worker storing the
+        response the request continues."""
         kind, session = req.kind, req.session
         snapshot = self.watcher.snapshot
         is_adapter = snapshot.models.get(probe.model, "") != ""
@@ -327,8 +332,7 @@ class Proxy:
             pinned=pinned, pooling=True if kind == "embeddings" else False if generates else None,
             prefix_tokens=shared_prefix_tokens(probe, key_kind, estimate), cached=cached,
         )
-        hide_usage = probe.stream and kind in ("chat", "completion") and not probe.wants_usage
-        if hide_usage:  # count every stream's tokens: ask the engine for usage anyway
+        if _hides_usage(probe, kind):  # count every stream's tokens: ask the engine for usage anyway
             body = with_usage(body)
         attempt = Attempt(self.dispatch, req.path, kind, body, probe.stream, facts, floor)
         attempt.headers = {**FORWARD_HEADERS, "x-request-id": req.request_id}
@@ -339,7 +343,7 @@ class Proxy:
         attempt.priority, attempt.full_at = req.priority, req.priority.full_at(attempt.full_at)
         if self.classes.enabled:
             attempt.tenant = req.key_id
-        return attempt, body, hide_usage
+        return attempt
 
     def refused(self, exc: GatewayError, header: Callable[[str], str | None], key_id: str, started: float) -> None:
         """Log and count a request refused before `serve` (its key, rate limit or body)."""
