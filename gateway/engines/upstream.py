@@ -18,10 +18,15 @@ from gateway.wire import EngineError, NestedError
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 
-__all__ = ["RETRYABLE_STATUS", "Response", "Upstream", "is_json", "openai_error_body", "sse_error"]
+__all__ = ["RETRYABLE_STATUS", "Response", "Upstream", "is_json", "json_object", "openai_error_body", "sse_error"]
 
 # Validates JSON without building it (msgspec skips a Raw value's contents, checking them).
 _raw = msgspec.json.Decoder(msgspec.Raw)
+
+
+def json_object(data: bytes) -> bool:
+    """Whether `data` is one whole JSON object, as every engine's 200 answer is."""
+    return data.lstrip()[:1] == b"{" and is_json(data)
 
 
 def is_json(data: bytes) -> bool:
@@ -122,8 +127,12 @@ class Upstream:
         target = self._target(url)
         head = self._head(method.upper().encode(), target, {}, 0)
         resp = await self._send(url, target, head, b"", timeout_s, timeout_s)
+        return resp.status, resp.content_type, await self.body_of(resp)
+
+    async def body_of(self, resp: Response) -> bytes:
+        """A whole answer's body; its connection goes back (or closes) either way."""
         try:
-            return resp.status, resp.content_type, await self.read(resp)
+            return await self.read(resp)
         finally:
             resp.release()
 

@@ -15,15 +15,15 @@ from typing import NoReturn
 
 import structlog
 from msgspec.structs import replace
+from tenacity import RetryCallState
 
 from fleetgate.schema import WorkerView
-from gateway.accounts.admission import Admission
 from gateway.accounts.priorities import Priority
 from gateway.accounts.waiting import engine_queued, within
 from gateway.engines.upstream import (
     RETRYABLE_STATUS,
     Response,
-    is_json,
+    json_object,
     openai_error_body,
 )
 from gateway.errors import (
@@ -37,7 +37,6 @@ from gateway.errors import (
     UpstreamError,
     detail,
 )
-from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.tracing import NO_TRACE, RequestTrace
 from gateway.request import retries
 from gateway.request.context import Refusal, refusal
@@ -58,11 +57,6 @@ from gateway.routing.table import REPORT_GROWTH_TOKENS, Slot
 log = structlog.get_logger("gateway.attempts")
 
 _DEFAULT_PRIORITY = Priority("default")
-
-
-def _json_object(data: bytes) -> bool:
-    """Whether `data` is one whole JSON object, as every engine's 200 answer is."""
-    return data.lstrip()[:1] == b"{" and is_json(data)
 
 
 class Attempt:
@@ -155,9 +149,9 @@ class Attempt:
                           self.tried, limit=1, full_at=self.full_at)
         return decision.why or "slots" if decision.verdict == "saturated" else None
 
-    async def run(self, admission: Admission, metrics: GatewayMetrics) -> Result:
-        """Attempt until a worker answers: re-place an evicted adapter once, queue while the
-        fleet is full, hold for KV room or a LoRA slot, retry a failure that reached no client byte."""
+    async def until_answered(self) -> Result:
+        """Attempt until a worker answers: re-place an evicted adapter once, wait out a full
+        fleet, a full KV cache or busy LoRA slots, retry a failure that reached no client byte."""
         dispatch, model = self.dispatch, self.facts.model
         placer, settings = dispatch.placer, dispatch.settings
         if self.facts.adapter and placer.known(model):
@@ -165,42 +159,22 @@ class Attempt:
         while True:
             try:
                 return await self.next()
+            except Retryable as failure:
+                if settings.retry_attempts <= 1:
+                    raise failure.final from None
+                return await retries.tries(self.next, settings, settings.retry_attempts - 1, self._retrying)
+            except (Saturated, Held, SlotHeld) as why:
+                await retries.wait_out(why, self)
             except ModelNotFound:
                 if not (self.facts.adapter and placer.known(model)) or self.replaced:
                     raise
                 self.replaced = True  # evicted between its placement and now: place it again
                 await placer.ensure(model)
-            except Saturated:
-                if self.falls_back:
-                    raise Overloaded(f"Every worker of `{model}` is full.", retry_after=1) from None
-                self.queue_deadline = await retries.wait_for_room(
-                    admission, self.facts, self.priority, self.tenant, self.saturated, self.queue_deadline, settings)
-            except Held as held:
-                self.held = True  # once, never twice
-                await retries.hold_for_room(admission, held.slot, held.tokens, dispatch.full_at, dispatch.live,
-                                            settings, model)
-            except SlotHeld as waits:  # its own name: compiled, `held` is typed by the clause above
-                got = await retries.hold_for_slot(admission, dispatch.watcher, placer.state, settings, model,
-                                                  self.arrived, waits.slot.id, waits.why)
-                self.slot_held = "slot-held" if got else "slot-timeout"
-                if got:
-                    self.slot_for = waits.slot.id
-            except Retryable as failure:
-                if settings.retry_attempts <= 1:
-                    raise failure.final from None
-                try:
-                    return await retries.retry(self.next, settings, settings.retry_attempts - 1, Retryable,
-                                               lambda _: self._retrying(metrics))
-                except Retryable as last:
-                    raise last.final from None
 
     async def resume(self, body: Callable[[WorkerView], bytes]) -> tuple[Choice, Response]:
         """Start the continuation of a broken stream on another worker, retried as a request is."""
         settings = self.dispatch.settings
-        try:
-            return await retries.retry(lambda: self._continued(body), settings, settings.retry_attempts, Retryable)
-        except Retryable as last:
-            raise last.final from None
+        return await retries.tries(lambda: self._continued(body), settings, settings.retry_attempts)
 
     async def _continued(self, body: Callable[[WorkerView], bytes]) -> tuple[Choice, Response]:
         choice, resp, _ = await self.next(body)
@@ -208,8 +182,9 @@ class Attempt:
             raise UpstreamError("the engine refused the continuation")
         return choice, resp
 
-    def _retrying(self, metrics: GatewayMetrics) -> None:
-        metrics.retry(self.facts.model)
+    def _retrying(self, _: RetryCallState) -> None:
+        """Before each retry: its series, its trace event and its log line."""
+        self.dispatch.metrics.retry(self.facts.model)
         why = detail(self.last_error) if self.last_error else ""
         self.trace.retry(self.count + 1, why)
         log.info("gateway.retry", model=self.facts.model, attempt=self.count + 1, error=why)
@@ -226,49 +201,59 @@ class Attempt:
         self.tried.append(worker.id)
         self.count += 1
         self.hold(worker.id)
-        url = worker.info.url + self.path
-        first = self.first_byte_timeout()
-        limit = first if self.stream else self.answer_timeout(worker)
-        headers = self.trace.attempt(self.headers, choice, url, dispatch.policy.name, self.candidates)
         failed: GatewayError | None = None
         try:
-            # One wait for the first byte: a stream's head, or a whole answer's head and body.
-            with dispatch.waits.waiting(worker.id):
-                data_out = body(worker) if body else self.body
-                if self.stream:
-                    resp = await dispatch.upstream.post(url, data_out, headers, True, first)
-                else:  # queued in its engine, a whole answer may wait as long as a stream's first event
-                    most = limit + max(0.0, dispatch.settings.first_byte_queued_timeout_s - first)
-                    resp = await within(dispatch.upstream.post(url, data_out, headers, False, most), limit, most,
-                                        lambda: engine_queued(dispatch.watcher.snapshot.by_id.get(worker.id)))
-                    resp.timeout = limit  # the body, once the answer came, reads as before
-                self.trace.attempt_status(resp.status)
-                if self.stream and resp.status == 200:
-                    return choice, resp, (200, b"")  # the relay holds the worker from here
-                try:
-                    data = await dispatch.upstream.read(resp)
-                finally:
-                    resp.release()
-            status = resp.status
-            refused: Refusal | None = None
-            if status >= 400:  # the engine's error, in OpenAI's shape; a context refusal read whole
-                data = openai_error_body(status, data)
-                if status == 400:
-                    refused = refusal(status, data, self.facts, dispatch.watcher.snapshot.routes, self.tried)
+            resp, data, refused = await self._sent(worker, choice, body(worker) if body else self.body)
         except UpstreamError as exc:
             failed = exc
         except BaseException:  # cancelled: the client hung up, the engine's request is closed
             self.release(worker.id)
             raise
+        if failed is None and self.stream and resp.status == 200:
+            return choice, resp, (200, b"")  # the relay holds the worker from here
         self.release(worker.id)
         if failed is None:
-            failed = self._judged(worker, url, resp, data, refused)
+            failed = self._judged(worker, resp.status, data, refused)
         if failed is not None:
             self._failed(worker, failed)
-        if status < 400:  # the client's 4xx says nothing of the engine's health
+        if resp.status < 400:  # the client's 4xx says nothing of the engine's health
             dispatch.breakers.success(worker.id)
         self.trace.attempt_end()
-        return choice, None, (status, data)
+        return choice, None, (resp.status, data)
+
+    async def _sent(self, worker: WorkerView, choice: Choice, body: bytes) -> tuple[Response, bytes, Refusal | None]:
+        """The engine's answer to `body`: a stream's head, or a whole answer read whole (an error
+        in OpenAI's shape, a context refusal with it); raises UpstreamError for no answer."""
+        dispatch = self.dispatch
+        url = worker.info.url + self.path
+        first = self.first_byte_timeout()
+        limit = first if self.stream else self.answer_timeout(worker)
+        headers = self.trace.attempt(self.headers, choice, url, dispatch.policy.name, self.candidates)
+        # One wait for the first byte: a stream's head, or a whole answer's head and body.
+        with dispatch.waits.waiting(worker.id):
+            # Queued in its engine, a whole answer may wait as long as a stream's first event.
+            most = first if self.stream else limit + max(0.0, dispatch.settings.first_byte_queued_timeout_s - first)
+            sent = dispatch.upstream.post(url, body, headers, self.stream, most)
+            if self.stream:
+                resp = await sent
+            else:
+                resp = await within(sent, limit, most,
+                                    lambda: engine_queued(dispatch.watcher.snapshot.by_id.get(worker.id)))
+                resp.timeout = limit  # the body, once the answer came, reads as before
+            self.trace.attempt_status(resp.status)
+            if self.stream and resp.status == 200:
+                return resp, b"", None
+            data = await dispatch.upstream.body_of(resp)
+        status = resp.status
+        if status == 200 and not json_object(data):  # never relayed: it may name the engine
+            raise UpstreamError("The engine's answer was not valid JSON.", detail=(
+                f"engine at {url} answered 200 with {resp.content_type or 'no content type'} that is not "
+                f"a JSON object: {data[:120]!r}"))
+        if status < 400:
+            return resp, data, None
+        data = openai_error_body(status, data)  # the engine's error, in OpenAI's shape
+        refused = refusal(status, data, self.facts, dispatch.watcher.snapshot.routes, self.tried) if status == 400 else None
+        return resp, data, refused
 
     def _placed(self) -> None:
         """Where the key is placed: looked up now, not on arrival (the request may have queued)."""
@@ -276,14 +261,8 @@ class Attempt:
         if home != self.facts.home or second != self.facts.second or heavy != self.facts.heavy:
             self.facts = replace(self.facts, home=home, second=second, heavy=heavy)
 
-    def _judged(self, worker: WorkerView, url: str, resp: Response, data: bytes,
-                refused: Refusal | None) -> GatewayError | None:
+    def _judged(self, worker: WorkerView, status: int, data: bytes, refused: Refusal | None) -> GatewayError | None:
         """Why another worker may answer better than this whole answer (None: it stands)."""
-        status = resp.status
-        if status == 200 and not _json_object(data):  # never relayed: it may name the engine
-            return UpstreamError("The engine's answer was not valid JSON.", detail=(
-                f"engine at {url} answered 200 with {resp.content_type or 'no content type'} that is not "
-                f"a JSON object: {data[:120]!r}"))
         if status == 429:  # full, not sick: retried elsewhere, never held against it
             return Overloaded(f"Worker {worker.id} is at capacity.", retry_after=1)
         if status in RETRYABLE_STATUS:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.accounts.adapters import AdapterPlacer
+from gateway.accounts.admission import Admission
 from gateway.accounts.circuit import Breakers
 from gateway.accounts.inflight import SharedInflight
 from gateway.accounts.placement import Placement
@@ -17,6 +18,7 @@ from gateway.accounts.waiting import FirstByteWaits
 from gateway.engines.upstream import Response, Upstream
 from gateway.errors import GatewayError
 from gateway.fleet import FleetWatcher
+from gateway.observe.metrics import GatewayMetrics
 from gateway.routing import Choice, FullAt, Live, Policy
 from gateway.routing.lora_gate import Gate
 from gateway.routing.table import Slot
@@ -60,7 +62,8 @@ class SlotHeld(Exception):
 @dataclass(frozen=True, slots=True)
 class Dispatch:
     """What an attempt needs: the fleet and the policy to choose, the engines' session to
-    send, and the accounts a send keeps (in flight, adapters in use, breakers, waits)."""
+    send, the accounts a send keeps (in flight, adapters in use, breakers, waits), the queue
+    and holds it waits in, and the series its retries move."""
 
     settings: GatewaySettings
     watcher: FleetWatcher
@@ -73,6 +76,8 @@ class Dispatch:
     breakers: Breakers
     waits: FirstByteWaits
     full_at: FullAt  # settings.full_at, built once (settings do not change while the gateway runs)
+    admission: Admission
+    metrics: GatewayMetrics
 
 
 # (choice, open streaming response or None, (status, body) when not streaming)

@@ -153,7 +153,8 @@ class Proxy:
         self.watcher.on_refresh(self.inflight.reported)
         self.inflight.on_done = self.admission.wake
         self.dispatch = Dispatch(self.settings, self.watcher, self.upstream, self.policy, self.live, self.inflight,
-                                 self.placer, self.placement, self.breakers, self.waits, self.settings.full_at)
+                                 self.placer, self.placement, self.breakers, self.waits, self.settings.full_at,
+                                 self.admission, self.metrics)
     # Request ids: a random per-process prefix and a counter (no syscall per request).
     _id_prefix: str = field(default_factory=_new_prefix)
 
@@ -263,7 +264,7 @@ class Proxy:
                 # The key's (and its team's) limits: the prompt's tokens are charged before routing.
                 ticket = await self.quota.admit(req.tenant, model, attempt.facts.prompt_tokens)
             try:
-                result = await attempt.run(self.admission, self.metrics)
+                result = await attempt.until_answered()
                 return _Sent(probe, attempt, result, ticket, error is not None)
             except GatewayError as exc:
                 reason = fallback_reason(exc) if tried < last else None
