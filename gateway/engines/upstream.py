@@ -1,9 +1,11 @@
-"""The data plane's HTTP client to the engines, and the translation of its failures.
+"""The gateway's one HTTP client to the engines, and the translation of its failures.
 
 The connections themselves are gateway/engines/engine_conn.py's (keep-alive HTTP/1.1 over
-httptools' parser, pooled per engine). This is the only module that talks to engines on
-the request path, and the only place their connection errors and timeouts become the
-gateway's error tree (`UpstreamError`, `UpstreamTimeout`).
+httptools' parser, pooled per engine). This is the only module that talks to engines: the
+request path (`post`, `body_of`), a stored response's retrieve or cancel (`call`), and the
+control plane's JSON requests (`post_json`: a circuit's probe, an adapter's load or unload);
+and the only place their connection errors and timeouts become the gateway's error tree
+(`UpstreamError`, `UpstreamTimeout`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 
 __all__ = ["RETRYABLE_STATUS", "Response", "Upstream", "is_json", "json_object", "openai_error_body", "sse_error"]
 
+_JSON = {"content-type": "application/json"}
 # Validates JSON without building it (msgspec skips a Raw value's contents, checking them).
 _raw = msgspec.json.Decoder(msgspec.Raw)
 
@@ -128,6 +131,12 @@ class Upstream:
         head = self._head(method.upper().encode(), target, {}, 0)
         resp = await self._send(url, target, head, b"", timeout_s, timeout_s)
         return resp.status, resp.content_type, await self.body_of(resp)
+
+    async def post_json(self, url: str, body: Mapping[str, object], timeout_s: float) -> tuple[int, bytes]:
+        """A control-plane request (a circuit's probe, an adapter's load or unload): a JSON body,
+        its status and whole answer, each within `timeout_s`; on the request path's connections."""
+        resp = await self.post(url, msgspec.json.encode(body), _JSON, False, timeout_s)
+        return resp.status, await self.body_of(resp)
 
     async def body_of(self, resp: Response) -> bytes:
         """A whole answer's body; its connection goes back (or closes) either way."""
