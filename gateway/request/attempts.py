@@ -63,7 +63,9 @@ class Attempt:
     """The attempts at one request: each picks the best worker not tried yet."""
 
     def __init__(
-        self, dispatch: Dispatch, path: str, kind: str, body: bytes, stream: bool, facts: RequestFacts, floor: int
+        self, dispatch: Dispatch, path: str, kind: str, body: bytes, stream: bool, facts: RequestFacts, floor: int,
+        request_id: str, trace: RequestTrace = NO_TRACE, priority: Priority = _DEFAULT_PRIORITY, tenant: str = "",
+        falls_back: bool = False,
     ) -> None:
         self.dispatch = dispatch
         self.path = path
@@ -99,16 +101,17 @@ class Attempt:
         # typically takes (a budget of thousands is an upper bound, not a prediction).
         self.work = own_prompt + min(budget, DEFAULT_COMPLETION_TOKENS)
         self.key = facts.affinity_key
-        self.headers = FORWARD_HEADERS
-        self.trace: RequestTrace = NO_TRACE
+        # What the engine is sent beside the body: its request id, the trace's context.
+        self.headers = {**FORWARD_HEADERS, "x-request-id": request_id, **trace.forward}
+        self.trace = trace
         # Its priority class (gateway/accounts/priorities.py), the key it is queued fairly among
         # ("": all one line), and when a worker counts full for it (its class's share).
-        self.priority = _DEFAULT_PRIORITY
-        self.tenant = ""
-        self.full_at = dispatch.full_at
+        self.priority = priority
+        self.tenant = tenant
+        self.full_at = priority.full_at(dispatch.full_at)
         # The request has a fallback model (gateway/models/aliases.py): when this one is full or its
         # context too small, raise at once (no queueing, no engine 400) so the fallback gets it.
-        self.falls_back = False
+        self.falls_back = falls_back
 
     def kv_tokens(self, slot: Slot) -> int:
         """The KV tokens this request counts for on `slot` when deciding whether it fits: until
