@@ -78,11 +78,12 @@ log = structlog.get_logger("gateway.proxy")
 # Plain classes, not dataclasses: compiled, a dataclass's generated __init__ runs as Python.
 class _Request:
     """One request as `Proxy._serve` took it in, what each model of its plan is sent with.
-    `owner`: the worker storing the response it continues."""
+    `named`: the model its body names; `owner`: the worker storing the response it continues."""
 
-    def __init__(self, path: str, kind: str, session: str | None, key_id: str, request_id: str, started: float,
-                 trace: RequestTrace, priority: Priority, tenant: Tenant | None, owner: WorkerView | None) -> None:
-        self.path, self.kind, self.session = path, kind, session
+    def __init__(self, named: str, path: str, kind: str, session: str | None, key_id: str, request_id: str,
+                 started: float, trace: RequestTrace, priority: Priority, tenant: Tenant | None,
+                 owner: WorkerView | None) -> None:
+        self.named, self.path, self.kind, self.session = named, path, kind, session
         self.key_id, self.request_id, self.started, self.trace = key_id, request_id, started, trace
         self.priority, self.tenant, self.owner = priority, tenant, owner
 
@@ -201,7 +202,7 @@ class Proxy:
         # A follow-up's stored response pins its worker; looked up only then (Redis).
         owner = None if probe.previous_response_id is None else await owner_of(
             self.watcher, probe.previous_response_id, "previous_response_id")
-        req = _Request(path, kind, session, key_id, request_id, started, trace, priority, tenant, owner)
+        req = _Request(probe.model, path, kind, session, key_id, request_id, started, trace, priority, tenant, owner)
         probe, attempt, (choice, resp, data), ticket, fell_back = await self._send(probe, body, req, plan)
         worker = choice.worker
         route = f"{self.policy.name}:{choice.reason}"
@@ -249,8 +250,8 @@ class Proxy:
         error: GatewayError | None = None
         ticket = None
         for tried, model in enumerate(plan.models):
-            if model != probe.model:  # the engine gets, and answers with, the real model's name
-                probe, body = msgspec.structs.replace(probe, model=model), with_model(body, model)
+            if model != probe.model:  # the alias's target, or a fallback (`_attempt` rewrites the body)
+                probe = msgspec.structs.replace(probe, model=model)
             attempt = self._attempt(req, probe, body, falls_back=tried < last)
             if tried == 0 and req.tenant is not None and self.quota is not None:
                 # The key's (and its team's) limits: the prompt's tokens are charged before routing.
@@ -282,6 +283,8 @@ class Proxy:
         snapshot = self.watcher.snapshot
         is_adapter = snapshot.models.get(probe.model, "") != ""
         warm, full = self.placer.residency(probe.model) if is_adapter else (frozenset(), frozenset())
+        if probe.model != req.named:  # the engine gets, and answers with, the real model's name
+            body = with_model(body, probe.model)
         generates = kind in GENERATES
         key, key_kind = (None, None)
         if generates and self.policy.name == "fleet":
