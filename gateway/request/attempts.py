@@ -1,9 +1,11 @@
 """The attempts at one request: choose a worker, send, and on a safe failure choose again.
 
-`Attempt.run` drives them: `next` sends the request to the best worker not tried yet and says
-by what it raises why it did not (`Saturated`, `Held`, `SlotHeld`, `Retryable`); `run` answers
-each by calling down, to the gateway's queue and holds or to the one retry policy
-(gateway/request/retries.py), and tries again. A broken stream's continuation is `resume`.
+`Attempt.until_answered` drives them: `next` sends the request to the best worker not tried
+yet (`_sent` talks to the engine, `_judged` reads its whole answer) and says by what it raises
+why it did not (`Saturated`, `Held`, `SlotHeld`, `Retryable`: gateway/request/dispatch.py);
+`until_answered` answers each by calling down, to the gateway's queue and holds or to the one
+retry policy (gateway/request/retries.py), and tries again. A broken stream's continuation is
+`resume`.
 An attempt sees only `Dispatch`, the few collaborators a send needs, never the whole proxy.
 """
 
@@ -81,7 +83,7 @@ class Attempt:
         self.last_error: GatewayError | None = None
         self.unreachable = 0  # attempts that found no engine to talk to
         self.queue_deadline: float | None = None
-        # Held once for its worker's KV room (`_hold`); never twice.
+        # Held once for its worker's KV room (`retries.wait_out`); never twice.
         self.held = False
         self.replaced = False
         # Adapter requests: when it arrived (its slot wait is bounded from then: gateway/request/retries.py),

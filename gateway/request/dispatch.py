@@ -2,7 +2,7 @@
 
 `Dispatch` holds the few collaborators a send needs (never the whole proxy); `Saturated`,
 `Held`, `SlotHeld` and `Retryable` are the reasons `Attempt.next` (gateway/request/attempts.py)
-did not get an answer, each of which `Attempt.run` answers in its own way.
+did not get an answer, each of which `Attempt.until_answered` answers in its own way.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Retryable(Exception):
 
 class Held(Exception):
     """The chosen worker's KV cache is full by the account for the request's `tokens`: wait
-    there a moment (gateway/request/retries.py `hold_for_room`)."""
+    there a moment (gateway/request/retries.py `wait_out`)."""
 
     def __init__(self, slot: Slot, tokens: int) -> None:
         self.slot = slot
@@ -52,7 +52,7 @@ class Saturated(Exception):
 
 class SlotHeld(Exception):
     """The chosen worker's LoRA slots are busy with other adapters: the request waits in the
-    gateway for one (gateway/request/retries.py `hold_for_slot`)."""
+    gateway for one (gateway/request/retries.py `wait_out`)."""
 
     def __init__(self, slot: Slot, why: Gate) -> None:
         self.slot = slot

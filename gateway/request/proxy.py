@@ -1,7 +1,7 @@
 """Proxying one OpenAI request: parse the little routing needs, pick a worker, forward, relay.
 
 Three rooms: this one turns the request into routing facts and writes its outcome;
-gateway/request/attempts.py's `Attempt.run` chooses workers and sends, calling down to the
+gateway/request/attempts.py's `Attempt.until_answered` chooses workers and sends, calling down to the
 queue, the holds and the retry policy (gateway/request/retries.py); gateway/request/relay.py
 relays a stream and continues it elsewhere when it breaks (`Attempt.resume`).
 
