@@ -103,7 +103,7 @@ class Upstream:
             try:
                 if conn is None:
                     conn = await pool.connect(target)
-                resp = conn.start(head, body)
+                resp = conn.write_request(head, body)
                 resp.timeout = read_timeout
                 await resp.head(limit)
                 return resp
