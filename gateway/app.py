@@ -280,7 +280,7 @@ def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None,
         gateway_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         inflight = SharedInflight(registry, gateway_id)
         breakers = Breakers(
-            registry, lambda worker_id: watcher.snapshot.by_id.get(worker_id), watcher.poke,
+            registry, lambda worker_id: watcher.snapshot.by_id.get(worker_id), watcher.poke, upstream,
             threshold=settings.breaker_threshold, cooldown_s=settings.breaker_cooldown_s,
             max_cooldown_s=settings.breaker_max_cooldown_s,
         )
@@ -288,7 +288,7 @@ def create_app(settings: GatewaySettings, reload_seed: ReloadSeed | None = None,
         metrics.model_label = watcher.known.label
         metrics.watch_fleet(watcher, inflight)
         lora_state = LoraState(registry, gateway_id)
-        placer = AdapterPlacer(dict(settings.adapters), watcher, registry, inflight, lora_state)
+        placer = AdapterPlacer(dict(settings.adapters), watcher, registry, inflight, lora_state, upstream)
         policy = make_policy(settings.policy, settings.routing)
         tracing = build_tracing(settings, gateway_id)
         opts = getattr(policy, "opts", None)

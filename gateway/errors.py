@@ -29,7 +29,7 @@ An engine's address never reaches a client: an `UpstreamError`'s `message` says 
 failed, its `detail` (for the log, the circuit's reason in the admin API, traces) also
 where.
 
-Foreign exceptions (aiohttp, Redis, msgspec) are translated into this tree once,
+Foreign exceptions (the engines' connections, Redis, msgspec) are translated into this tree once,
 where they are raised (`raise X(...) from exc`); one exception handler renders it as
 OpenAI's `{"error": {"message", "type", "param", "code"}}`.
 """

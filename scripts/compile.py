@@ -43,6 +43,7 @@ MODULES = (
     "gateway/request/proxy.py",
     "gateway/request/reply.py",
     "gateway/request/attempts.py",
+    "gateway/request/dispatch.py",
     "gateway/request/retries.py",
     "gateway/engines/engine_conn.py",
     "gateway/engines/upstream.py",

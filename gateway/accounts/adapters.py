@@ -29,7 +29,6 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 
-import aiohttp
 import msgspec
 import structlog
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -40,6 +39,7 @@ from fleetgate.registry import Registry
 from fleetgate.schema import WorkerView
 from gateway.accounts.inflight import SharedInflight
 from gateway.accounts.lora_state import LoraState, residency, slot_wait
+from gateway.engines.upstream import Upstream
 from gateway.errors import InvalidRequest, NoWorkerAvailable, UpstreamError
 from gateway.fleet import FleetWatcher
 from gateway.settings import AdapterSpec
@@ -59,6 +59,7 @@ class AdapterPlacer:
         registry: Registry,
         inflight: SharedInflight,
         state: LoraState,
+        upstream: Upstream,
         replicate_at: float = 0.75,
         replicate_every_s: float = 5.0,
         specs_every_s: float = 2.0,
@@ -68,6 +69,7 @@ class AdapterPlacer:
         self.registry = registry
         self.inflight = inflight
         self.state = state
+        self.upstream = upstream  # the engines' one client: loads and unloads go through it
         # Every replica busier than this (outstanding / capacity) asks for another replica.
         self.replicate_at = replicate_at
         self.replicate_every_s = replicate_every_s
@@ -80,7 +82,6 @@ class AdapterPlacer:
         self._worker_locks: dict[str, asyncio.Lock] = {}
         self._replicated_at: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self.session: aiohttp.ClientSession | None = None
 
     def known(self, model: str) -> bool:
         return model in self.specs
@@ -272,21 +273,18 @@ class AdapterPlacer:
         return min(candidates, key=lambda a: (state.last_used(worker.id, a), a))
 
     async def _post(self, worker: WorkerView, path: str, body: dict[str, str], operator: bool = False) -> None:
-        if self.session is None:
-            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120))
-        url = worker.info.url + path
         try:
-            async with self.session.post(url, json=body) as resp:
-                text = await resp.text()
-                if resp.status == 400 and "already been loaded" in text:
-                    return
-                if operator and 400 <= resp.status < 500:  # the engine refused the operator's adapter or path
-                    raise InvalidRequest(f"Worker `{worker.id}`'s engine refused {path} ({resp.status}): {text[:200]}",
-                                         code="adapter_refused")
-                if resp.status != 200:
-                    raise UpstreamError(f"{path} on {worker.id} answered {resp.status}: {text[:200]}")
-        except aiohttp.ClientError as exc:
-            raise UpstreamError(f"{path} on {worker.id} failed: {type(exc).__name__}") from exc
+            status, data = await self.upstream.post_json(worker.info.url + path, body, 120.0)
+        except UpstreamError as exc:
+            raise UpstreamError(f"{path} on {worker.id} failed: {exc.message}") from exc
+        text = data.decode(errors="replace")
+        if status == 400 and "already been loaded" in text:
+            return
+        if operator and 400 <= status < 500:  # the engine refused the operator's adapter or path
+            raise InvalidRequest(f"Worker `{worker.id}`'s engine refused {path} ({status}): {text[:200]}",
+                                 code="adapter_refused")
+        if status != 200:
+            raise UpstreamError(f"{path} on {worker.id} answered {status}: {text[:200]}")
 
     # -- admin ------------------------------------------------------------------------
 
@@ -349,8 +347,6 @@ class AdapterPlacer:
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        if self.session is not None:
-            await self.session.close()
 
 
 class _PlacerCollector(Collector):

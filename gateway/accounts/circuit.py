@@ -21,12 +21,13 @@ import random
 import time
 from collections.abc import Callable
 
-import aiohttp
 import structlog
 
 from fleetgate.background import stop_tasks
 from fleetgate.registry import Registry
 from fleetgate.schema import WorkerView
+from gateway.engines.upstream import Upstream
+from gateway.errors import UpstreamError, detail
 
 log = structlog.get_logger("gateway.circuit")
 
@@ -37,6 +38,7 @@ class Breakers:
         registry: Registry,
         lookup: Callable[[str], WorkerView | None],
         on_change: Callable[[], None],
+        upstream: Upstream,
         threshold: int = 3,
         cooldown_s: float = 5.0,
         max_cooldown_s: float = 60.0,
@@ -45,6 +47,7 @@ class Breakers:
         self.registry = registry
         self.lookup = lookup
         self.on_change = on_change
+        self.upstream = upstream  # the engines' one client: its probes go through it
         self.threshold = threshold
         self.cooldown_s = cooldown_s
         self.max_cooldown_s = max_cooldown_s
@@ -53,7 +56,6 @@ class Breakers:
         # Worker -> (its last cooldown, when its circuit closed): where the next one starts.
         self._last: dict[str, tuple[float, float]] = {}
         self._probes: dict[str, asyncio.Task[None]] = {}
-        self.session: aiohttp.ClientSession | None = None
 
     def success(self, worker_id: str) -> None:
         if self.failures:
@@ -107,8 +109,6 @@ class Breakers:
     async def _probe(self, worker: WorkerView) -> str | None:
         """A real one-token request to the engine: None if it answered (any status below 500:
         a 429 or 4xx is an answer), else what went wrong."""
-        if self.session is None:
-            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.probe_timeout_s))
         info = worker.info
         body: dict[str, object]
         if info.pooling:
@@ -116,13 +116,10 @@ class Breakers:
         else:
             path, body = "/v1/completions", {"model": info.model, "prompt": "ping", "max_tokens": 1}
         try:
-            async with self.session.post(info.url + path, json=body) as resp:
-                await resp.read()
-                return None if resp.status < 500 else f"engine answered {resp.status}"
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            return f"{type(exc).__name__}: {exc}"[:200]
+            status, _ = await self.upstream.post_json(info.url + path, body, self.probe_timeout_s)
+        except UpstreamError as exc:
+            return detail(exc)[:200]
+        return None if status < 500 else f"engine answered {status}"
 
     async def close(self) -> None:
         await stop_tasks(*list(self._probes.values()))
-        if self.session is not None:
-            await self.session.close()

@@ -284,7 +284,8 @@ class _Conn(asyncio.Protocol):
     def reusable(self) -> bool:
         return self.keep_alive and not self.closed and self.transport is not None
 
-    def start(self, head: bytes, body: bytes) -> Response:
+    def write_request(self, head: bytes, body: bytes) -> Response:
+        """Write a request (its head, then its body) and return the answer to wait on."""
         resp = self.response = Response(self)
         self.got_bytes = False
         self.framed = False

@@ -1,9 +1,11 @@
-"""The data plane's HTTP client to the engines, and the translation of its failures.
+"""The gateway's one HTTP client to the engines, and the translation of its failures.
 
 The connections themselves are gateway/engines/engine_conn.py's (keep-alive HTTP/1.1 over
-httptools' parser, pooled per engine). This is the only module that talks to engines on
-the request path, and the only place their connection errors and timeouts become the
-gateway's error tree (`UpstreamError`, `UpstreamTimeout`).
+httptools' parser, pooled per engine). This is the only module that talks to engines: the
+request path (`post`, `body_of`), a stored response's retrieve or cancel (`call`), and the
+control plane's JSON requests (`post_json`: a circuit's probe, an adapter's load or unload);
+and the only place their connection errors and timeouts become the gateway's error tree
+(`UpstreamError`, `UpstreamTimeout`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,16 @@ from gateway.wire import EngineError, NestedError
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 
-__all__ = ["RETRYABLE_STATUS", "Response", "Upstream", "is_json", "openai_error_body", "sse_error"]
+__all__ = ["RETRYABLE_STATUS", "Response", "Upstream", "is_json", "json_object", "openai_error_body", "sse_error"]
 
+_JSON = {"content-type": "application/json"}
 # Validates JSON without building it (msgspec skips a Raw value's contents, checking them).
 _raw = msgspec.json.Decoder(msgspec.Raw)
+
+
+def json_object(data: bytes) -> bool:
+    """Whether `data` is one whole JSON object, as every engine's 200 answer is."""
+    return data.lstrip()[:1] == b"{" and is_json(data)
 
 
 def is_json(data: bytes) -> bool:
@@ -95,7 +103,7 @@ class Upstream:
             try:
                 if conn is None:
                     conn = await pool.connect(target)
-                resp = conn.start(head, body)
+                resp = conn.write_request(head, body)
                 resp.timeout = read_timeout
                 await resp.head(limit)
                 return resp
@@ -122,8 +130,18 @@ class Upstream:
         target = self._target(url)
         head = self._head(method.upper().encode(), target, {}, 0)
         resp = await self._send(url, target, head, b"", timeout_s, timeout_s)
+        return resp.status, resp.content_type, await self.body_of(resp)
+
+    async def post_json(self, url: str, body: Mapping[str, object], timeout_s: float) -> tuple[int, bytes]:
+        """A control-plane request (a circuit's probe, an adapter's load or unload): a JSON body,
+        its status and whole answer, each within `timeout_s`; on the request path's connections."""
+        resp = await self.post(url, msgspec.json.encode(body), _JSON, False, timeout_s)
+        return resp.status, await self.body_of(resp)
+
+    async def body_of(self, resp: Response) -> bytes:
+        """A whole answer's body; its connection goes back (or closes) either way."""
         try:
-            return resp.status, resp.content_type, await self.read(resp)
+            return await self.read(resp)
         finally:
             resp.release()
 

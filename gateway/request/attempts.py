@@ -1,33 +1,31 @@
 """The attempts at one request: choose a worker, send, and on a safe failure choose again.
 
-`Attempt` sends one request to the best worker it has not tried yet, and says by what it
-raises why it did not (`Saturated`, `Held`, `Retryable`); gateway/request/retries.py drives
-it (the queue, the holds, the retry policy). An attempt sees only `Dispatch`, the few
-collaborators a send needs, never the whole proxy.
+`Attempt.until_answered` drives them: `next` sends the request to the best worker not tried
+yet (`_sent` talks to the engine, `_judged` reads its whole answer) and says by what it raises
+why it did not (`Saturated`, `Held`, `SlotHeld`, `Retryable`: gateway/request/dispatch.py);
+`until_answered` answers each by calling down, to the gateway's queue and holds or to the one
+retry policy (gateway/request/retries.py), and tries again. A broken stream's continuation is
+`resume`.
+An attempt sees only `Dispatch`, the few collaborators a send needs, never the whole proxy.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NoReturn
 
 import structlog
 from msgspec.structs import replace
+from tenacity import RetryCallState
 
 from fleetgate.schema import WorkerView
-from gateway.accounts.adapters import AdapterPlacer
-from gateway.accounts.circuit import Breakers
-from gateway.accounts.inflight import SharedInflight
-from gateway.accounts.placement import Placement
 from gateway.accounts.priorities import Priority
-from gateway.accounts.waiting import FirstByteWaits, engine_queued, within
+from gateway.accounts.waiting import engine_queued, within
 from gateway.engines.upstream import (
     RETRYABLE_STATUS,
     Response,
-    Upstream,
-    is_json,
+    json_object,
     openai_error_body,
 )
 from gateway.errors import (
@@ -41,80 +39,35 @@ from gateway.errors import (
     UpstreamError,
     detail,
 )
-from gateway.fleet import FleetWatcher
 from gateway.observe.tracing import NO_TRACE, RequestTrace
-from gateway.request.context import error_message, refit, refused_prompt_tokens
-from gateway.routing import Choice, Decision, FullAt, Live, Policy, RequestFacts, decide
+from gateway.request import retries
+from gateway.request.context import Refusal, refusal
+from gateway.request.dispatch import (
+    FORWARD_HEADERS,
+    Dispatch,
+    Held,
+    Result,
+    Retryable,
+    Saturated,
+    SlotHeld,
+)
+from gateway.request.retries import DEFAULT_COMPLETION_TOKENS
+from gateway.routing import Choice, Decision, RequestFacts, decide
 from gateway.routing.lora_gate import Gate
 from gateway.routing.table import REPORT_GROWTH_TOKENS, Slot
-from gateway.settings import GatewaySettings
 
 log = structlog.get_logger("gateway.attempts")
 
-FORWARD_HEADERS = {"content-type": "application/json"}
-# What a request without max_tokens is expected to generate, for the KV account.
-DEFAULT_COMPLETION_TOKENS = 256
 _DEFAULT_PRIORITY = Priority("default")
-
-
-def _json_object(data: bytes) -> bool:
-    """Whether `data` is one whole JSON object, as every engine's 200 answer is."""
-    return data.lstrip()[:1] == b"{" and is_json(data)
-
-
-class Retryable(Exception):
-    def __init__(self, error: GatewayError) -> None:
-        super().__init__(error.message)
-        self.error = error
-
-
-class Held(Exception):
-    """The chosen worker's KV cache is full by the account: wait there a moment (`_hold`)."""
-
-    def __init__(self, slot: Slot) -> None:
-        self.slot = slot
-
-
-class Saturated(Exception):
-    """Every eligible worker is full: the request waits in the gateway's queue."""
-
-
-class SlotHeld(Exception):
-    """The chosen worker's LoRA slots are busy with other adapters: the request waits in the
-    gateway for one (gateway/request/retries.py `hold_for_slot`)."""
-
-    def __init__(self, slot: Slot, why: Gate) -> None:
-        self.slot = slot
-        self.why = why
-
-
-@dataclass(frozen=True, slots=True)
-class Dispatch:
-    """What an attempt needs: the fleet and the policy to choose, the engines' session to
-    send, and the accounts a send keeps (in flight, adapters in use, breakers, waits)."""
-
-    settings: GatewaySettings
-    watcher: FleetWatcher
-    upstream: Upstream
-    policy: Policy
-    live: Live
-    inflight: SharedInflight
-    placer: AdapterPlacer
-    placement: Placement
-    breakers: Breakers
-    waits: FirstByteWaits
-    full_at: FullAt  # settings.full_at, built once (settings do not change while the gateway runs)
-
-
-# (choice, open streaming response or None, (status, body) when not streaming)
-Result = tuple[Choice, Response | None, tuple[int, bytes]]
 
 
 class Attempt:
     """The attempts at one request: each picks the best worker not tried yet."""
 
     def __init__(
-        self, dispatch: Dispatch, path: str, kind: str, body: bytes, stream: bool, facts: RequestFacts, floor: int
+        self, dispatch: Dispatch, path: str, kind: str, body: bytes, stream: bool, facts: RequestFacts, floor: int,
+        request_id: str, trace: RequestTrace = NO_TRACE, priority: Priority = _DEFAULT_PRIORITY, tenant: str = "",
+        falls_back: bool = False,
     ) -> None:
         self.dispatch = dispatch
         self.path = path
@@ -130,7 +83,7 @@ class Attempt:
         self.last_error: GatewayError | None = None
         self.unreachable = 0  # attempts that found no engine to talk to
         self.queue_deadline: float | None = None
-        # Held once for its worker's KV room (`_hold`); never twice.
+        # Held once for its worker's KV room (`retries.wait_out`); never twice.
         self.held = False
         self.replaced = False
         # Adapter requests: when it arrived (its slot wait is bounded from then: gateway/request/retries.py),
@@ -152,16 +105,17 @@ class Attempt:
         self.key = facts.affinity_key
         # What its prefix is shared under on a worker (gateway/accounts/inflight.py).
         self.share_key = facts.prefix_key if facts.prefix_key is not None else facts.affinity_key
-        self.headers = FORWARD_HEADERS
-        self.trace: RequestTrace = NO_TRACE
+        # What the engine is sent beside the body: its request id, the trace's context.
+        self.headers = {**FORWARD_HEADERS, "x-request-id": request_id, **trace.forward}
+        self.trace = trace
         # Its priority class (gateway/accounts/priorities.py), the key it is queued fairly among
         # ("": all one line), and when a worker counts full for it (its class's share).
-        self.priority = _DEFAULT_PRIORITY
-        self.tenant = ""
-        self.full_at = dispatch.full_at
+        self.priority = priority
+        self.tenant = tenant
+        self.full_at = priority.full_at(dispatch.full_at)
         # The request has a fallback model (gateway/models/aliases.py): when this one is full or its
         # context too small, raise at once (no queueing, no engine 400) so the fallback gets it.
-        self.falls_back = False
+        self.falls_back = falls_back
 
     def kv_tokens(self, slot: Slot) -> int:
         """The KV tokens this request counts for on `slot` when deciding whether it fits: until
@@ -202,6 +156,46 @@ class Attempt:
                           self.tried, limit=1, full_at=self.full_at)
         return decision.why or "slots" if decision.verdict == "saturated" else None
 
+    async def until_answered(self) -> Result:
+        """Attempt until a worker answers: re-place an evicted adapter once, wait out a full
+        fleet, a full KV cache or busy LoRA slots, retry a failure that reached no client byte."""
+        dispatch, model = self.dispatch, self.facts.model
+        placer, settings = dispatch.placer, dispatch.settings
+        if self.facts.adapter and placer.known(model):
+            await placer.ensure(model)
+        while True:
+            try:
+                return await self.next()
+            except Retryable as failure:
+                if settings.retry_attempts <= 1:
+                    raise failure.final from None
+                return await retries.tries(self.next, settings, settings.retry_attempts - 1, self._retrying)
+            except (Saturated, Held, SlotHeld) as why:
+                await retries.wait_out(why, self)
+            except ModelNotFound:
+                if not (self.facts.adapter and placer.known(model)) or self.replaced:
+                    raise
+                self.replaced = True  # evicted between its placement and now: place it again
+                await placer.ensure(model)
+
+    async def resume(self, body: Callable[[WorkerView], bytes]) -> tuple[Choice, Response]:
+        """Start the continuation of a broken stream on another worker, retried as a request is."""
+        settings = self.dispatch.settings
+        return await retries.tries(lambda: self._continued(body), settings, settings.retry_attempts)
+
+    async def _continued(self, body: Callable[[WorkerView], bytes]) -> tuple[Choice, Response]:
+        choice, resp, _ = await self.next(body)
+        if resp is None:  # not retried: only a `Retryable` is
+            raise UpstreamError("the engine refused the continuation")
+        return choice, resp
+
+    def _retrying(self, _: RetryCallState) -> None:
+        """Before each retry: its series, its trace event and its log line."""
+        self.dispatch.metrics.retry(self.facts.model)
+        why = detail(self.last_error) if self.last_error else ""
+        self.trace.retry(self.count + 1, why)
+        log.info("gateway.retry", model=self.facts.model, attempt=self.count + 1, error=why)
+
     async def next(self, body: Callable[[WorkerView], bytes] | None = None) -> Result:
         """Send the request (or `body(worker)`, shaped for the chosen worker) to the best worker left."""
         dispatch = self.dispatch
@@ -214,39 +208,59 @@ class Attempt:
         self.tried.append(worker.id)
         self.count += 1
         self.hold(worker.id)
-        url = worker.info.url + self.path
-        headers = self.trace.attempt(self.headers, choice, url, dispatch.policy.name, self.candidates)
+        failed: GatewayError | None = None
         try:
-            # One wait for the first byte: a stream's head, or a whole answer's head and body.
-            with dispatch.waits.waiting(worker.id):
-                data_out = body(worker) if body else self.body
-                if self.stream:
-                    resp = await dispatch.upstream.post(url, data_out, headers, True, self.first_byte_timeout())
-                else:  # queued in its engine, a whole answer may wait as long as a stream's first event
-                    limit = self.answer_timeout(worker)
-                    most = limit + max(0.0, dispatch.settings.first_byte_queued_timeout_s - self.first_byte_timeout())
-                    resp = await within(dispatch.upstream.post(url, data_out, headers, False, most), limit, most,
-                                        lambda: engine_queued(dispatch.watcher.snapshot.by_id.get(worker.id)))
-                    resp.timeout = limit  # the body, once the answer came, reads as before
-                self.trace.attempt_status(resp.status)
-                if self.stream and resp.status == 200:
-                    return choice, resp, (200, b"")  # the relay holds the worker from here
-                try:
-                    data = await dispatch.upstream.read(resp)
-                finally:
-                    resp.release()
+            resp, data, refused = await self._sent(worker, choice, body(worker) if body else self.body)
         except UpstreamError as exc:
-            self.release(worker.id)
-            self._failed(worker, exc)
+            failed = exc
         except BaseException:  # cancelled: the client hung up, the engine's request is closed
             self.release(worker.id)
             raise
+        if failed is None and self.stream and resp.status == 200:
+            return choice, resp, (200, b"")  # the relay holds the worker from here
         self.release(worker.id)
-        if resp.status == 200 and not _json_object(data):  # never relayed: it may name the engine
-            self._failed(worker, UpstreamError("The engine's answer was not valid JSON.", detail=(
+        if failed is None:
+            failed = self._judged(worker, resp.status, data, refused)
+        if failed is not None:
+            self._failed(worker, failed)
+        if resp.status < 400:  # the client's 4xx says nothing of the engine's health
+            dispatch.breakers.success(worker.id)
+        self.trace.attempt_end()
+        return choice, None, (resp.status, data)
+
+    async def _sent(self, worker: WorkerView, choice: Choice, body: bytes) -> tuple[Response, bytes, Refusal | None]:
+        """The engine's answer to `body`: a stream's head, or a whole answer read whole (an error
+        in OpenAI's shape, a context refusal with it); raises UpstreamError for no answer."""
+        dispatch = self.dispatch
+        url = worker.info.url + self.path
+        first = self.first_byte_timeout()
+        limit = first if self.stream else self.answer_timeout(worker)
+        headers = self.trace.attempt(self.headers, choice, url, dispatch.policy.name, self.candidates)
+        # One wait for the first byte: a stream's head, or a whole answer's head and body.
+        with dispatch.waits.waiting(worker.id):
+            # Queued in its engine, a whole answer may wait as long as a stream's first event.
+            most = first if self.stream else limit + max(0.0, dispatch.settings.first_byte_queued_timeout_s - first)
+            sent = dispatch.upstream.post(url, body, headers, self.stream, most)
+            if self.stream:
+                resp = await sent
+            else:
+                resp = await within(sent, limit, most,
+                                    lambda: engine_queued(dispatch.watcher.snapshot.by_id.get(worker.id)))
+                resp.timeout = limit  # the body, once the answer came, reads as before
+            self.trace.attempt_status(resp.status)
+            if self.stream and resp.status == 200:
+                return resp, b"", None
+            data = await dispatch.upstream.body_of(resp)
+        status = resp.status
+        if status == 200 and not json_object(data):  # never relayed: it may name the engine
+            raise UpstreamError("The engine's answer was not valid JSON.", detail=(
                 f"engine at {url} answered 200 with {resp.content_type or 'no content type'} that is not "
-                f"a JSON object: {data[:120]!r}")))
-        return choice, None, (resp.status, self._answered(worker, resp.status, data))
+                f"a JSON object: {data[:120]!r}"))
+        if status < 400:
+            return resp, data, None
+        data = openai_error_body(status, data)  # the engine's error, in OpenAI's shape
+        refused = refusal(status, data, self.facts, dispatch.watcher.snapshot.routes, self.tried) if status == 400 else None
+        return resp, data, refused
 
     def _placed(self) -> None:
         """Where the key is placed: looked up now, not on arrival (the request may have queued)."""
@@ -254,36 +268,25 @@ class Attempt:
         if home != self.facts.home or second != self.facts.second or heavy != self.facts.heavy:
             self.facts = replace(self.facts, home=home, second=second, heavy=heavy)
 
-    def _answered(self, worker: WorkerView, status: int, data: bytes) -> bytes:
-        """A whole answer's body for the client; raises Retryable for one another worker may answer."""
+    def _judged(self, worker: WorkerView, status: int, data: bytes, refused: Refusal | None) -> GatewayError | None:
+        """Why another worker may answer better than this whole answer (None: it stands)."""
         if status == 429:  # full, not sick: retried elsewhere, never held against it
-            self._failed(worker, Overloaded(f"Worker {worker.id} is at capacity.", retry_after=1), sick=False)
+            return Overloaded(f"Worker {worker.id} is at capacity.", retry_after=1)
         if status in RETRYABLE_STATUS:
-            message = openai_error_body(status, data).decode()
             # The engine's own message stays in the log: it may name the engine's address.
-            self._failed(worker, UpstreamError(f"The engine answered {status}.",
-                                               detail=f"engine {worker.id} answered {status}: {message[:300]}"))
-        if status < 400:  # the client's 4xx says nothing of the engine's health
-            self.dispatch.breakers.success(worker.id)
-        else:
-            data = openai_error_body(status, data)
-            if (tokens := refused_prompt_tokens(status, data)) is not None:
-                self._refused(worker, tokens, data)
-        self.trace.attempt_end()
-        return data
-
-    def _refused(self, worker: WorkerView, tokens: int, data: bytes) -> None:
-        """The engine's context is too small for the prompt: try a roomier worker, if any."""
-        facts = refit(self.facts, self.dispatch.watcher.snapshot.routes, self.tried, tokens)
-        if facts is None:
+            return UpstreamError(f"The engine answered {status}.",
+                                 detail=f"engine {worker.id} answered {status}: {data.decode()[:300]}")
+        if refused is None:
+            return None
+        # The engine's context is too small for the prompt: try a roomier worker, if any.
+        if refused.facts is None:
             if self.falls_back:
-                raise ContextLengthExceeded(error_message(data), param="messages")
-            return
-        self.facts, self.floor = facts, tokens
-        log.info("gateway.context_refused", worker=worker.id, prompt_tokens=tokens,
+                raise ContextLengthExceeded(refused.message, param="messages")
+            return None
+        self.facts, self.floor = refused.facts, refused.tokens
+        log.info("gateway.context_refused", worker=worker.id, prompt_tokens=refused.tokens,
                  max_model_len=worker.info.max_model_len)
-        self.last_error = ContextLengthExceeded(error_message(data), param="messages")
-        raise Retryable(self.last_error)
+        return ContextLengthExceeded(refused.message, param="messages")
 
     def _choose(self) -> Choice:
         dispatch = self.dispatch
@@ -296,8 +299,9 @@ class Attempt:
             raise Saturated
         if full_at is not None and not self.held and decision.choices:
             slot = decision.choices[0].slot
-            if full_at.holds(slot, dispatch.live, self.kv_tokens(slot)):
-                raise Held(slot)
+            tokens = self.kv_tokens(slot)
+            if full_at.holds(slot, dispatch.live, tokens):
+                raise Held(slot, tokens)
         if self.facts.adapter and decision.choices:
             choice = decision.choices[0]
             if (why := self._slot_gate(choice.slot)) and (steered := self._steer(choice)) is not choice:
@@ -367,12 +371,16 @@ class Attempt:
                 "is changing, try again shortly.", code="workers_unreachable", retry_after=1)
         return error
 
-    def _failed(self, worker: WorkerView, error: GatewayError, sick: bool = True) -> NoReturn:
+    def _failed(self, worker: WorkerView, error: GatewayError) -> NoReturn:
+        """Try another worker: the engine failed (held against it, but for a 429: full, not
+        sick), or refused a prompt too long for its context (a roomier one is left)."""
         self.last_error = error
         self.unreachable += isinstance(error, EngineUnreachable)
-        why = detail(error)  # the engine's address too: for the log, the circuit, the trace
-        self.trace.attempt_end(why)
-        if sick:
-            self.dispatch.breakers.failure(worker.id, why)
-        log.warning("gateway.attempt_failed", worker=worker.id, attempt=self.count, error=why)
-        raise Retryable(error)
+        failure = Retryable(error, self.final_error() or error)
+        if not isinstance(error, ContextLengthExceeded):  # the engine was well, only too small
+            why = detail(error)  # the engine's address too: for the log, the circuit, the trace
+            self.trace.attempt_end(why)
+            if not isinstance(error, Overloaded):
+                self.dispatch.breakers.failure(worker.id, why)
+            log.warning("gateway.attempt_failed", worker=worker.id, attempt=self.count, error=why)
+        raise failure

@@ -81,4 +81,21 @@ def refit(facts: RequestFacts, routes: Routes, tried: Sequence[str], tokens: int
     return replace(facts, prompt_tokens=tokens, max_tokens=max_tokens)
 
 
-__all__ = ["error_message", "refit", "refused_prompt_tokens"]
+class Refusal:
+    """An engine's context-length refusal, read whole: the prompt's tokens by the engine, the
+    request's facts where a worker not tried yet is roomy enough (None: none is), the message."""
+
+    __slots__ = ("facts", "message", "tokens")
+
+    def __init__(self, tokens: int, facts: RequestFacts | None, message: str) -> None:
+        self.tokens, self.facts, self.message = tokens, facts, message
+
+
+def refusal(status: int, data: bytes, facts: RequestFacts, routes: Routes, tried: Sequence[str]) -> Refusal | None:
+    """`data` (an error body in OpenAI's shape) as a context-length refusal; None for any other answer."""
+    if (tokens := refused_prompt_tokens(status, data)) is None:
+        return None
+    return Refusal(tokens, refit(facts, routes, tried, tokens), error_message(data))
+
+
+__all__ = ["Refusal", "error_message", "refit", "refusal", "refused_prompt_tokens"]

@@ -1,9 +1,9 @@
 """Proxying one OpenAI request: parse the little routing needs, pick a worker, forward, relay.
 
-Four rooms: this one turns the request into routing facts and writes its outcome;
-gateway/request/attempts.py chooses workers and sends; gateway/request/retries.py drives the
-attempts (retries, the queue); gateway/request/relay.py relays a stream and continues it
-elsewhere when it breaks.
+Three rooms: this one turns the request into routing facts and writes its outcome;
+gateway/request/attempts.py's `Attempt.until_answered` chooses workers and sends, calling down to the
+queue, the holds and the retry policy (gateway/request/retries.py); gateway/request/relay.py
+relays a stream and continues it elsewhere when it breaks (`Attempt.resume`).
 
 The body goes to the engine byte for byte. Only the fields routing needs are
 decoded. A failure before any byte reached the client (refused connection,
@@ -38,18 +38,18 @@ from gateway.accounts.priorities import HEADER as PRIORITY_HEADER
 from gateway.accounts.priorities import Priorities, Priority
 from gateway.accounts.waiting import FirstByteWaits
 from gateway.engines.upstream import Upstream
-from gateway.errors import GatewayError, InvalidRequest, ModelNotFound
+from gateway.errors import GatewayError, InvalidRequest
 from gateway.fleet import FleetWatcher
 from gateway.models.aliases import Route, fallback_reason, resolve, with_model
 from gateway.models.live_routes import Routes
 from gateway.observe import outcomes
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.tracing import RequestTrace, Tracing
-from gateway.request import attempts, retries
-from gateway.request.attempts import FORWARD_HEADERS, Attempt, Dispatch
+from gateway.request.attempts import Attempt
+from gateway.request.dispatch import Dispatch, Result
 from gateway.request.prefix_cache import PrefixCache
 from gateway.request.relay import relay
-from gateway.request.reply import Answered, Reply
+from gateway.request.reply import Answered, Reply, unanswered
 from gateway.request.requests import (
     GENERATES,
     Probe,
@@ -77,30 +77,31 @@ log = structlog.get_logger("gateway.proxy")
 
 # Plain classes, not dataclasses: compiled, a dataclass's generated __init__ runs as Python.
 class _Request:
-    """One request as `Proxy._serve` took it in, for the steps that send it."""
+    """One request as `Proxy._serve` took it in, what each model of its plan is sent with.
+    `named`: the model its body names; `owner`: the worker storing the response it continues."""
 
-    def __init__(self, probe: Probe, body: bytes, path: str, kind: str, session: str | None, key_id: str,
-                 request_id: str, started: float, trace: RequestTrace, priority: Priority,
-                 tenant: Tenant | None) -> None:
-        self.probe, self.body, self.path, self.kind, self.session = probe, body, path, kind, session
+    def __init__(self, named: str, path: str, kind: str, session: str | None, key_id: str, request_id: str,
+                 started: float, trace: RequestTrace, priority: Priority, tenant: Tenant | None,
+                 owner: WorkerView | None) -> None:
+        self.named, self.path, self.kind, self.session = named, path, kind, session
         self.key_id, self.request_id, self.started, self.trace = key_id, request_id, started, trace
-        self.priority, self.tenant = priority, tenant
+        self.priority, self.tenant, self.owner = priority, tenant, owner
 
 
-class _Sent:
-    """What answered: the model's request as sent, its attempts and their result, the key's
-    ticket, whether the client's stream hides the usage chunk, and whether it fell back."""
-
-    def __init__(self, probe: Probe, body: bytes, attempt: Attempt, result: attempts.Result,
-                 ticket: Ticket | None, hide_usage: bool, fell_back: bool) -> None:
-        self.probe, self.body, self.attempt, self.result = probe, body, attempt, result
-        self.ticket, self.hide_usage, self.fell_back = ticket, hide_usage, fell_back
+# What answered: the model's request, its attempts (their body as sent) and their result, the
+# key's ticket, and whether it fell back.
+_Sent = tuple[Probe, Attempt, Result, "Ticket | None", bool]
 
 
 # Named functions, not lambdas: mypyc compiles this module (scripts/compile.py) and
 # does not take a lambda in a dataclass's methods or field defaults.
 def _new_prefix() -> str:
     return uuid.uuid4().hex[:16]
+
+
+def _hides_usage(probe: Probe, kind: str) -> bool:
+    """Whether the client's stream goes without the usage chunk (the engine is asked for it)."""
+    return probe.stream and kind in ("chat", "completion") and not probe.wants_usage
 
 
 def _constant(routes: Routes) -> Callable[[], Routes]:
@@ -148,7 +149,8 @@ class Proxy:
         self.watcher.on_refresh(self.inflight.reported)
         self.inflight.on_done = self.admission.wake
         self.dispatch = Dispatch(self.settings, self.watcher, self.upstream, self.policy, self.live, self.inflight,
-                                 self.placer, self.placement, self.breakers, self.waits, self.settings.full_at)
+                                 self.placer, self.placement, self.breakers, self.waits, self.settings.full_at,
+                                 self.admission, self.metrics)
     # Request ids: a random per-process prefix and a counter (no syscall per request).
     _id_prefix: str = field(default_factory=_new_prefix)
 
@@ -197,10 +199,11 @@ class Proxy:
         # The alias's model for this session (else request), then its fallbacks (gateway/models/aliases.py).
         routes = self.routes()  # live: the YAML's overlaid by the admin API's (gateway/models/live_routes.py)
         plan = resolve(routes.aliases, routes.fallbacks, probe.model, session or request_id)
-        sent = await self._send(_Request(probe, body, path, kind, session, key_id, request_id, started, trace,
-                                         priority, tenant), plan)
-        probe, attempt, ticket = sent.probe, sent.attempt, sent.ticket
-        choice, resp, data = sent.result
+        # A follow-up's stored response pins its worker; looked up only then (Redis).
+        owner = None if probe.previous_response_id is None else await owner_of(
+            self.watcher, probe.previous_response_id, "previous_response_id")
+        req = _Request(probe.model, path, kind, session, key_id, request_id, started, trace, priority, tenant, owner)
+        probe, attempt, (choice, resp, data), ticket, fell_back = await self._send(probe, body, req, plan)
         worker = choice.worker
         route = f"{self.policy.name}:{choice.reason}"
         self.metrics.record_decision(request_id, probe.model, worker.id, route, attempt.count,
@@ -220,15 +223,15 @@ class Proxy:
         fields = {
             "request_id": request_id, "key_id": key_id, "model": probe.model, "adapter": attempt.facts.adapter,
             "worker": worker.id, "route": choice.reason, "attempts": attempt.count, "stream": probe.stream,
-            "alias": plan.alias, "fallback_from": plan.models[0] if sent.fell_back else None,
+            "alias": plan.alias, "fallback_from": plan.models[0] if fell_back else None,
             "kv_held": attempt.held,
         }
         stores = kind == "responses" and probe.store is not False
         if resp is not None:
-            body = sent.body  # as sent
+            body = attempt.body  # as sent
             tracker: StreamTracker | ResponsesTracker = (
                 ResponsesTracker() if kind == "responses"
-                else StreamTracker(kind, lambda text_sent: unresumable(body, kind, text_sent), sent.hide_usage)
+                else StreamTracker(kind, lambda text_sent: unresumable(body, kind, text_sent), _hides_usage(probe, kind))
             )
             return Reply(200, headers, stream=relay(attempt, choice, resp, tracker, self.metrics, started, fields,
                                                     stores, ticket))
@@ -241,30 +244,27 @@ class Proxy:
             await ticket.settle(*done.usage(), status)
         return Reply(status, headers, body=payload, after=done.run)
 
-    async def _send(self, req: _Request, plan: Route) -> _Sent:
+    async def _send(self, probe: Probe, body: bytes, req: _Request, plan: Route) -> _Sent:
         """Send the request to the plan's models in turn until one is answered: the next model
         when the last one's error is a reason to fall back (gateway/models/aliases.py), else that error."""
-        probe, body = req.probe, req.body
         last = len(plan.models) - 1
         error: GatewayError | None = None
         ticket = None
         for tried, model in enumerate(plan.models):
-            if model != probe.model:  # the engine gets, and answers with, the real model's name
-                probe, body = msgspec.structs.replace(probe, model=model), with_model(body, model)
-            # A follow-up's stored response pins its worker; looked up only then (Redis).
-            owner = None if probe.previous_response_id is None else await owner_of(
-                self.watcher, probe.previous_response_id, "previous_response_id")
-            attempt, body, hide_usage = self._attempt(req, probe, body, owner, falls_back=tried < last)
+            if model != probe.model:  # the alias's target, or a fallback (`_attempt` rewrites the body)
+                probe = msgspec.structs.replace(probe, model=model)
+            attempt = self._attempt(req, probe, body, falls_back=tried < last)
             if tried == 0 and req.tenant is not None and self.quota is not None:
                 # The key's (and its team's) limits: the prompt's tokens are charged before routing.
                 ticket = await self.quota.admit(req.tenant, model, attempt.facts.prompt_tokens)
             try:
-                result = await retries.run(attempt, self.admission, self.metrics)
-                return _Sent(probe, body, attempt, result, ticket, hide_usage, error is not None)
+                result = await attempt.until_answered()
+                return probe, attempt, result, ticket, error is not None
             except GatewayError as exc:
                 reason = fallback_reason(exc) if tried < last else None
                 if reason is None:
-                    raise await self._failed_send(req, probe, attempt, ticket, error, exc) from None
+                    raise await unanswered(self.metrics, self.watcher, exc, error, ticket, probe.model, probe.stream,
+                                           req.request_id, req.key_id, req.started, attempt.count) from None
                 error = error or exc
                 self.metrics.fallback(model, plan.models[tried + 1], reason)
                 log.info("gateway.fallback", request_id=req.request_id, model=model,
@@ -277,27 +277,15 @@ class Proxy:
                 raise
         raise AssertionError("unreachable: the last model's error is raised")  # pragma: no cover
 
-    async def _failed_send(self, req: _Request, probe: Probe, attempt: Attempt, ticket: Ticket | None,
-                           first: GatewayError | None, exc: GatewayError) -> GatewayError:
-        """The error the client gets when no model of the plan answered, logged and counted."""
-        if isinstance(exc, ModelNotFound):  # a fallback no worker serves: the first error stands
-            exc = first or self.watcher.absent(exc, probe.model)
-        if ticket is not None:
-            await ticket.settle(0, 0, exc.status)
-        exc.request_id = req.request_id
-        outcomes.failed(self.metrics, exc, req.started, request_id=req.request_id, key_id=req.key_id,
-                        model=probe.model, stream=probe.stream, attempts=attempt.count)
-        return exc
-
-    def _attempt(
-        self, req: _Request, probe: Probe, body: bytes, owner: WorkerView | None, falls_back: bool,
-    ) -> tuple[Attempt, bytes, bool]:
-        """The attempts at sending `body` (a request for `probe.model`), with its routing facts;
-        the body as sent, and whether the client's stream hides the usage chunk. `owner`: the
-        worker storing the response the request continues."""
-        kind, session = req.kind, req.session
+    def _attempt(self, req: _Request, probe: Probe, body: bytes, falls_back: bool) -> Attempt:
+        """The attempts at sending `body` (a request for `probe.model`; a stream that hides the
+        usage chunk asks for it anyway), with its routing facts."""
+        kind, session, owner = req.kind, req.session, req.owner
         snapshot = self.watcher.snapshot
         is_adapter = snapshot.models.get(probe.model, "") != ""
+        warm, full = self.placer.residency(probe.model) if is_adapter else (frozenset(), frozenset())
+        if probe.model != req.named:  # the engine gets, and answers with, the real model's name
+            body = with_model(body, probe.model)
         generates = kind in GENERATES
         key, key_kind = (None, None)
         if generates and self.policy.name == "fleet":
@@ -312,7 +300,6 @@ class Proxy:
             if routes is not None:
                 exact, cached = self.prefix_cache.held(routes.routable, counter, probe)
         estimate, floor = prompt_tokens(probe, kind, exact, counter)
-        warm, full = self.placer.residency(probe.model) if is_adapter else (frozenset(), frozenset())
         prefix, prefix_key = shared_prefix(probe, key_kind, estimate)
         pinned = None
         if owner is not None:
@@ -329,19 +316,10 @@ class Proxy:
             pinned=pinned, pooling=True if kind == "embeddings" else False if generates else None,
             prefix_tokens=prefix, prefix_key=prefix_key, cached=cached,
         )
-        hide_usage = probe.stream and kind in ("chat", "completion") and not probe.wants_usage
-        if hide_usage:  # count every stream's tokens: ask the engine for usage anyway
+        if _hides_usage(probe, kind):  # count every stream's tokens: ask the engine for usage anyway
             body = with_usage(body)
-        attempt = Attempt(self.dispatch, req.path, kind, body, probe.stream, facts, floor)
-        attempt.headers = {**FORWARD_HEADERS, "x-request-id": req.request_id}
-        trace = attempt.trace = req.trace
-        if trace.forward:
-            attempt.headers = {**attempt.headers, **trace.forward}
-        attempt.falls_back = falls_back
-        attempt.priority, attempt.full_at = req.priority, req.priority.full_at(attempt.full_at)
-        if self.classes.enabled:
-            attempt.tenant = req.key_id
-        return attempt, body, hide_usage
+        return Attempt(self.dispatch, req.path, kind, body, probe.stream, facts, floor, req.request_id, req.trace,
+                       req.priority, req.key_id if self.classes.enabled else "", falls_back)
 
     def refused(self, exc: GatewayError, header: Callable[[str], str | None], key_id: str, started: float) -> None:
         """Log and count a request refused before `serve` (its key, rate limit or body)."""

@@ -27,7 +27,6 @@ from gateway.observe.metrics import GatewayMetrics, usage_of
 from gateway.request.attempts import Attempt
 from gateway.request.responses import ResponsesTracker, remember
 from gateway.request.resume import DONE, EngineStreamError, StreamTracker, continuation
-from gateway.request.retries import resume
 from gateway.request.sse import SSEFrames, events
 from gateway.routing import Choice
 from gateway.tenants.quota import Ticket
@@ -250,7 +249,7 @@ class _Relayed:
             return tracker.final_length_chunk()
         self.resumes += 1
         try:  # shaped for whichever engine takes over, by what its worker declares
-            choice, self.resp = await resume(attempt, shaped(plan.body))
+            choice, self.resp = await attempt.resume(shaped(plan.body))
         except GatewayError as err:
             self.outcome = f"broken:{reason}"
             return tracker.error_event(f"The stream could not be resumed on another worker: {err.message}")

@@ -1,6 +1,7 @@
 """What the gateway answers for a proxied request (`Reply`: a whole JSON body or an SSE
 stream), and a whole answer's bookkeeping, run once it is written (`Answered`): its metrics,
-the key's usage, its log line and its trace, none of which delays the client."""
+the key's usage, its log line and its trace, none of which delays the client; or, when no model
+of its plan answered, the error it gets, settled, logged and counted (`unanswered`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 
 import structlog
 
+from gateway.errors import GatewayError, ModelNotFound
+from gateway.fleet import FleetWatcher
 from gateway.observe import outcomes
 from gateway.observe.metrics import GatewayMetrics, usage_of
 from gateway.observe.tracing import RequestTrace
@@ -17,7 +20,7 @@ from gateway.tenants.quota import Ticket
 # The request's summary line has always been logged as gateway.proxy's (operators filter on it).
 log = structlog.get_logger("gateway.proxy")
 
-__all__ = ["Answered", "Reply"]
+__all__ = ["Answered", "Reply", "unanswered"]
 
 
 @dataclass(slots=True)
@@ -78,3 +81,18 @@ class Answered:
                  prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                  error=outcomes.error_code(self.payload) if status >= 400 else None)
         self.trace.end(status)
+
+
+async def unanswered(metrics: GatewayMetrics, watcher: FleetWatcher, exc: GatewayError, first: GatewayError | None,
+                     ticket: Ticket | None, model: str, stream: bool, request_id: str, key_id: str, started: float,
+                     attempts: int) -> GatewayError:
+    """The error the client gets when no model of its plan answered (`exc`, the last one's; but
+    where no worker serves a fallback, the `first` model's), settled with the key, logged and counted."""
+    if isinstance(exc, ModelNotFound):
+        exc = first or watcher.absent(exc, model)
+    if ticket is not None:
+        await ticket.settle(0, 0, exc.status)
+    exc.request_id = request_id
+    outcomes.failed(metrics, exc, started, request_id=request_id, key_id=key_id, model=model, stream=stream,
+                    attempts=attempts)
+    return exc
