@@ -38,6 +38,7 @@ log = structlog.get_logger("gateway.fastpath")
 
 # The proxied routes by their raw path (a path with %-escapes or a query is the ASGI app's).
 _RAW_KINDS = {path.encode(): kind for path, kind in KINDS.items()}
+_ANSWER_HEADERS = front.ANSWER_HEADERS
 
 
 class FastPath:
@@ -79,9 +80,10 @@ class FastPath:
             internal = GatewayError("Internal error in the gateway.")
             out.whole(internal.status, b"", internal.body())
             return
+        scope[_ANSWER_HEADERS] = reply.headers  # its request id, should the client stall (front.answering)
         headers = _block(reply.headers)
         if reply.stream is None:
-            watched.remove(hangup)
+            front.unwatch(watched, hangup)
             out.whole(reply.status, headers, reply.body)
             reply.written()
             return
@@ -115,9 +117,9 @@ async def _relay(status: int, headers: bytes, stream: AsyncIterator[bytes], out:
     except Exception:  # the stream's own errors end in an SSE error event; this is a bug's
         log.exception("gateway.internal_error", path=ex.scope["path"])
     finally:
-        watched.remove(hangup)
+        front.unwatch(watched, hangup)
         await hangup.stop()
-        await stream.aclose()  # type: ignore[attr-defined]
+        await front.close_stream(stream, ex.scope)
         if not ex.response_complete:  # broke off mid-stream: the client must not wait on it
             out.abort()
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
 from gateway.errors import GatewayError
+from gateway.request.relay import ClientStalled
 from gateway.request.reply import Reply
 
 Receive = Callable[[], Awaitable[Mapping[str, Any]]]
@@ -124,12 +125,12 @@ async def serve(
         reply: Reply = await gw.proxy.serve(body, header, path, kind, key_id, tenant)
     except asyncio.CancelledError:
         hangup.finish()
-        _unwatch(watched, hangup)
+        unwatch(watched, hangup)
         if hangup.absorb():
             raise ClientGone from None
         raise
     except BaseException:
-        _unwatch(watched, hangup)
+        unwatch(watched, hangup)
         await hangup.stop()
         raise
     if limits:  # the key's own limits' headers (gateway/tenants/quota.py), when it has any, come first
@@ -140,6 +141,39 @@ async def serve(
     return reply, hangup
 
 
-def _unwatch(watched: list[Hangup] | None, hangup: Hangup) -> None:
+def unwatch(watched: list[Hangup] | None, hangup: Hangup) -> None:
+    """Take `hangup` off its connection's list, unless the connection went first (it empties
+    the list as it tells each of them: gateway/front/server.py)."""
     if watched is not None and hangup in watched:
         watched.remove(hangup)
+
+
+# What the paths serving a proxied request leave in its scope (the ASGI scope, or an
+# `Exchange`'s) for the connection (gateway/front/server.py): the answer's headers, which carry
+# its request id, and the mark the connection sets when it closes a client that stopped
+# reading (send_timeout_s).
+ANSWER_HEADERS = "fleetgate.answer_headers"
+STALLED = "fleetgate.stalled"
+
+
+def answering(scope: MutableMapping[str, Any], reply: Reply) -> None:
+    """The answer to `scope`'s request is `reply` (its id is looked up only if the client stalls)."""
+    scope[ANSWER_HEADERS] = reply.headers
+
+
+def request_id_of(scope: Mapping[str, Any]) -> str | None:
+    """The id of the request answered on `scope`, if a proxied one's answer has begun."""
+    for name, value in scope.get(ANSWER_HEADERS, ()):
+        if name == "x-request-id":
+            return str(value)
+    return None
+
+
+async def close_stream(stream: AsyncIterator[bytes], scope: Mapping[str, Any]) -> None:
+    """Close a relayed stream (the engine's request with it). One whose client stopped reading
+    is told so first, at the point it waits for the client, so that its summary line says
+    `client_stalled` rather than a hang-up (gateway/request/relay.py)."""
+    if STALLED in scope:
+        with contextlib.suppress(ClientStalled, StopAsyncIteration, RuntimeError):
+            await stream.athrow(ClientStalled())  # type: ignore[attr-defined]
+    await stream.aclose()  # type: ignore[attr-defined]

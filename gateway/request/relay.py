@@ -43,6 +43,11 @@ class StreamBroke(Exception):
     """The engine's stream ended without finishing."""
 
 
+class ClientStalled(Exception):
+    """Thrown into the relay where it waits for its client: the client read none of its
+    answer for send_timeout_s and its connection was closed (gateway/front/server.py)."""
+
+
 # How an engine's stream can break mid-way; each is continued elsewhere when it can be.
 BROKEN = (ConnectionError, TimeoutError, StreamBroke, WorkerWentAway, EngineStreamError)
 
@@ -120,6 +125,9 @@ async def relay(
         if last:
             yield last
         books.ran_to_its_end = True
+    except ClientStalled:
+        books.outcome = "client_stalled"
+        raise
     finally:
         # Otherwise the client went away (cancellation) or the server is stopping: `close`
         # aborts the engine's request by closing its connection instead of reading it to the end.
@@ -189,7 +197,8 @@ class _Relayed:
         self.stores = stores  # the response id is still to be recorded (a stored Responses API answer)
         self.ticket = ticket
         self.outcome = "completed"
-        self.ran_to_its_end = False  # else the client went away, or the server stops: "client_gone"
+        # Else the client went away, or the server stops: "client_gone" (or "client_stalled").
+        self.ran_to_its_end = False
         self.first_chunk_ms: float | None = None
         self.before_first = True  # `first_out` has work left: the first piece, or the id to record
         self.resumes = 0
@@ -280,7 +289,7 @@ class _Relayed:
     async def close(self) -> None:
         """The stream ended, however it did: let go of the worker, settle the key's tokens,
         count the request and write its one summary line."""
-        if not self.ran_to_its_end:
+        if not self.ran_to_its_end and self.outcome != "client_stalled":
             self.outcome = "client_gone"
         worker_id = self.worker.id
         if self.counted:
@@ -311,7 +320,7 @@ class _Relayed:
         if not tokens[1] and isinstance(tracker, StreamTracker) and tracker.sent:
             tracker.analyse()  # no usage came (the client left first): count what was sent
             tokens = (ticket.charged, tracker.content_chunks)
-        if self.outcome == "client_gone":  # this task is being cancelled: settle beside it
+        if self.outcome in ("client_gone", "client_stalled"):  # this task is being cancelled: settle beside it
             ticket.settle_soon(*tokens, 200)
         else:
             await ticket.settle(*tokens, 200)
