@@ -28,6 +28,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 _JSON = (b"content-type", b"application/json")
+_STALLED = front.STALLED
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
         (b"x-accel-buffering", b"no")]
 
@@ -101,7 +102,9 @@ async def _stream(reply: Reply, headers: list[tuple[bytes, bytes]], hangup: fron
         raise
     finally:
         await hangup.stop()
-        await front.close_stream(stream, scope)
+        if _STALLED in scope:
+            await front.tell_stalled(stream)
+        await stream.aclose()  # type: ignore[attr-defined]
 
 
 async def _send_error(send: Send, exc: GatewayError) -> None:

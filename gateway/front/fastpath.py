@@ -38,7 +38,7 @@ log = structlog.get_logger("gateway.fastpath")
 
 # The proxied routes by their raw path (a path with %-escapes or a query is the ASGI app's).
 _RAW_KINDS = {path.encode(): kind for path, kind in KINDS.items()}
-_ANSWER_HEADERS = front.ANSWER_HEADERS
+_ANSWER_HEADERS, _STALLED = front.ANSWER_HEADERS, front.STALLED
 
 
 class FastPath:
@@ -117,9 +117,12 @@ async def _relay(status: int, headers: bytes, stream: AsyncIterator[bytes], out:
     except Exception:  # the stream's own errors end in an SSE error event; this is a bug's
         log.exception("gateway.internal_error", path=ex.scope["path"])
     finally:
-        front.unwatch(watched, hangup)
+        if hangup in watched:  # (the connection empties it when it goes: front.unwatch)
+            watched.remove(hangup)
         await hangup.stop()
-        await front.close_stream(stream, ex.scope)
+        if _STALLED in ex.scope:
+            await front.tell_stalled(stream)
+        await stream.aclose()  # type: ignore[attr-defined]
         if not ex.response_complete:  # broke off mid-stream: the client must not wait on it
             out.abort()
 

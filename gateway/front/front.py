@@ -169,11 +169,10 @@ def request_id_of(scope: Mapping[str, Any]) -> str | None:
     return None
 
 
-async def close_stream(stream: AsyncIterator[bytes], scope: Mapping[str, Any]) -> None:
-    """Close a relayed stream (the engine's request with it). One whose client stopped reading
-    is told so first, at the point it waits for the client, so that its summary line says
-    `client_stalled` rather than a hang-up (gateway/request/relay.py)."""
-    if STALLED in scope:
-        with contextlib.suppress(ClientStalled, StopAsyncIteration, RuntimeError):
-            await stream.athrow(ClientStalled())  # type: ignore[attr-defined]
-    await stream.aclose()  # type: ignore[attr-defined]
+async def tell_stalled(stream: AsyncIterator[bytes]) -> None:
+    """Tell a relayed stream, before it is closed, that its client stopped reading (the
+    connection marked the request's scope `STALLED` as it closed it at send_timeout_s), at the
+    point it waits for the client, so that its summary line says `client_stalled` rather than a
+    hang-up (gateway/request/relay.py)."""
+    with contextlib.suppress(ClientStalled, StopAsyncIteration, RuntimeError):
+        await stream.athrow(ClientStalled())  # type: ignore[attr-defined]

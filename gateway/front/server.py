@@ -29,8 +29,9 @@ send limit is kept here, on the transport's flow control, not per write: the tra
 calls `pause_writing` when its buffer passes its high-water mark (the client reads slower
 than the answer comes) and `resume_writing` once it drains. A timer is armed on the pause
 and cancelled on the resume; one that fires (send_timeout_s with the writes paused
-throughout: a client that reads none of its answer) closes the connection, which cancels a
-request still being answered as a hang-up does, so its engine lets go of the request.
+throughout: a client that reads nothing, or too little to drain the buffer) closes the
+connection, which cancels a request still being answered as a hang-up does, so its engine
+lets go of the request.
 
 For the ASGI requests, the transport writes a whole response's head and body in one syscall:
 uvicorn writes the status line and headers when the app sends `http.response.start`, and
@@ -294,7 +295,6 @@ class GatewayHttpProtocol(HttpToolsProtocol):
                 self.transport.write(answer)
             self.transport.close()
 
-
     # -- the send limit: a timer per pause of the writes, none per write ---------------------
     def pause_writing(self) -> None:
         self.flow.pause_writing()
@@ -312,11 +312,12 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             self._send_timer = None
 
     def _send_timed_out(self) -> None:
-        """The writes stayed paused send_timeout_s: the client reads none of its answer. Counted,
+        """The writes stayed paused send_timeout_s: the client reads too little of its answer to
+        drain any of the gateway's buffer. Counted,
         logged with the request's id, and the connection aborted (a close would wait for the
         buffer to drain, which this client never lets happen); losing it cancels a request still
         being answered as a hang-up does, marked in its scope as the client's stall so that its
-        summary line says so (gateway/front/front.py, `close_stream`)."""
+        summary line says so (gateway/front/front.py, `tell_stalled`)."""
         self._send_timer = None
         self.guard.refuse("send_timeout")
         cycle = self.cycle
