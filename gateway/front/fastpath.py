@@ -38,7 +38,6 @@ log = structlog.get_logger("gateway.fastpath")
 
 # The proxied routes by their raw path (a path with %-escapes or a query is the ASGI app's).
 _RAW_KINDS = {path.encode(): kind for path, kind in KINDS.items()}
-_ANSWER_HEADERS, _STALLED = front.ANSWER_HEADERS, front.STALLED
 
 
 class FastPath:
@@ -80,7 +79,7 @@ class FastPath:
             internal = GatewayError("Internal error in the gateway.")
             out.whole(internal.status, b"", internal.body())
             return
-        scope[_ANSWER_HEADERS] = reply.headers  # its request id, should the client stall (front.answering)
+        ex.answer_headers = reply.headers  # its request id, should the client stall (gateway/front/server.py)
         headers = _block(reply.headers)
         if reply.stream is None:
             front.unwatch(watched, hangup)
@@ -120,7 +119,7 @@ async def _relay(status: int, headers: bytes, stream: AsyncIterator[bytes], out:
         if hangup in watched:  # (the connection empties it when it goes: front.unwatch)
             watched.remove(hangup)
         await hangup.stop()
-        if _STALLED in ex.scope:
+        if ex.stalled:
             await front.tell_stalled(stream)
         await stream.aclose()  # type: ignore[attr-defined]
         if not ex.response_complete:  # broke off mid-stream: the client must not wait on it
@@ -252,9 +251,9 @@ class Exchange:
     as parsed, its body as it arrives, and the books that `_Out` keeps as uvicorn's request
     cycle would (started, complete, keep-alive or close), with no ASGI in between."""
 
-    __slots__ = ("_chunks", "_error", "_limit", "_size", "_waiter", "default_headers", "disconnected", "flow",
-                 "keep_alive", "kind", "more_body", "on_response", "response_complete", "response_started",
-                 "scope", "task", "transport", "waiting_for_100_continue")
+    __slots__ = ("_chunks", "_error", "_limit", "_size", "_waiter", "answer_headers", "default_headers",
+                 "disconnected", "flow", "keep_alive", "kind", "more_body", "on_response", "response_complete",
+                 "response_started", "scope", "stalled", "task", "transport", "waiting_for_100_continue")
     # uvicorn's protocol sets its request cycle's event when the connection closes; nobody waits here.
     message_event = _NoEvent()
 
@@ -279,6 +278,10 @@ class Exchange:
         self._error: GatewayError | None = None
         self._waiter: asyncio.Future[None] | None = None
         self.task: asyncio.Task[None] | None = None  # the task serving it, once the server starts one
+        # Its answer's headers once it has one, and whether its client stopped reading past
+        # send_timeout_s (gateway/front/server.py sets it as it closes the connection).
+        self.answer_headers: list[tuple[str, str]] | None = None
+        self.stalled = False
 
     def _wake(self) -> None:
         waiter = self._waiter

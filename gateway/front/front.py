@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, MutableMapping
 from typing import Any
 
 from gateway.errors import GatewayError
@@ -148,10 +148,10 @@ def unwatch(watched: list[Hangup] | None, hangup: Hangup) -> None:
         watched.remove(hangup)
 
 
-# What the paths serving a proxied request leave in its scope (the ASGI scope, or an
-# `Exchange`'s) for the connection (gateway/front/server.py): the answer's headers, which carry
-# its request id, and the mark the connection sets when it closes a client that stopped
-# reading (send_timeout_s).
+# What the ASGI paths serving a proxied request leave in its scope for the connection
+# (gateway/front/server.py): the answer's headers, which carry its request id, and the mark the
+# connection sets when it closes a client that stopped reading (send_timeout_s). The fast
+# path's `Exchange` has slots of its own for both (no key added to its scope per request).
 ANSWER_HEADERS = "fleetgate.answer_headers"
 STALLED = "fleetgate.stalled"
 
@@ -161,17 +161,17 @@ def answering(scope: MutableMapping[str, Any], reply: Reply) -> None:
     scope[ANSWER_HEADERS] = reply.headers
 
 
-def request_id_of(scope: Mapping[str, Any]) -> str | None:
-    """The id of the request answered on `scope`, if a proxied one's answer has begun."""
-    for name, value in scope.get(ANSWER_HEADERS, ()):
+def request_id_in(headers: Iterable[tuple[str, str]] | None) -> str | None:
+    """The request id among an answer's headers (None: no proxied answer has begun)."""
+    for name, value in headers or ():
         if name == "x-request-id":
-            return str(value)
+            return value
     return None
 
 
 async def tell_stalled(stream: AsyncIterator[bytes]) -> None:
     """Tell a relayed stream, before it is closed, that its client stopped reading (the
-    connection marked the request's scope `STALLED` as it closed it at send_timeout_s), at the
+    connection marked it `STALLED` as it closed it at send_timeout_s), at the
     point it waits for the client, so that its summary line says `client_stalled` rather than a
     hang-up (gateway/request/relay.py)."""
     with contextlib.suppress(ClientStalled, StopAsyncIteration, RuntimeError):

@@ -313,19 +313,23 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def _send_timed_out(self) -> None:
         """The writes stayed paused send_timeout_s: the client reads too little of its answer to
-        drain any of the gateway's buffer. Counted,
-        logged with the request's id, and the connection aborted (a close would wait for the
-        buffer to drain, which this client never lets happen); losing it cancels a request still
-        being answered as a hang-up does, marked in its scope as the client's stall so that its
-        summary line says so (gateway/front/front.py, `tell_stalled`)."""
+        drain the gateway's buffer. Counted, logged with the request's id, and the connection
+        aborted (a close would wait for the buffer to drain, which this client never lets
+        happen); losing it cancels a request still being answered as a hang-up does, marked as
+        the client's stall so that its summary line says so (gateway/front/front.py,
+        `tell_stalled`)."""
         self._send_timer = None
         self.guard.refuse("send_timeout")
         cycle = self.cycle
-        scope = getattr(cycle, "scope", None)
-        request_id = None
-        if scope is not None:
+        headers: Any = None
+        if type(cycle) is Exchange:
+            cycle.stalled = True
+            headers = cycle.answer_headers
+        elif cycle is not None:  # uvicorn's request cycle: the ASGI app's scope (front.answering)
+            scope: dict[str, Any] = cycle.scope  # type: ignore[assignment]  # (a TypedDict; keys of our own)
             scope[front.STALLED] = True
-            request_id = front.request_id_of(scope)
+            headers = scope.get(front.ANSWER_HEADERS)
+        request_id = front.request_id_in(headers)
         # One line per proxied request (which has its own summary line already); a stall on
         # another route is in gateway.front_refused's counts only (under attack a line per
         # connection would be the attacker's).
