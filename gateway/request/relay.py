@@ -104,7 +104,13 @@ async def relay(
                         while data:
                             piece, rest = on_block(feed(data))  # (b"", b"") until an event is whole
                             if rest:
-                                piece = books.one_by_one(piece, rest)
+                                piece, garbage = books.one_by_one(piece, rest)
+                                if garbage is not None and not tracker.done:  # what came before it goes out first
+                                    if piece:
+                                        if books.before_first:
+                                            await books.first_out()
+                                        yield piece
+                                    raise garbage
                             if piece:
                                 if books.before_first:
                                     await books.first_out()
@@ -205,11 +211,22 @@ class _Relayed:
         self.counted = True  # `worker` holds one of this gateway's in-flight counts
         self.tokens = (0, 0)
 
-    def one_by_one(self, joined: bytes, rest: bytes) -> bytes:
+    def one_by_one(self, joined: bytes, rest: bytes) -> tuple[bytes, EngineStreamError | None]:
         """What the client gets of a run of whole events whose `rest` the tracker looks at one
-        by one (`StreamTracker.on_block`), after the `joined` that passed as it came."""
+        by one (`StreamTracker.on_block`), after the `joined` that passed as it came; and the
+        garbage that broke the stream in that run (None: none), to raise once what came before
+        it is out (the tracker counts those events as sent: a stream resumed elsewhere goes on
+        after them)."""
         tracker = self.tracker
-        out = [x for e in events(rest) if (x := tracker.on_event(e)) is not None]
+        out: list[bytes] = []
+        garbage = None
+        try:
+            for event in events(rest):
+                piece = tracker.on_event(event)
+                if piece is not None:
+                    out.append(piece)
+        except EngineStreamError as exc:
+            garbage = exc
         for piece in out:
             # find(), not `in`: see gateway/request/resume.py's _usage_only.
             if piece.find(b'"usage":{') >= 0 or piece.find(b'"usage": {') >= 0:
@@ -217,8 +234,8 @@ class _Relayed:
                 if usage[1]:
                     self.tokens = usage
         if not out:
-            return joined
-        return b"".join((joined, *out)) if joined else b"".join(out)
+            return joined, garbage
+        return (b"".join((joined, *out)) if joined else b"".join(out)), garbage
 
     async def first_out(self) -> None:
         """Before a piece leaves: the time to the first, and a stored response's id, recorded
