@@ -6,8 +6,10 @@ reading makes the gateway's writes pause; past the limit the gateway closes it, 
 `send_timeout` in fleetgate_front_refused_total, logs `gateway.client_stalled` with the
 request's id and the bytes it could not send, and, for a stream, cancels the engine's request
 (the simulator's running count returns to 0 and it counts no finished request): on the fast
-path, on the ASGI path and for a whole answer. A client that pauses for less than the limit
-and reads on gets its whole stream, and nothing is counted.
+path, on its ASGI way in, on Litestar's routes (fast_path off), and for whole answers. A client
+that stops reading and then hangs up before the limit cancels its engine's request at once. A
+client that pauses for less than the limit and reads on gets its whole stream, and nothing is
+counted.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -124,31 +126,51 @@ def _stalled(gw: Gateway, request_id: str) -> dict[str, object]:
     return found
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/completions?via=asgi"], ids=["fast-path", "asgi-path"])
-def test_a_client_that_stops_reading_a_stream_is_closed_and_its_engine_request_cancelled(
-        gateway: Gateway, path: str) -> None:
-    """The fast path (a raw path) and the ASGI path (a query string) alike: the writes pause,
-    the limit closes the connection, and the engine's request is aborted, not finished."""
-    before = _refused(gateway.url)
-    finished = _engine(gateway.engine_url, "vllm:request_success_total")
+def _stall_a_stream(gw: Gateway, path: str) -> str:
+    """A stream whose client reads nothing: closed at the limit with its writes paused, counted
+    once, its engine's request aborted rather than finished; the outcome its summary line says."""
+    before = _refused(gw.url)
+    finished = _engine(gw.engine_url, "vllm:request_success_total")
     request_id = f"stall-{uuid.uuid4().hex[:8]}"
-    with _small_window(gateway.port) as sock:
+    with _small_window(gw.port) as sock:
         sock.sendall(_request(MODEL, TOKENS, True, request_id, path))
-        wait_until(lambda: _engine(gateway.engine_url, "vllm:num_requests_running") == 1, timeout=30)
-        stalled = _stalled(gateway, request_id)  # the client has read nothing
+        wait_until(lambda: _engine(gw.engine_url, "vllm:num_requests_running") == 1, timeout=30)
+        stalled = _stalled(gw, request_id)  # the client has read nothing
         # The writes were paused: bytes of the answer were still waiting to go out at the limit.
         assert stalled["answering"] is True and isinstance(stalled["unsent_bytes"], int), stalled
         assert stalled["unsent_bytes"] > 0 and stalled["send_timeout_s"] == SEND_S, stalled
         answer, ended = _drain(sock)
     assert answer.startswith(b"HTTP/1.1 200 ") and b"data: [DONE]" not in answer, answer[-200:]
     assert ended in ("reset", "closed")
-    wait_until(lambda: _engine(gateway.engine_url, "vllm:num_requests_running") == 0, timeout=10)
-    assert _engine(gateway.engine_url, "vllm:request_success_total") == finished  # aborted, not run to its end
-    after = _refused(gateway.url)
+    wait_until(lambda: _engine(gw.engine_url, "vllm:num_requests_running") == 0, timeout=10)
+    assert _engine(gw.engine_url, "vllm:request_success_total") == finished  # aborted, not run to its end
+    after = _refused(gw.url)
     assert {r: n - before.get(r, 0) for r, n in after.items() if n != before.get(r, 0)} == {"send_timeout": 1}
-    done = wait_until(lambda: [e for e in _events(gateway.proc.output(), "gateway.request")
+    done = wait_until(lambda: [e for e in _events(gw.proc.output(), "gateway.request")
                                if e.get("request_id") == request_id], timeout=10)
-    assert isinstance(done, list) and [e["outcome"] for e in done] == ["client_stalled"], done
+    assert isinstance(done, list) and len(done) == 1, done
+    return str(done[0]["outcome"])
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/completions?via=asgi"], ids=["fast-path", "asgi-path"])
+def test_a_client_that_stops_reading_a_stream_is_closed_and_its_engine_request_cancelled(
+        gateway: Gateway, path: str) -> None:
+    """The fast path (a raw path) and its ASGI way in (a query string) alike: the writes pause,
+    the limit closes the connection, the engine's request is aborted, not finished, and the
+    request's summary line says it was the client's stall."""
+    assert _stall_a_stream(gateway, path) == "client_stalled"
+
+
+def test_the_limit_holds_on_litestars_routes_too(fleet_factory: Callable[[], Fleet]) -> None:
+    """With fast_path off, Litestar's streaming answers the request (through uvicorn's request
+    cycle): the same limit closes a client that reads nothing and aborts its engine's request;
+    Litestar ends the stream as a hang-up, so the summary line says client_gone."""
+    fleet = fleet_factory()
+    proc, url = fleet.gateway("--set", f"send_timeout_s={SEND_S}", "--set", "fast_path=false")
+    fleet.worker("s1", "--model", MODEL, "--max-model-len", str(TOKENS + 64), "--option", SLOW)
+    fleet.wait_ready(url, "s1")
+    gw = Gateway(url, int(url.rsplit(":", 1)[1]), proc, str(fleet.workers(url)["s1"]["url"]))
+    assert _stall_a_stream(gw, "/v1/completions") == "client_gone"
 
 
 def test_whole_answers_the_client_never_reads_are_closed_at_the_limit(gateway: Gateway) -> None:
