@@ -100,6 +100,7 @@ async def _proxied(request: Request, state: State, path: str, kind: str) -> Resp
                                           request.body, request.receive, path, kind)
     except front.ClientGone:
         return Response(content=b"", status_code=499)  # nobody reads it
+    front.answering(request.scope, reply)  # type: ignore[arg-type]  # (a TypedDict; a key of our own goes in)
     if reply.stream is not None:
         await hangup.stop()  # Litestar's streaming response watches the connection itself
         return Stream(reply.stream, status_code=reply.status, media_type="text/event-stream",

@@ -162,6 +162,11 @@ class GatewaySettings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # gets 408 and the connection closes.
     body_timeout_s: float = 30.0
     body_min_rate: int = 1024
+    # A client that reads nothing of its answer this long (the gateway's writes to it stay
+    # paused: its connection's send buffer full) is closed, and its engine request
+    # cancelled as for a hang-up (nginx's send_timeout, 60 s): else it holds the connection,
+    # the engine's request and its KV cache for as long as it likes.
+    send_timeout_s: float = 60.0
     # Client connections one gateway process holds open at most: past it, a connection is
     # answered 503 and closed, logged once per 10 s. The process raises its soft limit on
     # open files to the hard one at start; at most half of that limit less 256 is used

@@ -28,6 +28,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 _JSON = (b"content-type", b"application/json")
+_STALLED = front.STALLED
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
         (b"x-accel-buffering", b"no")]
 
@@ -45,6 +46,7 @@ async def answer(gw: Any, scope: Scope, receive: Receive, send: Send, kind: str)
         log.exception("gateway.internal_error", path=scope.get("path"))
         await _send_error(send, GatewayError("Internal error in the gateway."))
         return
+    front.answering(scope, reply)
     headers = [(k.encode(), v.encode()) for k, v in reply.headers]
     if reply.stream is None:
         headers += [_JSON, (b"content-length", str(len(reply.body)).encode())]
@@ -54,7 +56,7 @@ async def answer(gw: Any, scope: Scope, receive: Receive, send: Send, kind: str)
         finally:
             reply.written()
         return
-    await _stream(reply, headers + _SSE, hangup, send)
+    await _stream(reply, headers + _SSE, hangup, send, scope)
 
 
 async def _serve(gw: Any, scope: Scope, receive: Receive, kind: str) -> tuple[Reply, front.Hangup]:
@@ -82,7 +84,8 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def _stream(reply: Reply, headers: list[tuple[bytes, bytes]], hangup: front.Hangup, send: Send) -> None:
+async def _stream(reply: Reply, headers: list[tuple[bytes, bytes]], hangup: front.Hangup, send: Send,
+                  scope: Scope) -> None:
     """Relay an SSE stream; a client that hangs up cancels it (which closes the engine's request)."""
     assert reply.stream is not None
     stream = reply.stream
@@ -99,6 +102,8 @@ async def _stream(reply: Reply, headers: list[tuple[bytes, bytes]], hangup: fron
         raise
     finally:
         await hangup.stop()
+        if _STALLED in scope:
+            await front.tell_stalled(stream)
         await stream.aclose()  # type: ignore[attr-defined]
 
 

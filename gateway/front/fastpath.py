@@ -79,9 +79,10 @@ class FastPath:
             internal = GatewayError("Internal error in the gateway.")
             out.whole(internal.status, b"", internal.body())
             return
+        ex.answer_headers = reply.headers  # its request id, should the client stall (gateway/front/server.py)
         headers = _block(reply.headers)
         if reply.stream is None:
-            watched.remove(hangup)
+            front.unwatch(watched, hangup)
             out.whole(reply.status, headers, reply.body)
             reply.written()
             return
@@ -115,8 +116,11 @@ async def _relay(status: int, headers: bytes, stream: AsyncIterator[bytes], out:
     except Exception:  # the stream's own errors end in an SSE error event; this is a bug's
         log.exception("gateway.internal_error", path=ex.scope["path"])
     finally:
-        watched.remove(hangup)
+        if hangup in watched:  # (the connection empties it when it goes: front.unwatch)
+            watched.remove(hangup)
         await hangup.stop()
+        if ex.stalled:
+            await front.tell_stalled(stream)
         await stream.aclose()  # type: ignore[attr-defined]
         if not ex.response_complete:  # broke off mid-stream: the client must not wait on it
             out.abort()
@@ -247,9 +251,9 @@ class Exchange:
     as parsed, its body as it arrives, and the books that `_Out` keeps as uvicorn's request
     cycle would (started, complete, keep-alive or close), with no ASGI in between."""
 
-    __slots__ = ("_chunks", "_error", "_limit", "_size", "_waiter", "default_headers", "disconnected", "flow",
-                 "keep_alive", "kind", "more_body", "on_response", "response_complete", "response_started",
-                 "scope", "task", "transport", "waiting_for_100_continue")
+    __slots__ = ("_chunks", "_error", "_limit", "_size", "_waiter", "answer_headers", "default_headers",
+                 "disconnected", "flow", "keep_alive", "kind", "more_body", "on_response", "response_complete",
+                 "response_started", "scope", "stalled", "task", "transport", "waiting_for_100_continue")
     # uvicorn's protocol sets its request cycle's event when the connection closes; nobody waits here.
     message_event = _NoEvent()
 
@@ -274,6 +278,10 @@ class Exchange:
         self._error: GatewayError | None = None
         self._waiter: asyncio.Future[None] | None = None
         self.task: asyncio.Task[None] | None = None  # the task serving it, once the server starts one
+        # Its answer's headers once it has one, and whether its client stopped reading past
+        # send_timeout_s (gateway/front/server.py sets it as it closes the connection).
+        self.answer_headers: list[tuple[str, str]] | None = None
+        self.stalled = False
 
     def _wake(self) -> None:
         waiter = self._waiter

@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, MutableMapping
 from typing import Any
 
 from gateway.errors import GatewayError
+from gateway.request.relay import ClientStalled
 from gateway.request.reply import Reply
 
 Receive = Callable[[], Awaitable[Mapping[str, Any]]]
@@ -124,12 +125,12 @@ async def serve(
         reply: Reply = await gw.proxy.serve(body, header, path, kind, key_id, tenant)
     except asyncio.CancelledError:
         hangup.finish()
-        _unwatch(watched, hangup)
+        unwatch(watched, hangup)
         if hangup.absorb():
             raise ClientGone from None
         raise
     except BaseException:
-        _unwatch(watched, hangup)
+        unwatch(watched, hangup)
         await hangup.stop()
         raise
     if limits:  # the key's own limits' headers (gateway/tenants/quota.py), when it has any, come first
@@ -140,6 +141,38 @@ async def serve(
     return reply, hangup
 
 
-def _unwatch(watched: list[Hangup] | None, hangup: Hangup) -> None:
+def unwatch(watched: list[Hangup] | None, hangup: Hangup) -> None:
+    """Take `hangup` off its connection's list, unless the connection went first (it empties
+    the list as it tells each of them: gateway/front/server.py)."""
     if watched is not None and hangup in watched:
         watched.remove(hangup)
+
+
+# What the ASGI paths serving a proxied request leave in its scope for the connection
+# (gateway/front/server.py): the answer's headers, which carry its request id, and the mark the
+# connection sets when it closes a client that stopped reading (send_timeout_s). The fast
+# path's `Exchange` has slots of its own for both (no key added to its scope per request).
+ANSWER_HEADERS = "fleetgate.answer_headers"
+STALLED = "fleetgate.stalled"
+
+
+def answering(scope: MutableMapping[str, Any], reply: Reply) -> None:
+    """The answer to `scope`'s request is `reply` (its id is looked up only if the client stalls)."""
+    scope[ANSWER_HEADERS] = reply.headers
+
+
+def request_id_in(headers: Iterable[tuple[str, str]] | None) -> str | None:
+    """The request id among an answer's headers (None: no proxied answer has begun)."""
+    for name, value in headers or ():
+        if name == "x-request-id":
+            return value
+    return None
+
+
+async def tell_stalled(stream: AsyncIterator[bytes]) -> None:
+    """Tell a relayed stream, before it is closed, that its client stopped reading (the
+    connection marked it `STALLED` as it closed it at send_timeout_s), at the
+    point it waits for the client, so that its summary line says `client_stalled` rather than a
+    hang-up (gateway/request/relay.py)."""
+    with contextlib.suppress(ClientStalled, StopAsyncIteration, RuntimeError):
+        await stream.athrow(ClientStalled())  # type: ignore[attr-defined]

@@ -14,6 +14,8 @@ exposed in /metrics as `fleetgate_front_refused_total{reason}`:
     idle_timeout           a new connection that sent nothing for idle_timeout_s  close
     body_timeout           a body slower than body_timeout_s (from the request's  408, close
                            first byte) plus one second per body_min_rate bytes
+    send_timeout           a client that read none of its answer for send_timeout_s close
+                           (the gateway's writes to it paused throughout)
     connection_limit       a connection past max_connections open in the process  503, close
 
 A keep-alive connection closed after idle_timeout_s without a next request is the ordinary
@@ -25,7 +27,8 @@ connection: under attack that log would be the attacker's.
 Memory: a head is held by the parser only until it is over max_header_bytes, read by read,
 so a connection holds at most that plus one read of the transport (uvloop reads up to
 256 KiB at once) before it is refused, two where the head began in a read after the end of
-another request; a body at most max_body_bytes (413 beyond).
+another request; a body at most max_body_bytes (413 beyond); an answer the client does not
+read, what was written before the writes paused, for at most send_timeout_s.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from gateway.errors import (
 log = structlog.get_logger("gateway.front")
 
 REASONS = ("request_line_too_long", "header_too_large", "too_many_headers", "header_timeout", "idle_timeout",
-           "body_timeout", "connection_limit")
+           "body_timeout", "send_timeout", "connection_limit")
 # Descriptors kept out of the client connections' share: the listening sockets, Redis, the
 # log, tokenizer files. The rest is halved: a client connection with a request in flight
 # holds a second descriptor, its engine connection.
@@ -71,6 +74,7 @@ class FrontLimits:
     idle_timeout_s: float
     body_timeout_s: float
     body_min_rate: int
+    send_timeout_s: float
     max_connections: int
 
     @classmethod
@@ -123,6 +127,7 @@ class FrontGuard:
         self.max_connections = max(1, min(limits.max_connections, (nofile - RESERVED_FDS) // 2))
         self.open = 0  # client connections of this process (gateway/front/server.py counts them)
         self.refused = dict.fromkeys(REASONS, 0)
+        self.send_paused = 0  # times a client read slower than its answer came (gateway/front/server.py)
         self._clock = clock
         self._unlogged = dict.fromkeys(REASONS, 0)
         self._logged_at = {"refused": -LOG_EVERY_S, "full": -LOG_EVERY_S}
@@ -187,6 +192,10 @@ class _FrontCollector(Collector):
         for reason, count in guard.refused.items():
             refused.add_metric([reason], count)
         yield refused
+        yield CounterMetricFamily(
+            "fleetgate_front_send_paused", "Times this gateway process's writes to a client paused: the client "
+            "read slower than its answer came. A pause that lasts send_timeout_s closes the connection "
+            "(fleetgate_front_refused_total{reason=\"send_timeout\"}).", value=guard.send_paused)
         yield GaugeMetricFamily("fleetgate_front_connections", "Client connections this gateway process holds "
                                 "open.", value=guard.open)
         yield GaugeMetricFamily("fleetgate_front_connections_max", "Client connections this gateway process "

@@ -23,6 +23,16 @@ looked at again after its answer. uvicorn arms one per answer and cancels it at 
 request. The parser hooks refuse a head over its limits (414, 431); a connection past
 max_connections is answered 503 and closed as it opens.
 
+Every answer leaves through this connection's one transport, whichever writes it (the fast
+path's `_Out`, uvicorn's request cycle for the ASGI app and Litestar, a refusal), so the
+send limit is kept here, on the transport's flow control, not per write: the transport
+calls `pause_writing` when its buffer passes its high-water mark (the client reads slower
+than the answer comes) and `resume_writing` once it drains. A timer is armed on the pause
+and cancelled on the resume; one that fires (send_timeout_s with the writes paused
+throughout: a client that reads nothing, or too little to drain the buffer) closes the
+connection, which cancels a request still being answered as a hang-up does, so its engine
+lets go of the request.
+
 For the ASGI requests, the transport writes a whole response's head and body in one syscall:
 uvicorn writes the status line and headers when the app sends `http.response.start`, and
 the body when it sends `http.response.body`. Here the transport holds back a head that
@@ -37,9 +47,11 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 import httptools
+import structlog
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from gateway.front import front
 from gateway.front.fastpath import Exchange
 from gateway.front.front_limits import FrontGuard
 from gateway.front.hooks import Hooks
@@ -48,6 +60,8 @@ from gateway.settings import GatewaySettings
 if TYPE_CHECKING:
     from gateway.front.fastpath import FastPath
     from gateway.front.front import Hangup
+
+log = structlog.get_logger("gateway.front")
 
 
 class _Coalescing:
@@ -108,6 +122,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.raw_transport: asyncio.Transport | None = None  # past _Coalescing: an Exchange's writes are whole
         self._idle_since = 0.0
         self._counted = False  # in guard.open
+        self._send_timer: asyncio.TimerHandle | None = None  # armed while the writes are paused
         # Hooks only where uvicorn would hand every request the app as it is (no 503 app
         # under limit_concurrency, no root path, no fresh context per task).
         self.hooks: Hooks | None = None
@@ -145,6 +160,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if type(cycle) is Exchange and not cycle.response_complete:
             cycle.lost()
         self._stop_timer()
+        self._stop_send_timer()
         super().connection_lost(exc)
         watched, self.watched = self.watched, []
         for hangup in watched:
@@ -206,6 +222,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def handle_websocket_upgrade(self) -> None:
         self._stop_timer()
+        self._stop_send_timer()
         self._uncount()  # the transport's next protocol is uvicorn's, not counted
         super().handle_websocket_upgrade()
 
@@ -277,6 +294,50 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             if answer is not None:
                 self.transport.write(answer)
             self.transport.close()
+
+    # -- the send limit: a timer per pause of the writes, none per write ---------------------
+    def pause_writing(self) -> None:
+        self.flow.pause_writing()
+        self.guard.send_paused += 1
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.guard.limits.send_timeout_s, self._send_timed_out)
+
+    def resume_writing(self) -> None:
+        self.flow.resume_writing()
+        self._stop_send_timer()
+
+    def _stop_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_timed_out(self) -> None:
+        """The writes stayed paused send_timeout_s: the client reads too little of its answer to
+        drain the gateway's buffer. Counted, logged with the request's id, and the connection
+        aborted (a close would wait for the buffer to drain, which this client never lets
+        happen); losing it cancels a request still being answered as a hang-up does, marked as
+        the client's stall so that its summary line says so (gateway/front/front.py,
+        `tell_stalled`)."""
+        self._send_timer = None
+        self.guard.refuse("send_timeout")
+        cycle = self.cycle
+        headers: Any = None
+        if type(cycle) is Exchange:
+            cycle.stalled = True
+            headers = cycle.answer_headers
+        elif cycle is not None:  # uvicorn's request cycle: the ASGI app's scope (front.answering)
+            scope: dict[str, Any] = cycle.scope  # type: ignore[assignment]  # (a TypedDict; keys of our own)
+            scope[front.STALLED] = True
+            headers = scope.get(front.ANSWER_HEADERS)
+        request_id = front.request_id_in(headers)
+        # One line per proxied request (which has its own summary line already); a stall on
+        # another route is in gateway.front_refused's counts only (under attack a line per
+        # connection would be the attacker's).
+        if request_id is not None:
+            log.warning("gateway.client_stalled", request_id=request_id, send_timeout_s=self.guard.limits.send_timeout_s,
+                        unsent_bytes=self.transport.get_write_buffer_size(),
+                        answering=cycle is not None and not cycle.response_complete)
+        self.transport.abort()
 
 
 async def _nothing(*_: object) -> None:

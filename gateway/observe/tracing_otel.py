@@ -132,7 +132,7 @@ class SpanTrace(RequestTrace):
         if self._ended:
             return
         self._ended = True
-        self.attempt_end("client_gone" if outcome == "client_gone" else "")
+        self.attempt_end(outcome if outcome in ("client_gone", "client_stalled") else "")
         span = self.span
         attrs = self._attrs
         attrs.update({"http.response.status_code": status, "fleetgate.attempts": self._attempts})

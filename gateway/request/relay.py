@@ -42,6 +42,11 @@ class StreamBroke(Exception):
     """The engine's stream ended without finishing."""
 
 
+class ClientStalled(Exception):
+    """Thrown into the relay where it waits for its client: the client read none of its
+    answer for send_timeout_s and its connection was closed (gateway/front/server.py)."""
+
+
 # How an engine's stream can break mid-way; each is continued elsewhere when it can be.
 BROKEN = (ConnectionError, TimeoutError, StreamBroke, WorkerWentAway, EngineStreamError)
 
@@ -98,7 +103,13 @@ async def relay(
                         while data:
                             piece, rest = on_block(feed(data))  # (b"", b"") until an event is whole
                             if rest:
-                                piece = books.one_by_one(piece, rest)
+                                piece, garbage = books.one_by_one(piece, rest)
+                                if garbage is not None and not tracker.done:  # what came before it goes out first
+                                    if piece:
+                                        if books.before_first:
+                                            await books.first_out()
+                                        yield piece
+                                    raise garbage
                             if piece:
                                 if books.before_first:
                                     await books.first_out()
@@ -119,6 +130,9 @@ async def relay(
         if last:
             yield last
         books.ran_to_its_end = True
+    except ClientStalled:
+        books.outcome = "client_stalled"
+        raise
     finally:
         # Otherwise the client went away (cancellation) or the server is stopping: `close`
         # aborts the engine's request by closing its connection instead of reading it to the end.
@@ -188,18 +202,30 @@ class _Relayed:
         self.stores = stores  # the response id is still to be recorded (a stored Responses API answer)
         self.ticket = ticket
         self.outcome = "completed"
-        self.ran_to_its_end = False  # else the client went away, or the server stops: "client_gone"
+        # Else the client went away, or the server stops: "client_gone" (or "client_stalled").
+        self.ran_to_its_end = False
         self.first_chunk_ms: float | None = None
         self.before_first = True  # `first_out` has work left: the first piece, or the id to record
         self.resumes = 0
         self.counted = True  # `worker` holds one of this gateway's in-flight counts
         self.tokens = (0, 0)
 
-    def one_by_one(self, joined: bytes, rest: bytes) -> bytes:
+    def one_by_one(self, joined: bytes, rest: bytes) -> tuple[bytes, EngineStreamError | None]:
         """What the client gets of a run of whole events whose `rest` the tracker looks at one
-        by one (`StreamTracker.on_block`), after the `joined` that passed as it came."""
+        by one (`StreamTracker.on_block`), after the `joined` that passed as it came; and the
+        garbage that broke the stream in that run (None: none), to raise once what came before
+        it is out (the tracker counts those events as sent: a stream resumed elsewhere goes on
+        after them)."""
         tracker = self.tracker
-        out = [x for e in events(rest) if (x := tracker.on_event(e)) is not None]
+        out: list[bytes] = []
+        garbage = None
+        try:
+            for event in events(rest):
+                piece = tracker.on_event(event)
+                if piece is not None:
+                    out.append(piece)
+        except EngineStreamError as exc:
+            garbage = exc
         for piece in out:
             # find(), not `in`: see gateway/request/resume.py's _usage_only.
             if piece.find(b'"usage":{') >= 0 or piece.find(b'"usage": {') >= 0:
@@ -207,8 +233,8 @@ class _Relayed:
                 if usage[1]:
                     self.tokens = usage
         if not out:
-            return joined
-        return b"".join((joined, *out)) if joined else b"".join(out)
+            return joined, garbage
+        return (b"".join((joined, *out)) if joined else b"".join(out)), garbage
 
     async def first_out(self) -> None:
         """Before a piece leaves: the time to the first, and a stored response's id, recorded
@@ -279,7 +305,7 @@ class _Relayed:
     async def close(self) -> None:
         """The stream ended, however it did: let go of the worker, settle the key's tokens,
         count the request and write its one summary line."""
-        if not self.ran_to_its_end:
+        if not self.ran_to_its_end and self.outcome != "client_stalled":
             self.outcome = "client_gone"
         worker_id = self.worker.id
         if self.counted:
@@ -310,7 +336,7 @@ class _Relayed:
         if not tokens[1] and isinstance(tracker, StreamTracker) and tracker.sent:
             tracker.analyse()  # no usage came (the client left first): count what was sent
             tokens = (ticket.charged, tracker.content_chunks)
-        if self.outcome == "client_gone":  # this task is being cancelled: settle beside it
+        if self.outcome in ("client_gone", "client_stalled"):  # this task is being cancelled: settle beside it
             ticket.settle_soon(*tokens, 200)
         else:
             await ticket.settle(*tokens, 200)

@@ -8,7 +8,9 @@ replica, with a TTL), and pins requests that name it to that worker.
 
 A Responses stream is relayed as it comes; it is not continued on another worker
 if its engine dies (the conversation state is on that engine), it ends with an
-`error` event instead.
+`error` event instead. The garbage checks of the other streams (gateway/request/resume.py)
+hold here too: an event whose data is not JSON, and the engine's own error event (its
+message may name the engine), break the stream, which ends with the gateway's `error` event.
 """
 
 from __future__ import annotations
@@ -18,15 +20,15 @@ import structlog
 from redis.exceptions import RedisError
 
 from fleetgate.schema import WorkerView
-from gateway.engines.upstream import Upstream, openai_error_body
+from gateway.engines.upstream import Upstream, is_json, openai_error_body
 from gateway.errors import NotFound, NoWorkerAvailable
 from gateway.fleet import FleetWatcher
+from gateway.request.resume import EngineStreamError
 
 log = structlog.get_logger("gateway.responses")
 
 # Events after which a Responses stream has nothing more to say.
-_TERMINAL = (b"event: response.completed", b"event: response.failed", b"event: response.incomplete",
-             b"event: error")
+_TERMINAL = (b"event: response.completed", b"event: response.failed", b"event: response.incomplete")
 
 
 class _Created(msgspec.Struct):
@@ -77,6 +79,15 @@ class ResponsesTracker:
         return b"", block
 
     def on_event(self, event: bytes) -> bytes:
+        """The event as it came (EngineStreamError: garbage, or the engine's own error event)."""
+        _, _, data = event.partition(b"data:")
+        data = data.strip()
+        if event.startswith(b"event: error") or data.startswith(b'{"error"') or data.startswith(b'{"type":"error"') \
+                or data.startswith(b'{"type": "error"') or data.find(b'"object":"error"') >= 0 \
+                or data.find(b'"object": "error"') >= 0:
+            raise EngineStreamError("the engine sent an error event")
+        if data and not is_json(data):
+            raise EngineStreamError("the engine sent an event that is not JSON")
         self.content_chunks += 1
         at = event.rfind(b'"sequence_number":')
         if at >= 0:
@@ -84,7 +95,6 @@ class ResponsesTracker:
             if digits.isdigit():
                 self._sequence = int(digits)
         if not self.response_id or event.startswith(_TERMINAL):
-            _, _, data = event.partition(b"data:")
             try:
                 parsed = _event.decode(data)
             except msgspec.DecodeError:

@@ -27,6 +27,8 @@ TOKENS = 12
 # Each way the hostile engine answers; the client's request names it in its prompt.
 WHOLE = ("bad-json", "wrong-type", "error-500")
 STREAMED = ("bad-event", "error-after-first", "end-without-done", "wrong-type")
+# A Responses API stream's ways (not resumed elsewhere: each must end with the gateway's error event).
+RESPONSES = ("bad-event", "error-event", "html-event")
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -50,6 +52,9 @@ class HostileEngine:
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
+                if self.path == "/v1/responses":
+                    self._responses(str(body.get("input", "")).split()[0])
+                    return
                 mode = body["messages"][-1]["content"].split()[0] if body.get("messages") else ""
                 engine.served.append(mode)
                 if not body.get("stream"):
@@ -80,6 +85,30 @@ class HostileEngine:
                                            "message": f"engine at {engine.url} crashed: CUDA error"}})
                     self._write(b"data: [DONE]\n\n")
                 self._write(b"")  # the last chunk: a clean end, without [DONE] where none came
+
+            def _responses(self, mode: str) -> None:
+                """A Responses API stream that turns to garbage after its first text."""
+                engine.served.append(f"responses {mode}")
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+                response = {"id": "resp_hostile", "object": "response", "status": "in_progress", "model": MODEL}
+                self._write(b"event: response.created\ndata: " + json.dumps(
+                    {"type": "response.created", "response": response, "sequence_number": 0}).encode() + b"\n\n")
+                self._write(b"event: response.output_text.delta\ndata: " + json.dumps(
+                    {"type": "response.output_text.delta", "delta": "Gar", "sequence_number": 1}).encode() + b"\n\n")
+                if mode == "bad-event":
+                    self._write(b'event: response.output_text.delta\ndata: {"type": "response.output_text.delta", '
+                                b'"delta": \n\n')
+                elif mode == "error-event":
+                    self._write(b"event: error\ndata: " + json.dumps(
+                        {"type": "error", "code": "server_error", "param": None, "sequence_number": 2,
+                         "message": f"engine at {engine.url} crashed: CUDA error"}).encode() + b"\n\n")
+                else:
+                    self._write(f"event: response.output_text.delta\ndata: <html>502 at {engine.url}</html>\n\n"
+                                .encode())
+                self._write(b"")
 
             def _chunk(self, body: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
                 return {"id": "s1", "object": "chat.completion.chunk", "created": 1, "model": body["model"],
@@ -240,5 +269,38 @@ def test_engines_that_answer_garbage_end_in_whole_streams_or_clear_errors(
     counts.report("garbage-engine")
     assert min(started_hostile.values()) >= 2, started_hostile
     assert counts.lost == 0, counts.why
+    out = gateway.output()
+    assert "Traceback" not in out and "gateway.internal_error" not in out
+
+
+def test_responses_streams_that_turn_to_garbage_end_with_the_gateways_error_event(
+    fleet_factory: Callable[[], Fleet], hostile: HostileEngine,
+) -> None:
+    """A Responses API stream whose engine sends an event that does not parse, HTML, or its own
+    error event (naming its address) after the first text: the client gets the text before it,
+    then the gateway's `error` event, and nothing of the garbage or the engine's message. (A
+    Responses stream is not resumed elsewhere: its state is on its engine.)"""
+    fleet = fleet_factory()
+    gateway, url = fleet.gateway("--set", "breaker_threshold=1000", "--set", "stall_timeout_s=3")
+    _register(fleet, hostile)
+    counts = Counts()
+    with httpx.Client(base_url=url, timeout=30) as client:
+        wait_for(lambda: MODEL in {m["id"] for m in client.get("/v1/models").json()["data"]}, timeout=10)
+        for mode in RESPONSES:
+            with client.stream("POST", "/v1/responses", json={"model": MODEL, "input": f"{mode} please",
+                                                              "stream": True}) as resp:
+                resp.read()
+            events = [block.split("\n") for block in resp.text.strip().split("\n\n")]
+            names = [lines[0].removeprefix("event: ") for lines in events]
+            data = [json.loads(lines[1].removeprefix("data: ")) for lines in events]
+            clean = resp.status_code == 200 and not _clean(resp.text)
+            if clean and names == ["response.created", "response.output_text.delta", "error"] \
+                    and data[-1]["code"] == "stream_interrupted":
+                counts.add("failed")  # a clear error, as it should be
+            else:
+                counts.add("lost", f"responses {mode}: {resp.status_code} {resp.text[-400:]}")
+    counts.report("garbage-engine-responses")
+    assert counts.lost == 0 and counts.failed == len(RESPONSES), counts.why
+    assert sorted(hostile.served) == sorted(f"responses {mode}" for mode in RESPONSES)
     out = gateway.output()
     assert "Traceback" not in out and "gateway.internal_error" not in out

@@ -57,3 +57,4 @@ def test_a_limit_that_cannot_work_is_refused_at_start() -> None:
     assert problems(_limits()) == []
     assert check(GatewaySettings(max_headers=0, header_timeout_s=-1)) == [
         "`max_headers` must be above 0, got 0", "`header_timeout_s` must be above 0, got -1"]
+    assert check(GatewaySettings(send_timeout_s=0)) == ["`send_timeout_s` must be above 0, got 0"]

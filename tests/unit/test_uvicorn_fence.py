@@ -44,6 +44,8 @@ METHODS = {
     "handle_websocket_upgrade": ["self"],
     "_unsupported_upgrade_warning": ["self"],
     "data_received": ["self", "data"],
+    "pause_writing": ["self"],
+    "resume_writing": ["self"],
 }
 # Attributes of a connected protocol that the hooks and the exchange read or replace.
 PROTOCOL_ATTRIBUTES = (
