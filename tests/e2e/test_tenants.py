@@ -88,8 +88,11 @@ def test_token_cell_charges_the_engines_count_not_the_estimate(any_redis: str) -
         redis = connect(any_redis)
         keys = Keys(f"fgtest-{uuid.uuid4().hex[:8]}")
         quota = Quota(redis, keys, UsageMetrics(CollectorRegistry()))
-        team = TeamRecord(id="t", tpm=1000, burst_s=60)
-        a = Tenant(KeyRecord(id="a", secret_sha256="0" * 64, team="t", tpm=600), team)
+        # Cells of 1,000 and 600 tokens that refill one token in 10 s and 16.7 s (a whole
+        # burst over ~2.8 h): the counts below are exact however slowly the machine runs the
+        # calls (at 1,000 a minute, a busy machine's 60 ms refilled one: 51 left, not 50).
+        team = TeamRecord(id="t", tpm=6, burst_s=10_000)
+        a = Tenant(KeyRecord(id="a", secret_sha256="0" * 64, team="t", tpm=3.6, burst_s=10_000), team)
         b = Tenant(KeyRecord(id="b", secret_sha256="1" * 64, team="t"), team)
         ticket = await quota.admit(a, "m", 500)  # charged 500 of a's 600 and the team's 1000
         assert dict(ticket.headers)["x-ratelimit-remaining-tokens"] == "100"
