@@ -172,6 +172,7 @@ class Hooks:
         """Serve `ex` in a task of its own, counted with the server's tasks as uvicorn's are."""
         protocol, fast = self.protocol, self.fast
         assert fast is not None  # (an Exchange is made only with a fast path)
+        protocol.answering = ex  # (its `cycle` may be a pipelined request parsed since)
         task = ex.task = protocol.loop.create_task(fast.serve_exchange(ex, self.watched))
         tasks = protocol.tasks
         task.add_done_callback(tasks.discard)

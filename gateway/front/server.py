@@ -31,7 +31,11 @@ than the answer comes) and `resume_writing` once it drains. A timer is armed on 
 and cancelled on the resume; one that fires (send_timeout_s with the writes paused
 throughout: a client that reads nothing, or too little to drain the buffer) closes the
 connection, which cancels a request still being answered as a hang-up does, so its engine
-lets go of the request.
+lets go of the request. While the writes are paused the reads are paused too (issue 35): the
+connection's next request, pipelined or not, is not parsed, and one parsed already in the
+same read is not started, until they resume, so a client that pipelines requests and reads
+no answer makes the gateway hold one answer, not one per request. The connection's other
+deadlines do not count that time; the send limit does.
 
 For the ASGI requests, the transport writes a whole response's head and body in one syscall:
 uvicorn writes the status line and headers when the app sends `http.response.start`, and
@@ -123,6 +127,10 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._idle_since = 0.0
         self._counted = False  # in guard.open
         self._send_timer: asyncio.TimerHandle | None = None  # armed while the writes are paused
+        self._reads_held_at: float | None = None  # when the paused writes held the reads (with hooks)
+        self._next_held = False  # an answer completed while they were held: the next request waits
+        # The request last taken up (`cycle` is the last one parsed: a pipelined one may wait).
+        self.answering: Any = None
         # Hooks only where uvicorn would hand every request the app as it is (no 503 app
         # under limit_concurrency, no root path, no fresh context per task).
         self.hooks: Hooks | None = None
@@ -170,6 +178,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         # protocol holds it; the hooks hold the protocol and their parser, and both hold the
         # hooks: let reference counting free them all (tests/e2e/test_connection_garbage.py).
         self.cycle = None  # type: ignore[assignment]
+        self.answering = None
         self.pipeline.clear()
         if self.hooks is not None:
             self.hooks.close()
@@ -204,6 +213,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.send_400_response(msg)
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        self.answering = cycle
         if type(cycle) is Exchange and self.hooks is not None:
             self.hooks.start(cycle)
         else:
@@ -235,6 +245,9 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         self._idle_since = now = self.loop.time()
+        if self._reads_held_at is not None:  # the writes are paused: the next request waits for them
+            self._next_held = True  # (resume_writing takes it up, and arms the timer)
+            return
         self.flow.resume_reading()
         if self.pipeline:  # the next pipelined request: its clock starts now, as it is taken up
             hooks.head_started = now
@@ -255,6 +268,8 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         if hooks is None:
             super().timeout_keep_alive_handler()
             return
+        if self._reads_held_at is not None:  # waiting on the client to read: the send limit's to judge
+            return  # (resume_writing arms this again)
         now = self.loop.time()
         limits = self.guard.limits
         cycle = self.cycle
@@ -301,10 +316,40 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.guard.send_paused += 1
         if self._send_timer is None:
             self._send_timer = self.loop.call_later(self.guard.limits.send_timeout_s, self._send_timed_out)
+        if self.hooks is not None and self._reads_held_at is None:
+            # Read nothing more while the client reads nothing: a next request (pipelined or
+            # not) is neither parsed nor started, so one connection holds one answer's bytes,
+            # not one per request it sends (issue 35). A hang-up is still seen: its reset
+            # fails the pending write.
+            self._reads_held_at = self.loop.time()
+            self.flow.pause_reading()
 
     def resume_writing(self) -> None:
         self.flow.resume_writing()
         self._stop_send_timer()
+        held_at = self._reads_held_at
+        hooks = self.hooks
+        if held_at is None or hooks is None:
+            return
+        self._reads_held_at = None
+        if self.transport.is_closing():
+            return
+        now = self.loop.time()
+        if hooks.in_head or hooks.in_body:  # its clock does not count the time the reads were held
+            hooks.head_started += now - held_at
+        if self._next_held:  # what on_response_complete left for now
+            self._next_held = False
+            self._idle_since = now
+            self.flow.resume_reading()
+            if self.pipeline:
+                hooks.head_started = now
+                cycle, app = self.pipeline.pop()
+                self._start_asgi_task(cycle, app)
+        elif not self.pipeline:  # an answer under way, none queued behind it: read on, as before the pause
+            self.flow.resume_reading()
+        if self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
 
     def _stop_send_timer(self) -> None:
         if self._send_timer is not None:
@@ -320,7 +365,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         `tell_stalled`)."""
         self._send_timer = None
         self.guard.refuse("send_timeout")
-        cycle = self.cycle
+        cycle = self.answering
         headers: Any = None
         if type(cycle) is Exchange:
             cycle.stalled = True

@@ -234,3 +234,63 @@ def test_a_client_that_pauses_for_less_than_the_limit_gets_its_whole_stream(gate
     assert len(events) >= tokens and answer.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), answer[-200:]
     assert _refused(gateway.url).get("send_timeout", 0) == before.get("send_timeout", 0)
     assert not [e for e in _events(gateway.proc.output(), "gateway.client_stalled") if e.get("request_id") == request_id]
+
+
+def _answers(sock: socket.socket, count: int) -> list[tuple[bytes, bytes]]:
+    """`count` whole answers (content-length) read off `sock` in order: (head, body) each."""
+    sock.settimeout(60)
+    buf = bytearray()
+    answers: list[tuple[bytes, bytes]] = []
+    while len(answers) < count:
+        end = buf.find(b"\r\n\r\n")
+        if end >= 0:
+            head = bytes(buf[:end])
+            length = int(re.search(rb"\r\ncontent-length: (\d+)", head)[1])  # type: ignore[index]
+            if len(buf) >= end + 4 + length:
+                answers.append((head, bytes(buf[end + 4:end + 4 + length])))
+                del buf[:end + 4 + length]
+                continue
+        chunk = sock.recv(1 << 20)
+        assert chunk, f"closed after {len(answers)} answers"
+        buf += chunk
+    return answers
+
+
+def test_pipelined_requests_wait_while_the_client_reads_nothing(fleet_factory: Callable[[], Fleet]) -> None:
+    """Issue 35: a client pipelines 20 embeddings (~800 KB of answer each, 16 MB in all) and
+    reads nothing. Once the gateway's writes pause it reads no further request from that
+    connection: the engine serves only those whose answers the kernel's send buffer took
+    before the pause (at most its largest size, tcp_wmem's third figure, plus the transport's
+    64 KiB high-water mark, rounded up to whole answers), not the rest, while the client does
+    not read (the send limit is a minute here, far beyond the wait). Then the client reads,
+    and all twenty answers arrive, whole and in order."""
+    count, inputs, answer_bytes = 20, EMBED_INPUTS, 800_000  # (812 KB, measured)
+    with open("/proc/sys/net/ipv4/tcp_wmem") as wmem:
+        most = -(-(int(wmem.read().split()[2]) + 65536) // answer_bytes)
+    assert most < count // 2, most
+    fleet = fleet_factory()
+    proc, url = fleet.gateway("--set", "send_timeout_s=60")
+    fleet.worker("e1", "--model", EMBED, "--max-model-len", "512", "--option", FAST, "--option", "runner=pooling",
+                 "--option", "convert=embed")
+    fleet.wait_ready(url, "e1")
+    engine_url = str(fleet.workers(url)["e1"]["url"])
+    paused, served = _paused(url), _engine(engine_url, "vllm:request_success_total")
+    ids = [f"pipe-{n:02d}-{uuid.uuid4().hex[:6]}" for n in range(count)]
+    with _small_window(int(url.rsplit(":", 1)[1])) as sock:
+        sock.sendall(b"".join(_post("/v1/embeddings", i, {"model": EMBED, "input": ["hi"] * inputs}) for i in ids))
+        wait_until(lambda: _paused(url) > paused, timeout=60, interval=0.1)  # the precondition: writes paused
+        # Time enough for the engine to serve all twenty (well under a second, as it did before
+        # the fix): it serves those written before the pause, and then nothing more.
+        time.sleep(5)
+        # (the simulator counts an embedding's inputs as requests, as vLLM does its prompts)
+        held = (_engine(engine_url, "vllm:request_success_total") - served) / inputs
+        print(f"served while the client read nothing: {held:g} of {count} (at most {most})")
+        assert 1 <= held <= most, (held, most)
+        answers = _answers(sock, count)
+    assert _engine(engine_url, "vllm:request_success_total") - served == count * inputs
+    for request_id, (head, body) in zip(ids, answers, strict=True):
+        assert head.startswith(b"HTTP/1.1 200 "), head
+        assert f"\r\nx-request-id: {request_id}".encode() in head.lower(), head
+        assert len(json.loads(body)["data"]) == inputs
+    assert _refused(url).get("send_timeout", 0) == 0
+    assert proc.alive()
