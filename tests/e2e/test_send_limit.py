@@ -294,3 +294,34 @@ def test_pipelined_requests_wait_while_the_client_reads_nothing(fleet_factory: C
         assert len(json.loads(body)["data"]) == inputs
     assert _refused(url).get("send_timeout", 0) == 0
     assert proc.alive()
+
+
+def test_held_reads_are_not_an_idle_or_slow_header_connection(fleet_factory: Callable[[], Fleet]) -> None:
+    """The reads held for paused writes are not the client's slowness: 8 pipelined embeddings
+    and the first half of a ninth request's head, then nothing read for three times the idle
+    and header timeouts (2 s each). The connection is neither closed as idle nor refused as a
+    slow header; once the client reads, it gets the eight answers, sends the rest of the head
+    and gets the ninth."""
+    fleet = fleet_factory()
+    proc, url = fleet.gateway("--set", "send_timeout_s=60", "--set", "header_timeout_s=2", "--set",
+                              "idle_timeout_s=2")
+    fleet.worker("e1", "--model", EMBED, "--max-model-len", "512", "--option", FAST, "--option", "runner=pooling",
+                 "--option", "convert=embed")
+    fleet.wait_ready(url, "e1")
+    paused = _paused(url)
+    ids = [f"held-{n}-{uuid.uuid4().hex[:6]}" for n in range(PIPELINED + 1)]
+    last = _post("/v1/embeddings", ids[-1], {"model": EMBED, "input": ["hi"] * 3})
+    half = last.index(b"x-request-id")
+    with _small_window(int(url.rsplit(":", 1)[1])) as sock:
+        sock.sendall(b"".join(_post("/v1/embeddings", i, {"model": EMBED, "input": ["hi"] * EMBED_INPUTS})
+                              for i in ids[:-1]) + last[:half])
+        wait_until(lambda: _paused(url) > paused, timeout=60, interval=0.1)  # the precondition: writes paused
+        time.sleep(6)
+        answers = _answers(sock, PIPELINED)
+        sock.sendall(last[half:])
+        [(head, body)] = _answers(sock, 1)
+    for request_id, (h, _) in zip(ids, [*answers, (head, body)], strict=True):
+        assert h.startswith(b"HTTP/1.1 200 ") and f"\r\nx-request-id: {request_id}".encode() in h.lower(), h
+    assert len(json.loads(body)["data"]) == 3
+    assert not any(_refused(url).values()), _refused(url)  # no idle, header or send timeout
+    assert proc.alive()
