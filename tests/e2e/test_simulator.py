@@ -751,7 +751,7 @@ def test_host_memory_makes_swaps_cheap() -> None:
     plan = s._schedule()
     assert (plan.lora_loads, plan.lora_disk_loads) == (1, 0)
     p = s.profile
-    expected = (p.base_step_s + 20 * p.prefill_per_token_s) * p.lora_step_factor + HOST_COPY_SHARE * p.lora_load_s
+    expected = p.lora_step(p.base_step_s + 20 * p.prefill_per_token_s) + HOST_COPY_SHARE * p.lora_load_s
     assert s._step_seconds(plan) == pytest.approx(expected)
 
 
@@ -770,7 +770,7 @@ def test_lora_swaps_counted_and_timed() -> None:
     _submit(s, _seq("x", [9] * 20, out=1, adapter="d"))
     plan = s._schedule()
     assert plan.lora_loads == 1
-    expected = (p.base_step_s + 20 * p.prefill_per_token_s) * p.lora_step_factor + p.lora_load_s
+    expected = p.lora_step(p.base_step_s + 20 * p.prefill_per_token_s) + p.lora_load_s
     assert s._step_seconds(plan) == pytest.approx(expected)
 
 

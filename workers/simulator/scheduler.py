@@ -197,7 +197,7 @@ class Scheduler:
         prefill = sum(n for seq, n in plan.work if not (n == 1 and seq.generated))
         step = p.base_step_s + p.decode_per_seq_s * decoding + p.prefill_per_token_s * prefill
         if any(seq.adapter for seq, _ in plan.work):
-            step *= p.lora_step_factor
+            step = p.lora_step(step)
         copies = plan.lora_loads - plan.lora_disk_loads
         loading = p.lora_load_s * (plan.lora_disk_loads + HOST_COPY_SHARE * copies)
         return (step + loading) * self.limits.time_scale

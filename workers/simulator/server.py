@@ -235,7 +235,7 @@ async def reset(request: web.Request) -> web.Response:
 # Timing fields /sim/profile may change at run time; capacities are fixed at start.
 TIMING_FIELDS = (
     "base_step_s", "decode_per_seq_s", "prefill_per_token_s", "lora_load_s",
-    "lora_step_factor", "frontend_per_request_s", "frontend_per_token_s",
+    "lora_step_factor", "lora_step_s", "frontend_per_request_s", "frontend_per_token_s",
 )  # fmt: skip
 
 
