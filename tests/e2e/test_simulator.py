@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -472,15 +472,25 @@ async def test_lora_slots_make_other_adapters_wait(tmp_path: Path) -> None:
     try:
         body = {"prompt": "hi", "max_tokens": 300, "ignore_eos": True}
         async with httpx.AsyncClient(timeout=30) as client:
+            async def state_when(ready: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+                """The simulator's state once `ready` holds (a's request running, b's queued):
+                the order is set up, not left to two sleeps (on one loaded core b's request
+                was sent first)."""
+                for _ in range(600):
+                    state = (await client.get(server.url + "/sim/state")).json()
+                    if ready(state):
+                        return state
+                    await asyncio.sleep(0.01)
+                raise AssertionError(f"never reached: {state}")
+
             first = asyncio.create_task(
                 client.post(server.url + "/v1/completions", json={**body, "model": "a"})
             )
-            await asyncio.sleep(0.05)
+            await state_when(lambda st: st["running_lora_adapters"] == ["a"])
             second = asyncio.create_task(
                 client.post(server.url + "/v1/completions", json={**body, "model": "b"})
             )
-            await asyncio.sleep(0.05)
-            state = (await client.get(server.url + "/sim/state")).json()
+            state = await state_when(lambda st: st["waiting_lora_adapters"] == ["b"])
             info = (await client.get(server.url + "/metrics")).text
             await asyncio.gather(first, second)
         assert state["running_lora_adapters"] == ["a"] and state["waiting_lora_adapters"] == ["b"]
