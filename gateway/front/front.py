@@ -156,9 +156,9 @@ ANSWER_HEADERS = "fleetgate.answer_headers"
 STALLED = "fleetgate.stalled"
 
 
-def answering(scope: MutableMapping[str, Any], reply: Reply) -> None:
-    """The answer to `scope`'s request is `reply` (its id is looked up only if the client stalls)."""
-    scope[ANSWER_HEADERS] = reply.headers
+def answering(scope: MutableMapping[str, Any], headers: list[tuple[str, str]]) -> None:
+    """The answer to `scope`'s request has `headers` (its id is looked up only if the client stalls)."""
+    scope[ANSWER_HEADERS] = headers
 
 
 def request_id_in(headers: Iterable[tuple[str, str]] | None) -> str | None:
