@@ -1,4 +1,4 @@
-"""What both request paths (the raw ASGI fast path and Litestar's routes) do around the proxy.
+"""What the one answer path (gateway/front/answer.py) does around the proxy before it writes.
 
 Check the API key (gateway/tenants/tenants.py), count the client against its rate limit, read the body, then serve,
 while watching the client's connection: a client that hangs up before its answer is
