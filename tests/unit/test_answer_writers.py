@@ -1,5 +1,5 @@
 """Each writer of a proxied request's answer, driven through the one answer path
-(gateway/front/answer.py: `front.serve`, then the writer): the gateway's connection writer
+(gateway/front/answer.py: admission and the proxy, then the writer): the gateway's connection writer
 (`FastPath.serve_exchange` onto an `Exchange`, its `ConnectionWriter`), the plain-ASGI writer
 (`asgi_answer.answer` through `send`, its `AsgiWriter`), and the Litestar route taken with
 `fast_path: false` (a thin caller of the same). For each: an engine's failure reaches the client
@@ -9,7 +9,7 @@ fails midway is logged and broken off; a client that hangs up, before its answer
 gets nothing more and its stream (the engine's request) is closed.
 
 The gateway under them is a stand-in that answers with a given `Reply` (or error): what is
-checked is what each writer does with it, through the real `front.serve` and `Hangup`."""
+checked is what each writer does with it, through the real answer path and `Hangup`."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ class _Stream:
 
 
 class _Gateway:
-    """What `front.serve` reads of the gateway: no keys, the key's `limits` headers (none unless
+    """What the answer path reads of the gateway: no keys, the key's `limits` headers (none unless
     given), a proxy that answers `answer()`."""
 
     def __init__(self, answer: Callable[[], Awaitable[Reply]], limits: list[tuple[str, str]] | None = None) -> None:
