@@ -18,7 +18,7 @@ middleware would, when a request has it).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Coroutine
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
@@ -54,17 +54,27 @@ class FastPath:
     def max_body_bytes(self) -> int:
         return int(self.app.state["gw"].settings.max_body_bytes)
 
-    async def serve_exchange(self, ex: Exchange, watched: list[front.Hangup]) -> None:
-        """Answer one proxied request straight onto its connection (see the module's docstring)."""
-        scope = ex.scope
-        names = headers_by_name(scope["headers"])
+    def serve_exchange(self, ex: Exchange, watched: list[front.Hangup]) -> Coroutine[Any, Any, None]:
+        """What answers one proxied request straight onto its connection (see the module's
+        docstring), for the connection to run in a task: the one answer path's coroutine itself,
+        with none around it (one coroutine less on every step of the request)."""
+        names = headers_by_name(ex.scope["headers"])
         if self.proxy_headers is not None and (b"x-forwarded-for" in names or b"x-forwarded-proto" in names):
-            await self.proxy_headers(scope, _nothing, _nothing)  # type: ignore[arg-type]
+            return self._forwarded(ex, watched, names)
+        return self._answer(ex, watched, names)
+
+    def _answer(self, ex: Exchange, watched: list[front.Hangup], names: dict[bytes, bytes]) -> Coroutine[Any, Any, None]:
+        scope = ex.scope
         client = scope["client"]
         # `watched`: the connection tells the hang-up itself, so no receive is watched.
-        await answer(self.app.state["gw"], ConnectionWriter(ex), header_reader(names),
-                     client[0] if client else None, ex.read_body, _nothing, scope["path"], ex.kind,  # type: ignore[arg-type]
-                     watched, ex.task)
+        return answer(self.app.state["gw"], ConnectionWriter(ex), header_reader(names), client[0] if client else None,
+                      ex.read_body, _nothing, scope["path"], ex.kind, watched)  # type: ignore[arg-type]
+
+    async def _forwarded(self, ex: Exchange, watched: list[front.Hangup], names: dict[bytes, bytes]) -> None:
+        """A request with X-Forwarded-For: uvicorn's middleware reads it into the scope first."""
+        assert self.proxy_headers is not None
+        await self.proxy_headers(ex.scope, _nothing, _nothing)  # type: ignore[arg-type]
+        await self._answer(ex, watched, names)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = KINDS.get(scope.get("path", "")) if scope["type"] == "http" else None
