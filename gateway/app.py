@@ -20,7 +20,7 @@ from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 from litestar.handlers import HTTPRouteHandler
 from litestar.openapi import OpenAPIConfig
-from litestar.response import Stream
+from litestar.types import ASGIApp
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from fleetgate.background import stop_tasks
@@ -60,7 +60,7 @@ from gateway.errors import (
     registry_unavailable,
 )
 from gateway.fleet import FleetWatcher
-from gateway.front import front, gctune
+from gateway.front import asgi_answer, gctune
 from gateway.front.fastpath import FastPath
 from gateway.front.front_limits import FrontGuard
 from gateway.models.aliases import listed
@@ -81,9 +81,6 @@ from gateway.tenants.ratelimit import RateLimiter
 
 log = structlog.get_logger("gateway.app")
 
-SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-
-
 def _check_client(gw: Gateway, request: Request) -> None:
     gw.tenants.directory.authenticate(request.headers.get("authorization", ""))
 
@@ -91,30 +88,17 @@ def _check_client(gw: Gateway, request: Request) -> None:
 # -- OpenAI API ---------------------------------------------------------------
 
 
-async def _proxied(request: Request, state: State, path: str, kind: str) -> Response:
-    # Served by gateway/front/fastpath.py in front of Litestar; this route is the same logic for
-    # when the fast path is off, and it documents the operation in the OpenAPI schema.
-    gw = gw_of(state)
-    try:
-        reply, hangup = await front.serve(gw, request.headers.get, request.client.host if request.client else None,
-                                          request.body, request.receive, path, kind)
-    except front.ClientGone:
-        return Response(content=b"", status_code=499)  # nobody reads it
-    front.answering(request.scope, reply)  # type: ignore[arg-type]  # (a TypedDict; a key of our own goes in)
-    if reply.stream is not None:
-        await hangup.stop()  # Litestar's streaming response watches the connection itself
-        return Stream(reply.stream, status_code=reply.status, media_type="text/event-stream",
-                      headers={**dict(reply.headers), **SSE_HEADERS})
-    if reply.after is not None:  # (Litestar's background tasks would run a sync one in a thread)
-        reply.after()
-    return Response(content=reply.body, status_code=reply.status, media_type="application/json",
-                    headers=dict(reply.headers))
-
-
 def _proxy_route(path: str, kind: str) -> HTTPRouteHandler:
-    """The Litestar route of one proxied OpenAI POST route (the fast path serves the same)."""
-    async def proxied_route(request: Request, state: State) -> Response:
-        return await _proxied(request, state, path, kind)
+    """The Litestar route of one proxied OpenAI POST route: taken with `fast_path: false`, it
+    documents the operation in the OpenAPI schema and hands the request to the one answer path
+    (gateway/front/answer.py) as the fast path does, through ASGI (gateway/front/asgi_answer.py)."""
+    async def proxied_route(state: State) -> ASGIApp:
+        gw = gw_of(state)
+
+        async def answer(scope: asgi_answer.Scope, receive: asgi_answer.Receive, send: asgi_answer.Send) -> None:
+            await asgi_answer.answer(gw, scope, receive, send, kind, path)
+
+        return answer  # type: ignore[return-value]  # (Litestar's TypedDict messages: ASGI's dicts here)
 
     return post(path, status_code=200, name=f"proxy-{kind}", **proxied(kind))(proxied_route)
 

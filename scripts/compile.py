@@ -38,6 +38,7 @@ MANIFEST = ROOT / "gateway" / "_accel.json"
 # crashed the cycle collector in tests/e2e/test_connection_garbage.py).
 MODULES = (
     "gateway/front/fastpath.py",
+    "gateway/front/answer.py",
     "gateway/front/front.py",
     "gateway/front/hooks.py",
     "gateway/request/proxy.py",

@@ -1,26 +1,23 @@
-"""Answering a proxied request over plain ASGI: the fast path's other way in (gateway/front/fastpath.py).
+"""Answering a proxied request over plain ASGI: `AsgiWriter`, the one answer path's (gateway/front/answer.py)
+writer onto ASGI messages.
 
 The gateway's own connection protocol hands a proxied request to `FastPath.serve_exchange`,
-which writes the answer onto the connection itself. A proxied request that reaches the ASGI app
-instead (a query string or %-escapes in its path, or another server in front) is answered here,
-with the same logic (`front.serve`) through ASGI messages. Not on the measured request path, so
-not compiled (scripts/compile.py).
+which writes the answer onto the connection itself. A proxied request that reaches an ASGI app
+instead (a query string or %-escapes in its path, another server in front, or the Litestar route
+with `fast_path: false`) is answered by `answer` here: the same `answer.answer`, through `send`.
+Not on the measured request path, so not compiled (scripts/compile.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-import structlog
-
-from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge
+from gateway.errors import InvalidRequest, RequestTooLarge
+from gateway.front import answer as answer_path
 from gateway.front import front
-from gateway.request.reply import Reply
+from gateway.front.answer import Headers
 from gateway.request.requests import header_reader, headers_by_name
-
-log = structlog.get_logger("gateway.asgi_answer")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -28,43 +25,17 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 _JSON = (b"content-type", b"application/json")
-_STALLED = front.STALLED
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
         (b"x-accel-buffering", b"no")]
 
 
-async def answer(gw: Any, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
-    """Answer one proxied request of `kind` through `send`."""
-    try:
-        reply, hangup = await _serve(gw, scope, receive, kind)
-    except front.ClientGone:
-        return  # nobody to answer; the engine's request was closed
-    except GatewayError as exc:
-        await _send_error(send, exc)
-        return
-    except Exception:
-        log.exception("gateway.internal_error", path=scope.get("path"))
-        await _send_error(send, GatewayError("Internal error in the gateway."))
-        return
-    front.answering(scope, reply)
-    headers = [(k.encode(), v.encode()) for k, v in reply.headers]
-    if reply.stream is None:
-        headers += [_JSON, (b"content-length", str(len(reply.body)).encode())]
-        try:
-            await send({"type": "http.response.start", "status": reply.status, "headers": headers})
-            await send({"type": "http.response.body", "body": reply.body})
-        finally:
-            reply.written()
-        return
-    await _stream(reply, headers + _SSE, hangup, send, scope)
-
-
-async def _serve(gw: Any, scope: Scope, receive: Receive, kind: str) -> tuple[Reply, front.Hangup]:
-    header = header_reader(headers_by_name(scope["headers"]))
+async def answer(gw: Any, scope: Scope, receive: Receive, send: Send, kind: str, path: str | None = None) -> None:
+    """Answer one proxied request of `kind` through `send` (`path`: the route's, where it is
+    not the scope's own)."""
     client = scope.get("client")
-    return await front.serve(
-        gw, header, client[0] if client else None, lambda: _read_body(receive, gw.settings.max_body_bytes),
-        receive, scope["path"], kind,
+    await answer_path.answer(
+        gw, AsgiWriter(scope, send), header_reader(headers_by_name(scope["headers"])), client[0] if client else None,
+        lambda: _read_body(receive, gw.settings.max_body_bytes), receive, path or scope["path"], kind,
     )
 
 
@@ -84,35 +55,51 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def _stream(reply: Reply, headers: list[tuple[bytes, bytes]], hangup: front.Hangup, send: Send,
-                  scope: Scope) -> None:
-    """Relay an SSE stream; a client that hangs up cancels it (which closes the engine's request)."""
-    assert reply.stream is not None
-    stream = reply.stream
-    try:
-        await send({"type": "http.response.start", "status": reply.status, "headers": headers})
-        async for chunk in stream:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        hangup.finish()
-        await send({"type": "http.response.body", "body": b""})
-    except asyncio.CancelledError:
-        hangup.finish()
-        if hangup.absorb():  # the generator's cleanup closed the engine's request; end quietly
-            return
-        raise
-    finally:
-        await hangup.stop()
-        if _STALLED in scope:
-            await front.tell_stalled(stream)
-        await stream.aclose()  # type: ignore[attr-defined]
+def _encoded(headers: Headers) -> list[tuple[bytes, bytes]]:
+    return [(k.encode(), v.encode()) for k, v in headers]
 
 
-async def _send_error(send: Send, exc: GatewayError) -> None:
-    body = exc.body()
-    headers = [_JSON, (b"content-length", str(len(body)).encode())]
-    headers += [(k.encode(), v.encode()) for k, v in exc.headers().items()]
-    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+class AsgiWriter:
+    """Writes one answer as ASGI messages through `send` (gateway/front/answer.py's `Writer`).
+
+    Each piece of a stream waits in `pending` until `drain` sends it: `send` is a coroutine, so
+    `chunk` always asks to be drained. A stream that breaks off is left incomplete, which the
+    server answers by closing the connection (`abort` has nothing to do)."""
+
+    __slots__ = ("pending", "scope", "send")
+
+    def __init__(self, scope: Scope, send: Send) -> None:
+        self.scope = scope
+        self.send = send
+        self.pending = b""
+
+    async def whole(self, status: int, headers: Headers, body: bytes) -> None:
+        raw = [*_encoded(headers), _JSON, (b"content-length", str(len(body)).encode())]
+        await self.send({"type": "http.response.start", "status": status, "headers": raw})
+        await self.send({"type": "http.response.body", "body": body})
+
+    async def start(self, status: int, headers: Headers) -> None:
+        await self.send({"type": "http.response.start", "status": status, "headers": _encoded(headers) + _SSE})
+
+    def chunk(self, data: bytes) -> bool:
+        self.pending = data
+        return True
+
+    async def drain(self) -> None:
+        await self.send({"type": "http.response.body", "body": self.pending, "more_body": True})
+
+    async def end(self) -> None:
+        await self.send({"type": "http.response.body", "body": b""})
+
+    def abort(self) -> None:
+        return None
+
+    def answering(self, headers: list[tuple[str, str]]) -> None:
+        front.answering(self.scope, headers)
+
+    @property
+    def stalled(self) -> bool:
+        return front.STALLED in self.scope
 
 
-__all__ = ["answer"]
+__all__ = ["AsgiWriter", "answer"]

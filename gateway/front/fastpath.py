@@ -2,39 +2,37 @@
 
 The two proxied routes are the gateway's whole hot path, and Litestar's routing,
 signature model, middleware and response objects cost about a third of the CPU of a
-proxied request. This app answers the proxied POST routes (`requests.KINDS`) itself, with
-exactly the logic of the Litestar routes (`Proxy.serve`), through gateway/front/asgi_answer.py;
+proxied request. This app answers the proxied POST routes (`requests.KINDS`) itself, through
+the one answer path (gateway/front/answer.py) with its ASGI writer (gateway/front/asgi_answer.py);
 everything else (lifespan, admin, models, metrics, docs) goes to Litestar unchanged.
 
 Under the gateway's own server protocol (gateway/front/server.py) those routes skip ASGI as
-well: the protocol parses the request into an `Exchange`, and `serve_exchange` writes the
-answer's bytes to the connection itself (one write for a whole answer; for a stream, its
-head with what was relayed before the loop turned, then one per relayed piece), with no
-scope, request cycle, message dicts, header validation or proxy-headers middleware in
-between (X-Forwarded-For is honoured as that middleware would, when a request has it).
+well: the protocol parses the request into an `Exchange`, and `serve_exchange` answers it through
+the same path with the `ConnectionWriter`, which writes the answer's bytes to the connection
+itself (one write for a whole answer; for a stream, its head with what was relayed before the
+loop turned, then one per relayed piece), with no scope, request cycle, message dicts, header
+validation or proxy-headers middleware in between (X-Forwarded-For is honoured as that
+middleware would, when a request has it).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import Callable, Collection, Coroutine
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
-import structlog
 from litestar import Litestar
 
 from gateway.engines.upstream import header_lines
 from gateway.errors import GatewayError, InvalidRequest, RequestTooLarge
 from gateway.front import asgi_answer, front
+from gateway.front.answer import answer
 from gateway.front.asgi_answer import Receive, Scope, Send
 from gateway.request.requests import KINDS, header_reader, headers_by_name
 
 if TYPE_CHECKING:
     from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
-
-log = structlog.get_logger("gateway.fastpath")
-
 
 # The proxied routes by their raw path (a path with %-escapes or a query is the ASGI app's).
 _RAW_KINDS = {path.encode(): kind for path, kind in KINDS.items()}
@@ -56,37 +54,27 @@ class FastPath:
     def max_body_bytes(self) -> int:
         return int(self.app.state["gw"].settings.max_body_bytes)
 
-    async def serve_exchange(self, ex: Exchange, watched: list[front.Hangup]) -> None:
-        """Answer one proxied request straight onto its connection (see the module's docstring)."""
-        scope = ex.scope
-        names = headers_by_name(scope["headers"])
+    def serve_exchange(self, ex: Exchange, watched: list[front.Hangup]) -> Coroutine[Any, Any, None]:
+        """What answers one proxied request straight onto its connection (see the module's
+        docstring), for the connection to run in a task: the one answer path's coroutine itself,
+        with none around it (one coroutine less on every step of the request)."""
+        names = headers_by_name(ex.scope["headers"])
         if self.proxy_headers is not None and (b"x-forwarded-for" in names or b"x-forwarded-proto" in names):
-            await self.proxy_headers(scope, _nothing, _nothing)  # type: ignore[arg-type]
-        gw = self.app.state["gw"]
+            return self._forwarded(ex, watched, names)
+        return self._answer(ex, watched, names)
+
+    def _answer(self, ex: Exchange, watched: list[front.Hangup], names: dict[bytes, bytes]) -> Coroutine[Any, Any, None]:
+        scope = ex.scope
         client = scope["client"]
-        out = _Out(ex)
-        try:
-            # `watched`: the connection tells the hang-up itself, so no receive is watched.
-            reply, hangup = await front.serve(gw, header_reader(names), client[0] if client else None, ex.read_body,
-                                              _nothing, scope["path"], ex.kind, watched, ex.task)  # type: ignore[arg-type]
-        except front.ClientGone:
-            return
-        except GatewayError as exc:
-            out.whole(exc.status, _block(exc.headers().items()), exc.body())
-            return
-        except Exception:
-            log.exception("gateway.internal_error", path=scope["path"])
-            internal = GatewayError("Internal error in the gateway.")
-            out.whole(internal.status, b"", internal.body())
-            return
-        ex.answer_headers = reply.headers  # its request id, should the client stall (gateway/front/server.py)
-        headers = _block(reply.headers)
-        if reply.stream is None:
-            front.unwatch(watched, hangup)
-            out.whole(reply.status, headers, reply.body)
-            reply.written()
-            return
-        await _relay(reply.status, headers, reply.stream, out, ex, hangup, watched)
+        # `watched`: the connection tells the hang-up itself, so no receive is watched.
+        return answer(self.app.state["gw"], ConnectionWriter(ex), header_reader(names), client[0] if client else None,
+                      ex.read_body, _nothing, scope["path"], ex.kind, watched)  # type: ignore[arg-type]
+
+    async def _forwarded(self, ex: Exchange, watched: list[front.Hangup], names: dict[bytes, bytes]) -> None:
+        """A request with X-Forwarded-For: uvicorn's middleware reads it into the scope first."""
+        assert self.proxy_headers is not None
+        await self.proxy_headers(ex.scope, _nothing, _nothing)  # type: ignore[arg-type]
+        await self._answer(ex, watched, names)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = KINDS.get(scope.get("path", "")) if scope["type"] == "http" else None
@@ -95,35 +83,6 @@ class FastPath:
             await self.app(scope, receive, send)  # type: ignore[arg-type]
             return
         await asgi_answer.answer(gw, scope, receive, send, kind)  # type: ignore[arg-type]
-
-
-async def _relay(status: int, headers: bytes, stream: AsyncIterator[bytes], out: _Out, ex: Exchange,
-                 hangup: front.Hangup, watched: list[front.Hangup]) -> None:
-    """Write a stream's head, then its pieces as they come, at the client's pace; a client that
-    hangs up cancels it (which closes the engine's request)."""
-    try:
-        out.start_stream(status, headers)
-        async for chunk in stream:
-            if out.chunk(chunk):
-                await ex.flow.drain()
-        hangup.finish()
-        out.end_stream()
-    except asyncio.CancelledError:
-        hangup.finish()
-        if hangup.absorb():
-            return
-        raise
-    except Exception:  # the stream's own errors end in an SSE error event; this is a bug's
-        log.exception("gateway.internal_error", path=ex.scope["path"])
-    finally:
-        if hangup in watched:  # (the connection empties it when it goes: front.unwatch)
-            watched.remove(hangup)
-        await hangup.stop()
-        if ex.stalled:
-            await front.tell_stalled(stream)
-        await stream.aclose()  # type: ignore[attr-defined]
-        if not ex.response_complete:  # broke off mid-stream: the client must not wait on it
-            out.abort()
 
 
 async def _nothing(*_: object) -> None:
@@ -149,9 +108,10 @@ _SSE_HEAD = (b"content-type: text/event-stream\r\ncache-control: no-cache\r\nx-a
              b"transfer-encoding: chunked\r\n")
 
 
-class _Out:
-    """Writes one answer onto an `Exchange`'s connection and keeps its books as uvicorn's `send`
-    would: started, complete, keep-alive or close, and the protocol told so it reads the next request.
+class ConnectionWriter:
+    """Writes one answer onto an `Exchange`'s connection (gateway/front/answer.py's `Writer`) and
+    keeps its books as uvicorn's `send` would: started, complete, keep-alive or close, and the
+    protocol told so it reads the next request.
 
     A stream's head waits in `pending` until the task that relays it yields to the loop (a
     `call_soon`), and pieces relayed meanwhile join it: a stream that arrives in one read (a
@@ -165,14 +125,14 @@ class _Out:
         self.transport = cycle.transport
         self.pending: list[bytes] = []
 
-    def _head(self, status: int, headers: bytes) -> list[bytes]:
+    def _head(self, status: int, headers: Collection[tuple[str, str]]) -> list[bytes]:
         cycle = self.cycle
         cycle.response_started = True
         cycle.waiting_for_100_continue = False
         parts = [_STATUS.get(status) or _status_line(status)]
         for name, value in cycle.default_headers:
             parts += (name, b": ", value, b"\r\n")
-        parts.append(headers)
+        parts.append(_block(headers))
         if not cycle.keep_alive:
             parts.append(b"connection: close\r\n")
         return parts
@@ -185,7 +145,14 @@ class _Out:
             self.transport.close()
         cycle.on_response()
 
-    def whole(self, status: int, headers: bytes, body: bytes) -> None:
+    def answering(self, headers: list[tuple[str, str]]) -> None:
+        self.cycle.answer_headers = headers  # its request id, should the client stall (gateway/front/server.py)
+
+    @property
+    def stalled(self) -> bool:
+        return self.cycle.stalled
+
+    async def whole(self, status: int, headers: Collection[tuple[str, str]], body: bytes) -> None:
         if self.cycle.disconnected:
             return
         parts = self._head(status, headers)
@@ -193,7 +160,7 @@ class _Out:
         self.transport.write(b"".join(parts))
         self._complete()
 
-    def start_stream(self, status: int, headers: bytes) -> None:
+    async def start(self, status: int, headers: Collection[tuple[str, str]]) -> None:
         if self.cycle.disconnected:
             return
         parts = self._head(status, headers)
@@ -211,8 +178,7 @@ class _Out:
                 self.transport.write(data)
 
     def chunk(self, data: bytes) -> bool:
-        """Write a piece of a stream; True when the client reads slower than it comes (await
-        `flow.drain()` before the next piece)."""
+        """Write a piece of a stream; True when the client reads slower than it comes."""
         cycle = self.cycle
         if cycle.disconnected:
             return False
@@ -224,7 +190,10 @@ class _Out:
                 self.transport.write(framed)
         return cycle.flow.write_paused  # type: ignore[no-any-return]
 
-    def end_stream(self) -> None:
+    async def drain(self) -> None:
+        await self.cycle.flow.drain()
+
+    async def end(self) -> None:
         if not self.cycle.disconnected:
             if self.pending:
                 self.pending.append(b"0\r\n\r\n")
@@ -234,8 +203,11 @@ class _Out:
             self._complete()
 
     def abort(self) -> None:
-        if self.cycle.response_started and not self.cycle.disconnected:
-            self.flush()  # what was relayed goes out before the connection closes
+        """A stream broken off (no-op once complete): what was relayed goes out, then the
+        connection closes, so that the client does not wait on it."""
+        cycle = self.cycle
+        if cycle.response_started and not cycle.response_complete and not cycle.disconnected:
+            self.flush()
             self.transport.close()
 
 
@@ -248,7 +220,7 @@ class _NoEvent:
 
 class Exchange:
     """One proxied request on the gateway's connection protocol (gateway/front/server.py): its head
-    as parsed, its body as it arrives, and the books that `_Out` keeps as uvicorn's request
+    as parsed, its body as it arrives, and the books that `ConnectionWriter` keeps as uvicorn's request
     cycle would (started, complete, keep-alive or close), with no ASGI in between."""
 
     __slots__ = ("_chunks", "_error", "_limit", "_size", "_waiter", "answer_headers", "default_headers",

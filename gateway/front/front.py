@@ -1,26 +1,23 @@
-"""What both request paths (the raw ASGI fast path and Litestar's routes) do around the proxy.
+"""The client's side of a proxied request: its hang-up (`Hangup`) and its stall.
 
-Check the API key (gateway/tenants/tenants.py), count the client against its rate limit, read the body, then serve,
-while watching the client's connection: a client that hangs up before its answer is
-ready cancels the work, which closes the engine's request (an engine generates on for
-nobody otherwise; vLLM and the simulator abort a request whose connection closes). The
-connection is watched from `WATCH_AFTER_S` into the request on, so a fast answer costs no task
-(under the gateway's own server protocol, gateway/front/server.py, nothing is watched: the protocol
-tells the request's `Hangup` when its connection closes, at once). A
-request refused here (401, 429, 413) is logged and counted like every other answer.
+A client that hangs up before its answer is ready cancels the work, which closes the engine's
+request (an engine generates on for nobody otherwise; vLLM and the simulator abort a request
+whose connection closes). The connection is watched from `WATCH_AFTER_S` into the request on,
+so a fast answer costs no task (under the gateway's own server protocol, gateway/front/server.py,
+nothing is watched: the protocol tells the request's `Hangup` when its connection closes, at
+once). A client that stops reading is closed by its connection at send_timeout_s
+(gateway/front/server.py), which tells its stream (`tell_stalled`). The one answer path
+(gateway/front/answer.py) uses both.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, MutableMapping
 from typing import Any
 
-from gateway.errors import GatewayError
 from gateway.request.relay import ClientStalled
-from gateway.request.reply import Reply
 
 Receive = Callable[[], Awaitable[Mapping[str, Any]]]
 
@@ -99,48 +96,6 @@ class Hangup:
         return True
 
 
-async def serve(
-    gw: Any, header: Callable[[str], str | None], client_host: str | None, read_body: Callable[[], Awaitable[bytes]],
-    receive: Receive, path: str, kind: str, watched: list[Hangup] | None = None,
-    task: asyncio.Task[Any] | None = None,
-) -> tuple[Reply, Hangup]:
-    """Admit and serve one proxied request. The Hangup keeps watching a streamed answer; it is
-    stopped for a whole one. ClientGone if the client hung up first. `watched`: the server's
-    list of its connection's hang-up watches, which it tells itself when the connection closes
-    (then no watcher runs). `task`: the task serving it, where the caller knows it."""
-    started = time.perf_counter()
-    key_id = ""
-    try:
-        tenant = gw.tenants.directory.authenticate(header("authorization") or "")
-        key_id = tenant.id if tenant is not None else ""
-        limits = await gw.limiter.admit(key_id, client_host)
-        body = await read_body()
-    except GatewayError as exc:
-        gw.proxy.refused(exc, header, key_id, started)
-        raise
-    hangup = Hangup(receive, watch=watched is None, task=task)
-    if watched is not None:
-        watched.append(hangup)
-    try:
-        reply: Reply = await gw.proxy.serve(body, header, path, kind, key_id, tenant)
-    except asyncio.CancelledError:
-        hangup.finish()
-        unwatch(watched, hangup)
-        if hangup.absorb():
-            raise ClientGone from None
-        raise
-    except BaseException:
-        unwatch(watched, hangup)
-        await hangup.stop()
-        raise
-    if limits:  # the key's own limits' headers (gateway/tenants/quota.py), when it has any, come first
-        have = {name for name, _ in reply.headers}
-        reply.headers.extend(h for h in limits if h[0] not in have)
-    if reply.stream is None:
-        await hangup.stop()
-    return reply, hangup
-
-
 def unwatch(watched: list[Hangup] | None, hangup: Hangup) -> None:
     """Take `hangup` off its connection's list, unless the connection went first (it empties
     the list as it tells each of them: gateway/front/server.py)."""
@@ -156,9 +111,9 @@ ANSWER_HEADERS = "fleetgate.answer_headers"
 STALLED = "fleetgate.stalled"
 
 
-def answering(scope: MutableMapping[str, Any], reply: Reply) -> None:
-    """The answer to `scope`'s request is `reply` (its id is looked up only if the client stalls)."""
-    scope[ANSWER_HEADERS] = reply.headers
+def answering(scope: MutableMapping[str, Any], headers: list[tuple[str, str]]) -> None:
+    """The answer to `scope`'s request has `headers` (its id is looked up only if the client stalls)."""
+    scope[ANSWER_HEADERS] = headers
 
 
 def request_id_in(headers: Iterable[tuple[str, str]] | None) -> str | None:

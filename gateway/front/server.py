@@ -3,7 +3,8 @@
 A request for a proxied route (POST /v1/chat/completions, /v1/completions and the others of
 `gateway.request.requests.KINDS`, by their raw path) becomes an `Exchange` (gateway/front/fastpath.py):
 its head as httptools parsed it, its body as it arrives, served by
-`FastPath.serve_exchange`, which writes the answer onto the connection itself. No ASGI
+`FastPath.serve_exchange` through the one answer path (gateway/front/answer.py) with a
+`ConnectionWriter`, which writes the answer onto the connection itself. No ASGI
 scope, request cycle, message dicts or body event per request. The parser's callbacks
 and the transport's reads go to `Hooks` (gateway/front/hooks.py, compiled), not to uvicorn's
 interpreted callbacks. Every other request (and a
@@ -24,7 +25,7 @@ request. The parser hooks refuse a head over its limits (414, 431); a connection
 max_connections is answered 503 and closed as it opens.
 
 Every answer leaves through this connection's one transport, whichever writes it (the fast
-path's `_Out`, uvicorn's request cycle for the ASGI app and Litestar, a refusal), so the
+path's `ConnectionWriter`, uvicorn's request cycle for the ASGI app and Litestar, a refusal), so the
 send limit is kept here, on the transport's flow control, not per write: the transport
 calls `pause_writing` when its buffer passes its high-water mark (the client reads slower
 than the answer comes) and `resume_writing` once it drains. A timer is armed on the pause

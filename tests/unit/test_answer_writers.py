@@ -1,13 +1,15 @@
-"""Each writer of a proxied request's answer, driven through the answer path that feeds it
-(`front.serve`, then the writer's own code): the gateway's connection writer
-(`FastPath.serve_exchange` onto an `Exchange`) and the plain-ASGI writer (`asgi_answer.answer`
-through `send`). For each: an engine's failure reaches the client as the error tree's answer, a
-whole answer runs its bookkeeping once written, a stream goes out head, events and end, and a
-client that hangs up, before its answer or mid-stream, gets nothing more and its stream (the
-engine's request) is closed.
+"""Each writer of a proxied request's answer, driven through the one answer path
+(gateway/front/answer.py: admission and the proxy, then the writer): the gateway's connection writer
+(`FastPath.serve_exchange` onto an `Exchange`, its `ConnectionWriter`), the plain-ASGI writer
+(`asgi_answer.answer` through `send`, its `AsgiWriter`), and the Litestar route taken with
+`fast_path: false` (a thin caller of the same). For each: an engine's failure reaches the client
+as the error tree's answer, and a bug as a logged 500; a whole answer runs its bookkeeping once
+written and carries the key's limit headers; a stream goes out head, events and end, and one that
+fails midway is logged and broken off; a client that hangs up, before its answer or mid-stream,
+gets nothing more and its stream (the engine's request) is closed.
 
 The gateway under them is a stand-in that answers with a given `Reply` (or error): what is
-checked is what each writer does with it, through the real `front.serve` and `Hangup`."""
+checked is what each writer does with it, through the real answer path and `Hangup`."""
 
 from __future__ import annotations
 
@@ -17,9 +19,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import msgspec
+import pytest
+import structlog
 from litestar import Litestar
+from litestar.datastructures import State
 
-from gateway.errors import UpstreamError
+from gateway.app import _proxy_route
+from gateway.errors import RateLimited, UpstreamError
 from gateway.front import asgi_answer
 from gateway.front.fastpath import Exchange, FastPath
 from gateway.request.reply import Reply
@@ -34,8 +40,8 @@ class _Stream:
     """An engine's stream as the relay yields it: `events`, then (with `hold`) a wait that only
     a cancellation ends. `closed`: the generator was closed (the engine's request with it)."""
 
-    def __init__(self, events: list[bytes], hold: bool = False) -> None:
-        self.events, self.hold, self.closed = events, hold, False
+    def __init__(self, events: list[bytes], hold: bool = False, fail: bool = False) -> None:
+        self.events, self.hold, self.fail, self.closed = events, hold, fail, False
         self.sent = asyncio.Event()
 
     async def run(self) -> AsyncIterator[bytes]:
@@ -45,15 +51,19 @@ class _Stream:
             self.sent.set()
             if self.hold:
                 await asyncio.Event().wait()
+            if self.fail:
+                raise RuntimeError("a bug in the relay")
         finally:
             self.closed = True
 
 
 class _Gateway:
-    """What `front.serve` reads of the gateway: no keys, no limits, a proxy that answers `answer()`."""
+    """What the answer path reads of the gateway: no keys, the key's `limits` headers (none unless
+    given), a proxy that answers `answer()`."""
 
-    def __init__(self, answer: Callable[[], Awaitable[Reply]]) -> None:
+    def __init__(self, answer: Callable[[], Awaitable[Reply]], limits: list[tuple[str, str]] | None = None) -> None:
         self.answer = answer
+        self.limits = limits or []
         self.bodies: list[bytes] = []
         self.refused: list[Exception] = []
         self.settings = SimpleNamespace(max_body_bytes=1 << 20)
@@ -61,9 +71,8 @@ class _Gateway:
         self.limiter = SimpleNamespace(admit=self._admit)
         self.proxy = SimpleNamespace(serve=self._serve, refused=lambda exc, *_: self.refused.append(exc))
 
-    @staticmethod
-    async def _admit(key_id: str, host: str | None) -> list[tuple[str, str]]:
-        return []
+    async def _admit(self, key_id: str, host: str | None) -> list[tuple[str, str]]:
+        return self.limits
 
     async def _serve(self, body: bytes, header: Callable[[str], str | None], path: str, kind: str,
                      key_id: str = "", tenant: Any = None) -> Reply:
@@ -308,3 +317,95 @@ def test_asgi_writer_sends_nothing_to_a_client_gone_before_its_answer() -> None:
         return asgi
 
     assert asyncio.run(main()).sent == []
+
+
+# -- every writer through the one answer path (gateway/front/answer.py) --------------------------
+
+
+class _Litestar(_Asgi):
+    """The Litestar route of `fast_path: false` (gateway/app.py), served as ASGI: a thin caller of
+    the same answer path, through the ASGI writer."""
+
+    async def answer(self) -> None:
+        app = Litestar(route_handlers=[_proxy_route(PATH, "chat")], state=State({"gw": self.gw}))
+        scope = {**self.scope, "query_string": b"", "root_path": "", "raw_path": PATH.encode(),
+                 "scheme": "http", "server": ("127.0.0.1", 8000), "http_version": "1.1", "asgi": {"version": "3.0"}}
+        await app(scope, self.receive, self.send)  # type: ignore[arg-type]
+
+
+WRITERS = ["connection", "asgi", "litestar"]
+
+
+async def _answered(writer: str, gw: _Gateway) -> tuple[int, dict[str, str], bytes]:
+    """A whole answer as its client sees it, through `writer`: status, headers, body."""
+    if writer == "connection":
+        conn = _Connection(gw)
+        await conn.start()
+        head, body = conn.head_and_body()
+        status_line, *lines = head.decode().split("\r\n")
+        assert conn.answered == [1]
+        return int(status_line.split()[1]), dict(line.split(": ", 1) for line in lines), body
+    asgi = (_Asgi if writer == "asgi" else _Litestar)(gw)
+    await asgi.answer()
+    assert not asgi.sent[-1].get("more_body", False)
+    return asgi.status(), {k.decode(): v.decode() for k, v in asgi.sent[0]["headers"]}, asgi.body()
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+def test_every_writer_renders_the_error_tree_alike(writer: str) -> None:
+    limited = RateLimited("Too many requests.", retry_after=2.2, limit_headers={"x-ratelimit-limit-requests": "10"})
+    status, headers, body = asyncio.run(_answered(writer, _Gateway(_raise(limited))))
+    assert status == 429 and body == limited.body()
+    assert headers["retry-after"] == "2" and headers["x-ratelimit-limit-requests"] == "10"
+    assert headers["content-type"] == "application/json" and headers["content-length"] == str(len(body))
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+def test_every_writer_answers_a_bug_with_a_logged_500(writer: str) -> None:
+    with structlog.testing.capture_logs() as logs:
+        status, _, body = asyncio.run(_answered(writer, _Gateway(_raise(RuntimeError("a bug: secret")))))
+    error = msgspec.json.decode(body)["error"]
+    assert status == 500 and error["code"] == "internal_error" and b"secret" not in body
+    assert [(e["event"], e["path"]) for e in logs if e["log_level"] == "error"] == [("gateway.internal_error", PATH)]
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+def test_every_writer_gives_the_keys_limit_headers_with_a_whole_answer(writer: str) -> None:
+    """The key's limit headers join the answer's; a header the answer has itself is not repeated."""
+    reply = Reply(200, [("x-fleetgate-worker", "w1")], body=b'{"id":"a"}')
+    gw = _Gateway(_reply(reply), limits=[("x-ratelimit-remaining-requests", "9"), ("x-fleetgate-worker", "other")])
+    status, headers, body = asyncio.run(_answered(writer, gw))
+    assert status == 200 and body == b'{"id":"a"}'
+    assert headers["x-ratelimit-remaining-requests"] == "9" and headers["x-fleetgate-worker"] == "w1"
+
+
+@pytest.mark.parametrize("writer", ["asgi", "litestar"])
+def test_an_asgi_writer_relays_a_stream_and_breaks_off_one_that_fails(writer: str) -> None:
+    async def main(fail: bool) -> tuple[_Asgi, _Stream]:
+        stream = _Stream([b"data: a\n\n"], fail=fail)
+        asgi = (_Asgi if writer == "asgi" else _Litestar)(_Gateway(_reply(Reply(200, [], stream=stream.run()))))
+        await asgi.answer()
+        return asgi, stream
+
+    asgi, stream = asyncio.run(main(fail=False))
+    assert asgi.status() == 200 and (b"content-type", b"text/event-stream") in asgi.sent[0]["headers"]
+    assert [m.get("body") for m in asgi.sent[1:]] == [b"data: a\n\n", b""] and stream.closed
+    with structlog.testing.capture_logs() as logs:
+        asgi, stream = asyncio.run(main(fail=True))
+    assert [m.get("body") for m in asgi.sent[1:]] == [b"data: a\n\n"]  # no end: the server closes it
+    assert stream.closed and [e["event"] for e in logs] == ["gateway.internal_error"]
+
+
+def test_connection_writer_breaks_off_a_stream_that_fails_midway() -> None:
+    """What was relayed goes out, then the connection closes: the client does not wait on it."""
+    async def main() -> tuple[_Connection, _Stream]:
+        stream = _Stream([b"data: a\n\n"], fail=True)
+        conn = _Connection(_Gateway(_reply(Reply(200, [], stream=stream.run()))))
+        await conn.start()
+        return conn, stream
+
+    with structlog.testing.capture_logs() as logs:
+        conn, stream = asyncio.run(main())
+    _, body = conn.head_and_body()
+    assert body == b"9\r\ndata: a\n\n\r\n" and conn.transport.closed and conn.answered == []
+    assert stream.closed and conn.watched == [] and [e["event"] for e in logs] == ["gateway.internal_error"]

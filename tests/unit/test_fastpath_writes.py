@@ -2,14 +2,14 @@
 goes out in one write (head, events, end), a paced one piece by piece, and a stream broken
 off still sends what was relayed before the connection closes.
 
-The transport here records writes: what is checked is how `_Out` groups its bytes into
+The transport here records writes: what is checked is how `ConnectionWriter` groups its bytes into
 writes, which a real socket would hide (loopback TCP may merge or split segments)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from gateway.front.fastpath import Exchange, _Out
+from gateway.front.fastpath import ConnectionWriter, Exchange
 from tests.unit.test_server import Recorder as _Transport
 
 
@@ -36,11 +36,11 @@ def test_a_stream_relayed_in_one_turn_leaves_in_one_write() -> None:
     async def main() -> list[bytes]:
         transport = _Transport()
         ex, answered = _exchange(transport)
-        out = _Out(ex)
-        out.start_stream(200, b"x-a: 1\r\n")
+        out = ConnectionWriter(ex)
+        await out.start(200, [("x-a", "1")])
         assert out.chunk(b"data: a\n\n") is False
         out.chunk(b"data: [DONE]\n\n")
-        out.end_stream()
+        await out.end()
         assert answered == [1] and ex.response_complete
         await asyncio.sleep(0)  # the scheduled flush finds nothing left
         return transport.writes
@@ -54,15 +54,15 @@ def test_a_paced_stream_writes_its_head_when_the_loop_turns_then_each_piece() ->
     async def main() -> list[bytes]:
         transport = _Transport()
         ex, _ = _exchange(transport)
-        out = _Out(ex)
-        out.start_stream(200, b"x-a: 1\r\n")
+        out = ConnectionWriter(ex)
+        await out.start(200, [("x-a", "1")])
         assert transport.writes == []
         await asyncio.sleep(0)  # the relaying task waits for the engine: the head goes out
         assert len(transport.writes) == 1
         out.chunk(b"data: a\n\n")
         await asyncio.sleep(0)
         out.chunk(b"data: b\n\n")
-        out.end_stream()
+        await out.end()
         return transport.writes
 
     writes = asyncio.run(main())
@@ -75,8 +75,8 @@ def test_a_stream_broken_off_sends_what_was_relayed_then_closes() -> None:
     async def main() -> _Transport:
         transport = _Transport()
         ex, answered = _exchange(transport)
-        out = _Out(ex)
-        out.start_stream(200, b"x-a: 1\r\n")
+        out = ConnectionWriter(ex)
+        await out.start(200, [("x-a", "1")])
         out.chunk(b"data: a\n\n")
         out.abort()
         await asyncio.sleep(0)
@@ -92,13 +92,13 @@ def test_nothing_is_written_to_a_client_that_left() -> None:
     async def main() -> list[bytes]:
         transport = _Transport()
         ex, _ = _exchange(transport)
-        out = _Out(ex)
-        out.start_stream(200, b"x-a: 1\r\n")
+        out = ConnectionWriter(ex)
+        await out.start(200, [("x-a", "1")])
         out.chunk(b"data: a\n\n")
         ex.lost()
         await asyncio.sleep(0)
         out.chunk(b"data: b\n\n")
-        out.end_stream()
+        await out.end()
         return transport.writes
 
     assert asyncio.run(main()) == []
