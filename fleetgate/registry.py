@@ -190,8 +190,9 @@ class Registry(SharedAccounts):
     # -- reader side --------------------------------------------------------
 
     async def read_all(self, rejected: dict[str, str] | None = None) -> list[WorkerView]:
-        """Every live worker. Ids whose record expired are pruned from the index; those whose
-        record is not signed with the registration secret go into `rejected` (id -> why)."""
+        """Every live worker. Ids whose record expired are pruned from the index (unless its
+        agent registered again meanwhile: `prune_index`); those whose record is not signed
+        with the registration secret go into `rejected` (id -> why)."""
         members = await self.redis.smembers(self.keys.workers)  # type: ignore[misc]
         ids = sorted(m.decode() if isinstance(m, bytes) else str(m) for m in members)
         if not ids:
@@ -214,7 +215,7 @@ class Registry(SharedAccounts):
             if view is not None:
                 views.append(view)
         if gone:
-            await self.redis.srem(self.keys.workers, *gone)
+            await self.prune_index(self.keys.workers, self.keys.worker, gone)
         return views
 
     async def read(self, worker_id: str) -> WorkerView | None:

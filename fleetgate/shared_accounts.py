@@ -44,6 +44,18 @@ _UNLOCK = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+
+# Removes from an index (a SET of ids) the ids whose record is gone, checked here and now:
+# one registered again since the reader saw it gone stays (its agent's heartbeats find the
+# record and never register it again, so a lost id would hide a live record for good).
+# KEYS[1] = index; KEYS[i + 1] = the record of id ARGV[i]. Returns how many ids it removed.
+_PRUNE = """
+local removed = 0
+for i = 1, #ARGV do
+  if redis.call('EXISTS', KEYS[i + 1]) == 0 then removed = removed + redis.call('SREM', KEYS[1], ARGV[i]) end
+end
+return removed
+"""
 _LORA_USED_TTL_MS = 3_600_000
 
 
@@ -55,6 +67,11 @@ class SharedAccounts:
         self.keys = keys
         self._take = redis.register_script(_TAKE)
         self._unlock = redis.register_script(_UNLOCK)
+        self._prune = redis.register_script(_PRUNE)
+
+    async def prune_index(self, index: str, record: Callable[[str], str], ids: Sequence[str]) -> int:
+        """Remove from `index` those of `ids` (read gone) whose `record(id)` is still gone."""
+        return int(await self._prune(keys=[index, *(record(i) for i in ids)], args=list(ids)))
 
     # -- in-flight counts shared by gateway replicas --------------------------------
 
@@ -85,7 +102,7 @@ class SharedAccounts:
                 if name != LEASE_FIELD:
                     total[name] = total.get(name, 0) + int(n)
         if dead:
-            await self.redis.srem(self.keys.gateways, *dead)
+            await self.prune_index(self.keys.gateways, self.keys.inflight, dead)
         return total
 
     async def _peer_hashes(self, exclude_gateway: str, key: Callable[[str], str]) -> list[tuple[str, dict[Any, Any]]]:

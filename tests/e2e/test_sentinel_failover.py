@@ -248,6 +248,40 @@ def test_follow_master_moves_every_connection_after_a_switchover(group: Sentinel
     assert not landed_on_old and data == b"w9"
 
 
+def test_follow_master_closes_a_connection_that_reached_the_old_master_after_the_move(
+        group: SentinelGroup) -> None:
+    """A connection that reached the old master after `follow_master` moved the client (a
+    command retried on a sentinel's stale answer, or a connect begun before the move and
+    finished after it: common on a loaded machine) is closed by the next call,
+    which the sentinels' unchanged answer alone would not do: its commands would land on a
+    master nobody else writes to, for the ~11 s until it is demoted."""
+
+    async def go() -> tuple[str, bool, bool]:
+        redis_client = connect(group.url)
+        registry = Registry(redis_client, "late-test")
+        try:
+            await registry.set_state("nobody", "ready")  # connects (to the old master)
+            old, new = group.master_port, group.replica_ports[0]
+            group.switchover()
+            await asyncio.to_thread(wait_until, lambda: group.master_by_sentinels() == {new}, 15)
+            assert await registry.follow_master() == f"127.0.0.1:{new}"
+            pool = redis_client.connection_pool
+            late = await pool.get_connection()
+            await late.disconnect()
+            await late.connect_to(("127.0.0.1", old))  # what the race leaves in the pool
+            await pool.release(late)
+            moved = await registry.follow_master()
+            await redis_client.set("late-test:probe", "1")  # on the last connection released
+            with redis.Redis(port=old) as on_old, redis.Redis(port=new) as on_new:
+                return moved, bool(on_old.exists("late-test:probe")), bool(on_new.exists("late-test:probe"))
+        finally:
+            await redis_client.aclose()
+
+    moved, landed_on_old, landed_on_new = asyncio.run(go())
+    assert not landed_on_old and landed_on_new
+    assert moved == f"127.0.0.1:{group.master_by_sentinels().pop()}"
+
+
 def test_failovers_under_load_lose_nothing(group: SentinelGroup, tmp_path: Path) -> None:
     """Three failovers under steady streaming and whole-request load, 0 failed requests each:
     (1) SIGKILL the master, sentinels quick to act (down-after 1 s); the old master then rejoins

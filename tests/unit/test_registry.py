@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -51,6 +52,42 @@ async def test_record_expires_without_heartbeats_and_index_is_pruned(registry: R
     await asyncio.sleep(0.8)
     assert await registry.read_all() == []
     assert await registry.redis.scard(registry.keys.workers) == 0
+
+
+async def test_a_record_registered_again_while_a_reader_prunes_it_stays_indexed(
+    registry: Registry, redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader that found a record expired (a failover outlasted its TTL) prunes its id only
+    if it is still gone: an agent that registered again in between, its heartbeats answered
+    "ok" from then on (so it never registers again), stays in the index and in the fleet."""
+    await registry.register(info(), "ready")
+    await registry.redis.delete(registry.keys.worker("w1"))  # expired on the promoted replica
+    agent_redis = connect(redis_url)
+    agent = Registry(agent_redis, prefix, heartbeat_ttl_s=5)
+    real_pipeline = registry.redis.pipeline
+
+    def pipeline(*args: Any, **kwargs: Any) -> Any:
+        # The reader's round trip has found the record gone; the agent registers it again
+        # before the reader prunes (the gap is wide on a loaded machine).
+        pipe = real_pipeline(*args, **kwargs)
+        execute = pipe.execute
+
+        async def execute_then_register(*a: Any, **kw: Any) -> Any:
+            rows = await execute(*a, **kw)
+            monkeypatch.setattr(registry.redis, "pipeline", real_pipeline)  # once
+            await agent.register(info(), "ready")
+            return rows
+
+        monkeypatch.setattr(pipe, "execute", execute_then_register)
+        return pipe
+
+    monkeypatch.setattr(registry.redis, "pipeline", pipeline)
+    try:
+        assert await registry.read_all() == []  # it read the record gone
+        assert await agent.heartbeat("w1", Load()) == "ok"  # so the agent registers no more
+        assert [v.id for v in await registry.read_all()] == ["w1"]
+    finally:
+        await agent_redis.aclose()
 
 
 async def test_heartbeat_after_expiry_reports_missing_and_does_not_recreate(registry: Registry) -> None:
