@@ -321,7 +321,21 @@ class Fleet:
             return all(workers.get(i, {}).get("state") == "ready" for i in ids)
 
         wait_until(ready, timeout=timeout, interval=0.2)
-        time.sleep(0.2)  # let the gateway's snapshot catch up with the registry
+        self.wait_snapshot(gateway_url, since=time.time(), timeout=timeout)
+
+    @staticmethod
+    def wait_snapshot(gateway_url: str, since: float, timeout: float = 30.0) -> None:
+        """Wait until the gateway routes on a snapshot of the registry read after `since` (Unix
+        time): what the registry held then, the gateway now routes on. Its re-read follows a
+        registry event at once, or its refresh interval, longer after Redis was away (backoff)."""
+
+        def fresh() -> bool:
+            asked = time.time()  # the gateway answers later: a read before `since` is never taken
+            health = httpx.get(f"{gateway_url}/health", timeout=5).json()
+            age = health.get("snapshot_age_s")
+            return health.get("status") == "ok" and age is not None and asked - age > since
+
+        wait_until(fresh, timeout=timeout, interval=0.05)
 
     def close(self) -> None:
         for proc in reversed(self.procs):

@@ -270,7 +270,7 @@ def test_hung_engine_leaves_routing_within_seconds_and_comes_back(fleet_factory)
     try:
         wait_until(lambda: fleet.workers(url)["a"]["state"] == "unhealthy", timeout=8, interval=0.1)
         out_s = time.monotonic() - stopped
-        time.sleep(0.3)  # the gateway's snapshot follows the registry's event
+        fleet.wait_snapshot(url, since=time.time())  # the gateway routes on what the registry says now
         with httpx.Client(base_url=url, timeout=10) as client:
             for i in range(16):
                 started = time.monotonic()
