@@ -1,5 +1,6 @@
-"""The gateway's admin API as every `fleetgate` command calls it: one client, one error
-(`CliError`, whose message is the whole report), one way to fail a command."""
+"""The gateway's admin API as every control-plane tool calls it (the `fleetgate` commands and
+the autoscaler, fleetgate_tools/autoscale_loop.py): one client, one error (`CliError`, whose
+message is the whole report), one way to fail a command."""
 
 from __future__ import annotations
 
@@ -22,12 +23,23 @@ def fail(message: str) -> NoReturn:
 
 
 class Admin:
-    """The gateway's admin API; every transport or HTTP failure becomes one CliError."""
+    """The gateway's admin API; every transport or HTTP failure becomes one CliError. Its
+    connections are kept between calls (a long-lived caller, the autoscaler); `close` them."""
 
     def __init__(self, url: str, token: str, timeout: float = 10.0) -> None:
         self.url = url.rstrip("/")
         self.token = token
         self.timeout = timeout
+        self._http = httpx.Client(timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Admin:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def call(self, method: str, path: str, body: Any = None) -> Any:
         if not self.token:
@@ -53,7 +65,7 @@ class Admin:
     def _send(self, method: str, path: str, headers: dict[str, str], body: Any = None) -> httpx.Response:
         url = self.url + path
         try:
-            return httpx.request(method, url, headers=headers, json=body, timeout=self.timeout)
+            return self._http.request(method, url, headers=headers, json=body)
         except httpx.TimeoutException:
             raise CliError(
                 f"the gateway at {url} did not answer within {self.timeout:g} s: is it overloaded "
@@ -91,6 +103,7 @@ def _error_message(resp: httpx.Response) -> str:
 def call(gateway: str, token: str, method: str, path: str, body: Any = None) -> Any:
     """One admin call for a command: its JSON answer, or the command fails with the report."""
     try:
-        return Admin(gateway, token).call(method, path, body)
+        with Admin(gateway, token) as admin:
+            return admin.call(method, path, body)
     except CliError as exc:
         fail(str(exc))

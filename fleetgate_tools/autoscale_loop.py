@@ -32,12 +32,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import httpx
 import msgspec
 import structlog
 
 from fleetgate.background import Outage
 from fleetgate.net import free_port
+from fleetgate_tools.admin_client import Admin, CliError
 from fleetgate_tools.autoscale import History, Observed, Policy, decide
 
 log = structlog.get_logger("fleetgate.autoscale")
@@ -141,8 +141,7 @@ class Autoscaler:
             check_template(opts.stop)
         self.opts = opts
         self.clock = clock
-        self.http = httpx.Client(base_url=opts.gateway.rstrip("/"), timeout=5.0,
-                                 headers={"authorization": f"Bearer {opts.token}"})
+        self.admin = Admin(opts.gateway, opts.token, timeout=5.0)
         self.history: dict[str, History] = {m: History() for m in opts.policies}
         self.launched: dict[str, Launched] = {}
         self.retiring: dict[str, Retiring] = {}
@@ -156,10 +155,8 @@ class Autoscaler:
 
     def read(self) -> dict[str, SignalModel] | None:
         try:
-            resp = self.http.get("/admin/scaling")
-            resp.raise_for_status()
-            signal_ = msgspec.json.decode(resp.content, type=Signal)
-        except (httpx.HTTPError, msgspec.DecodeError) as exc:
+            signal_ = msgspec.convert(self.admin.call("GET", "/admin/scaling"), Signal)
+        except (CliError, msgspec.ValidationError) as exc:
             self._outage.failed(exc)
             return None
         self._outage.ok()
@@ -227,7 +224,7 @@ class Autoscaler:
                 self.tick()
                 time.sleep(max(0.0, self.opts.interval_s - (self.clock() - began)))
         finally:
-            self.http.close()
+            self.admin.close()
             log.info("autoscale.stopped", left_running=sorted(self.launched))
 
     # -- up ------------------------------------------------------------------------------------
@@ -348,12 +345,9 @@ class Autoscaler:
 
     def _admin(self, method: str, path: str) -> bool:
         try:
-            resp = self.http.request(method, path)
-        except httpx.HTTPError as exc:
-            log.warning("autoscale.admin_failed", path=path, error=str(exc) or repr(exc))
-            return False
-        if resp.status_code >= 400:
-            log.warning("autoscale.admin_failed", path=path, status=resp.status_code, body=resp.text[:200])
+            self.admin.call(method, path)
+        except CliError as exc:
+            log.warning("autoscale.admin_failed", path=path, error=str(exc))
             return False
         return True
 
