@@ -44,8 +44,10 @@ app = typer.Typer(
 WorkerId = Annotated[str, typer.Argument(help="Worker id, as `fleetgate status` shows it.")]
 
 
-def _admin(gateway: str, token: str) -> Admin:
-    return Admin(gateway, token)
+def _call(gateway: str, token: str, method: str, path: str) -> Any:
+    """One admin call; its client's connections are closed afterwards."""
+    with Admin(gateway, token) as admin:
+        return admin.call(method, path)
 
 
 # -- commands ---------------------------------------------------------------------------
@@ -101,7 +103,7 @@ def status(
 ) -> None:
     """Show every registered worker: state, engine, model, adapters, GPU and load."""
     try:
-        workers = _admin(gateway, token).call("GET", "/admin/workers")["data"]
+        workers = _call(gateway, token, "GET", "/admin/workers")["data"]
     except CliError as exc:
         _fail(str(exc))
     if json:
@@ -123,7 +125,7 @@ def _write(action: str, worker_id: str, gateway: str, token: str) -> None:
         "POST", f"/admin/workers/{worker_id}/{action}"
     )
     try:
-        _admin(gateway, token).call(method, path)
+        _call(gateway, token, method, path)
     except CliError as exc:
         _fail(str(exc))
     out.print(f"{worker_id}: {action} done")
