@@ -164,10 +164,9 @@ class FleetPolicy:
 
         "kv-spread": where every worker's holdings are known, nobody holds clearly more than
         the home, and a worker that holds as much (within the margin) is clearly less loaded
-        (`spill_margin`) and queues no more by its engine's report: the home has nothing of
-        this prompt that the other lacks (a conversation whose turns every cache evicted, a
-        system prompt every engine holds), so keeping it home only queues it there; it goes
-        to the least loaded of them."""
+        (`spill_margin`): the home has nothing of this prompt that the other lacks (a
+        conversation whose turns every cache evicted, a system prompt every engine holds), so
+        keeping it home only queues it there; it goes to the least loaded of them."""
         held = facts.cached
         if home is None:
             known = 0
@@ -183,8 +182,7 @@ class FleetPolicy:
         if home is None or second is not None or len(held) < len(scored):
             return None
         bar = home[0] * (1.0 - self.opts.spill_margin)
-        queue = home[2].waiting  # a prefill-bound engine queues with its KV half empty
-        peers = [x for x in scored if x[0] < bar and x[2].waiting <= queue and held.get(x[1], 0) > known - margin
+        peers = [x for x in scored if x[0] < bar and held.get(x[1], 0) > known - margin
                  and not self.saturated(x[2], live)]
         return (min(peers), "kv-spread") if peers else None
 

@@ -13,10 +13,10 @@ POLICY = make_policy("fleet")
 KEY = stable_hash("system prompt A")
 
 
-def kvw(wid: str, waiting: int = 0) -> WorkerView:
+def kvw(wid: str) -> WorkerView:
     return WorkerView(
         info=WorkerInfo(id=wid, url=f"http://{wid}", engine="sim", model="base", capacity=100, kv_tokens=50_000),
-        state="ready", load=Load(waiting=waiting), id_hash=stable_hash(wid),
+        state="ready", load=Load(), id_hash=stable_hash(wid),
     )
 
 
@@ -90,16 +90,3 @@ def test_the_fallback_choices_follow_the_holder() -> None:
     decision = decide(Routes.build(FLEET), f, Live({"c": 50}), POLICY, limit=3)
     assert [(c.worker.id, c.reason) for c in decision.choices] == [
         ("b", "kv-hit"), ("a", "least-load"), ("c", "least-load")]
-
-
-def test_no_spread_to_an_engine_that_reports_a_longer_queue() -> None:
-    """A prefill-bound engine queues with its KV cache half empty: fewer of the gateway's requests
-    in flight there is no reason to send it more while its engine reports more waiting."""
-    f = RequestFacts("base", prompt_tokens=3500, affinity_key=KEY, affinity_kind="prefix", home="a",
-                     cached={"a": 1000, "b": 1000, "c": 1000})
-    account = Live({"a": 40, "b": 20, "c": 20})
-    queued = (kvw("a", waiting=2), kvw("b", waiting=5), kvw("c", waiting=3))
-    assert decide(Routes.build(queued), f, account, POLICY).choices[0].reason == "prefix-hit"
-    shorter = (kvw("a", waiting=2), kvw("b", waiting=5), kvw("c", waiting=1))
-    choice = decide(Routes.build(shorter), f, account, POLICY).choices[0]
-    assert (choice.worker.id, choice.reason) == ("c", "kv-spread")
