@@ -116,8 +116,7 @@ class PrefixCache:
 
     def held(self, slots: Sequence[Slot], counter: TokenCounter, probe: Probe) -> tuple[int | None, dict[str, int]]:
         """(the prompt's exact token count, or None; worker -> prompt tokens its engine holds,
-        for every worker whose index can be trusted, 0 where it holds none of the prompt: a
-        worker left out is one whose holdings are unknown)."""
+        for the workers that hold some)."""
         indexes: list[tuple[str, WorkerKv]] = []
         for s in slots:
             wkv = self.mirror.get(s.id)
@@ -132,13 +131,13 @@ class PrefixCache:
         keys_by_size: dict[int, list[int]] = {}
         for wid, wkv in indexes:
             if not wkv.keys:  # holds nothing: no keys to compute for it
-                held[wid] = 0
                 continue
             size = wkv.block_size
             keys = keys_by_size.get(size)
             if keys is None:
                 keys = keys_by_size[size] = chain_keys(ids, size)
-            held[wid] = wkv.cached_blocks(keys) * size
+            if n := wkv.cached_blocks(keys):
+                held[wid] = n * size
         return len(ids), held
 
     def _builder(self, counter: TokenCounter) -> PromptTokens:

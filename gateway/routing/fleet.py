@@ -37,11 +37,8 @@
    key's home (it saves `kv_gain` of what the home would compute again) and not saturated
    takes the request ("kv-hit"; "kv-placed" for a key not placed yet, which is placed
    there): the home evicted the prefix or restarted, the conversation's earlier turns went
-   elsewhere, another client or gateway replica warmed it. Where every worker's holdings are
-   known and none holds clearly more than the home, a clearly less loaded worker that holds
-   as much takes it ("kv-spread": a conversation whose turns every cache evicted, a system
-   prompt every engine holds; the home has nothing of it the other lacks). Where the home
-   alone holds it, or nothing is known, the placement decides as above.
+   elsewhere, another client or gateway replica warmed it. Where the home holds as much,
+   or nothing is known, the placement decides as above.
 """
 
 from __future__ import annotations
@@ -115,10 +112,8 @@ class FleetPolicy:
         if facts.adapter:
             return self._rank_adapter(scored, facts, live, routes, limit)
         key = facts.affinity_key
-        if facts.cached and (found := self._holder(scored, facts, live, home, second)) is not None:
-            held, reason = found
-            if reason == "kv-hit" and key is not None and home is None:
-                reason = "kv-placed"
+        if facts.cached and (held := self._holder(scored, facts, live, home, second)) is not None:
+            reason = "kv-placed" if key is not None and home is None else "kv-hit"
             return _with_rest(held, reason, scored, limit)
         if key is None or len(candidates) == 1:
             return [Choice(x[2], "least-load") for x in best(scored, limit)]
@@ -150,23 +145,16 @@ class FleetPolicy:
     def _holder(
         self, scored: list[tuple[float, str, Slot]], facts: RequestFacts, live: Live,
         home: tuple[float, str, Slot] | None, second: tuple[float, str, Slot] | None,
-    ) -> tuple[tuple[float, str, Slot], str] | None:
-        """Where the engines' KV cache events send the request rather than the home logic's
-        choice, and why; None: the home logic decides.
+    ) -> tuple[float, str, Slot] | None:
+        """The worker whose engine holds clearly more of the prompt than the home logic's
+        choice would, by its KV cache events, and has room; None: the home logic decides.
 
-        "kv-hit": a worker whose engine holds clearly more of the prompt than that choice's
-        (it saves `kv_gain` of what that choice would compute again) and has room. The home
+        Clearly more: it saves `kv_gain` of what that choice would compute again. The home
         lost the prefix (evicted, restarted) or never had it (the conversation's turns went
         elsewhere, another client or replica warmed it); of a key's two homes, which the home
         logic shares by load, one holds the conversation and the other only the shared
         prefix. Among such workers, those within that margin of the most held, the least
-        loaded.
-
-        "kv-spread": where every worker's holdings are known, nobody holds clearly more than
-        the home, and a worker that holds as much (within the margin) is clearly less loaded
-        (`spill_margin`): the home has nothing of this prompt that the other lacks (a
-        conversation whose turns every cache evicted, a system prompt every engine holds), so
-        keeping it home only queues it there; it goes to the least loaded of them."""
+        loaded."""
         held = facts.cached
         if home is None:
             known = 0
@@ -176,15 +164,10 @@ class FleetPolicy:
             known = min(held.get(home[1], 0), held.get(second[1], 0))
         margin = max(1.0, self.opts.kv_gain * (facts.prompt_tokens - known))
         holders = [x for x in scored if held.get(x[1], 0) >= known + margin and not self.saturated(x[2], live)]
-        if holders:
-            most = max(held[x[1]] for x in holders)
-            return min(x for x in holders if held[x[1]] >= most - margin), "kv-hit"
-        if home is None or second is not None or len(held) < len(scored):
+        if not holders:
             return None
-        bar = home[0] * (1.0 - self.opts.spill_margin)
-        peers = [x for x in scored if x[0] < bar and held.get(x[1], 0) > known - margin
-                 and not self.saturated(x[2], live)]
-        return (min(peers), "kv-spread") if peers else None
+        most = max(held[x[1]] for x in holders)
+        return min(x for x in holders if held[x[1]] >= most - margin)
 
     def _place(
         self, key: int, scored: list[tuple[float, str, Slot]], facts: RequestFacts, live: Live,

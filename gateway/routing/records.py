@@ -59,9 +59,7 @@ class RequestFacts(msgspec.Struct, frozen=True):
     # worker does not spread all of its tenants over the fleet (which thrashes every cache).
     heavy: bool = False
     # Prompt tokens each worker's engine holds in its prefix cache, by its KV cache events
-    # (gateway/request/prefix_cache.py): every worker whose index can be trusted, 0 where it
-    # holds none of the prompt; a worker left out publishes no events (or lost them), so what
-    # it holds is unknown. Empty: nothing known.
+    # (gateway/request/prefix_cache.py); only workers that hold some. Empty: nothing known.
     cached: dict[str, int] = msgspec.field(default_factory=dict)
 
 
