@@ -20,6 +20,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 
 import httpx
 import pytest
@@ -77,6 +78,11 @@ def _embedded_gateway(fleet: Fleet, uvicorn_args: dict[str, object]) -> tuple[Pr
     return proc, url
 
 
+def _paused_since(url: str, paused: float) -> bool:
+    """The gateway's writes paused (once more) since it counted `paused` pauses."""
+    return _paused(url) > paused
+
+
 def _embedding(request_id: str, inputs: int) -> bytes:
     return _post("/v1/embeddings", request_id, {"model": EMBED, "input": ["hi"] * inputs})
 
@@ -102,7 +108,7 @@ def test_no_next_request_reaches_the_engine_while_the_client_reads_nothing(
         big, small = f"big-{uuid.uuid4().hex[:6]}", f"small-{uuid.uuid4().hex[:6]}"
         with _tiny_window(port) as sock:
             sock.sendall(_embedding(big, BIG_INPUTS) + (_embedding(small, SMALL_INPUTS) if pipelined else b""))
-            wait_until(lambda: _paused(url) > paused, timeout=60, interval=0.1)  # the precondition: writes paused
+            wait_until(partial(_paused_since, url, paused), timeout=60, interval=0.1)  # the precondition
             if not pipelined:
                 sock.sendall(_embedding(small, SMALL_INPUTS))
             time.sleep(3)  # the engine serves 3 inputs in milliseconds, were it asked
