@@ -35,8 +35,9 @@ throughout: a client that reads nothing, or too little to drain the buffer) clos
 connection, which cancels a request still being answered as a hang-up does, so its engine
 lets go of the request. While the writes are paused the reads are paused too (issue 35), on
 every connection, with hooks or without: the connection's next request, pipelined or not, is
-not parsed, and one parsed already in the same read is not started, until they resume, so a client that pipelines requests and reads
-no answer makes the gateway hold one answer, not one per request. The connection's other
+not parsed, and one parsed already in the same read is not started, until they resume, so a
+client that pipelines requests and reads no answer makes the gateway hold one answer, not one
+per request. The connection's other
 deadlines do not count that time; the send limit does.
 
 For the ASGI requests, the transport writes a whole response's head and body in one syscall:
@@ -326,7 +327,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
             # Read nothing more while the client reads nothing: a next request (pipelined or
             # not) is neither parsed nor started, so one connection holds one answer's bytes,
             # not one per request it sends (issue 35). A hang-up is still seen: its reset
-            # fails the pending write. With hooks or without (uvicorn's callbacks and pipeline).
+            # fails the pending write.
             self._reads_held_at = self.loop.time()
             self.flow.pause_reading()
 
