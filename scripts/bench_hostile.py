@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Hostile clients beside normal traffic: what one gateway process holds, what its honest clients see.
 
-    python scripts/bench_hostile.py                      # 2 rounds, 50 big + 1,000 slow + 5,000 idle: ~3 min
-    python scripts/bench_hostile.py --rounds 1 --big 10 --slow 100 --idle 500      # a quick look
+    python scripts/bench_hostile.py        # 2 rounds, 50 big + 1,000 slow + 5,000 idle + 50 stalled: ~8 min
+    python scripts/bench_hostile.py --rounds 1 --big 10 --slow 100 --idle 500 --stalled 20 \
+        --gateway-set send_timeout_s=5                                               # a quick look
     python scripts/bench_hostile.py --gateway-set header_timeout_s=10              # any gateway setting
     python scripts/bench_hostile.py --json .run/hostile.json
 
@@ -13,8 +14,11 @@ traffic through the gateway three times: alone; while the hostile clients of
 fleetgate_tools/hostile.py (a process of their own) attack the decoy; and while they attack
 the gateway itself. The hostile clients: `--big` connections sending a head that never ends
 or one oversized head, `--slow` sending a head one line a second, `--idle` never sending a
-byte, each reopened as soon as the gateway closes it (a sustained flood: with the defaults
-about 1,000 new connections a second). Normal traffic: closed-loop completions, whole (the
+byte, `--stalled` sending valid streamed completions (pipelined, each some 600 KB of answer
+from the stubs) and reading none of the answer through a tiny receive window, so that only
+the send limit (`send_timeout_s`, 60 s by default: each hostile phase then lasts over a
+minute) closes them; each reopened as soon as the gateway closes it (a sustained flood: with
+the defaults about 1,000 new connections a second). Normal traffic: closed-loop completions, whole (the
 stub answers after `--delay-ms`) and streamed (`--chunks` events `--chunk-delay-ms` apart).
 
 The decoy phase has the same processes busy on the machine as the attack on the gateway
@@ -52,7 +56,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fleetgate_tools.hostile import raise_nofile  # noqa: E402
+from fleetgate_tools.hostile import STALL_ANSWER_KIB, STALL_STREAMS, raise_nofile  # noqa: E402
 from fleetgate_tools.overhead.runner import LoadGen, Measure, Plan, job_for, measure  # noqa: E402
 from fleetgate_tools.overhead.stack import Stack, Target, cpu_seconds, rss_mib  # noqa: E402
 from gateway.settings import GatewaySettings, load_settings  # noqa: E402
@@ -105,16 +109,17 @@ def hostile_phase(loadgen: LoadGen, gw: Target, attacked: Target, args: argparse
     """Normal traffic through `gw` while the hostile clients attack `attacked`; their CPU seconds."""
     host, port = attacked.urls[0].removeprefix("http://").rsplit(":", 1)
     plan = {"host": host, "port": int(port), "big": args.big, "slow": args.slow, "idle": args.idle,
-            "ramp_per_s": args.ramp}
+            "stalled": args.stalled, "ramp_per_s": args.ramp, "api_key": attacked.api_key}
     proc = subprocess.Popen([sys.executable, "-m", "fleetgate_tools.hostile", json.dumps(plan), str(out)],
                             cwd=ROOT, start_new_session=True)
     started = time.monotonic()
     try:
-        ramp_s = (args.big + args.slow + args.idle) / args.ramp + 2.0
+        ramp_s = (args.big + args.slow + args.idle + args.stalled) / args.ramp + 2.0
         time.sleep(ramp_s)
         measures = traffic(loadgen, gw, args)
         # Long enough for every kind to have met its limit at least once.
-        until = started + max(ramp_s + 1.0, limits.header_timeout_s + ramp_s + args.slack + 1.0)
+        longest = max(limits.header_timeout_s, limits.send_timeout_s if args.stalled else 0.0)
+        until = started + max(ramp_s + 1.0, longest + ramp_s + args.slack + 1.0)
         time.sleep(max(0.0, until - time.monotonic()))
         cpu = cpu_seconds(proc.pid)
     finally:
@@ -125,7 +130,8 @@ def hostile_phase(loadgen: LoadGen, gw: Target, attacked: Target, args: argparse
 
 def judge(kinds: dict[str, Any], limits: GatewaySettings, slack: float) -> dict[str, dict[str, Any]]:
     """Per kind: ended by the gateway, within its limit, answers, the slowest, open at the stop."""
-    limit_s = {"idle": limits.idle_timeout_s, "slow": limits.header_timeout_s, "big": 1.0}
+    limit_s = {"idle": limits.idle_timeout_s, "slow": limits.header_timeout_s, "big": 1.0,
+               "stalled": limits.send_timeout_s}
     out = {}
     for name, kind in kinds.items():
         durations = kind["durations_s"]
@@ -155,7 +161,8 @@ def _median(values: list[float]) -> float:
 def render(rounds: list[dict[str, Any]], args: argparse.Namespace, limits: GatewaySettings, nofile: int) -> str:
     lines = [f"# Hostile clients beside normal traffic ({len(rounds)} round(s); gateway defaults"
              f"{' + ' + ' '.join(args.gateway_set) if args.gateway_set else ''}; open-files limit {nofile})",
-             "", f"Hostile: {args.big} big-head, {args.slow} slow-head, {args.idle} idle connections, each "
+             "", f"Hostile: {args.big} big-head, {args.slow} slow-head, {args.idle} idle, {args.stalled} stalled "
+             "(non-reading) connections, each "
              f"reopened when closed. Normal: C={args.concurrency} closed loop, plain (stub {args.delay_ms:g} ms) and "
              f"stream ({args.chunks} events {args.chunk_delay_ms:g} ms apart), {args.duration:g} s each.", "",
              "Phases: alone; decoy (the hostile clients attack a second gateway on the machine); hostile (they "
@@ -178,22 +185,29 @@ def render(rounds: list[dict[str, Any]], args: argparse.Namespace, limits: Gatew
               + ", ".join(f"{p} {_median([r[p]['hostile_cpu'] for r in rounds]):.2f}" for p in PHASES[1:]) + "."]
     hostile_conns = args.big + args.slow + args.idle
     per_conn_kib = limits.max_header_bytes / 1024 + 16
+    # A stalled connection: its one stream started, once unsent and once kept for a resume (its
+    # pipelined others wait unstarted while the writes are paused).
+    per_stalled_kib = 2 * STALL_ANSWER_KIB + 16
     lines += ["", "| gateway RSS (MiB) | round " + " | round ".join(str(i + 1) for i in range(len(rounds))) + " |",
               "| --- |" + " ---: |" * len(rounds)]
     lines.append("| at the round's start | " + " | ".join(f"{r['rss_start']:.0f}" for r in rounds) + " |")
     for p in PHASES:
         lines.append(f"| most, {p} | " + " | ".join(f"{r[p]['rss_peak']:.0f}" for r in rounds) + " |")
-    lines.append(f"| bound: start + {hostile_conns:,} x {per_conn_kib:.0f} KiB | " + " | ".join(
-        f"{r['rss_start'] + hostile_conns * per_conn_kib / 1024:.0f}" for r in rounds) + " |")
+    bound_mib = (hostile_conns * per_conn_kib + args.stalled * per_stalled_kib) / 1024
+    lines.append(f"| bound: start + {hostile_conns:,} x {per_conn_kib:.0f} KiB + {args.stalled:,} stalled x "
+                 f"{per_stalled_kib:.0f} KiB | " + " | ".join(f"{r['rss_start'] + bound_mib:.0f}" for r in rounds) + " |")
     lines += ["", "Hostile connections while they attacked the gateway (all rounds; times from the first byte, or "
-              "the opening for idle ones, to the gateway's close, on the hostile clients' clock):", "",
+              "the opening for idle ones, from the requests for stalled ones, to the gateway's close, on the hostile "
+              "clients' clock):", "",
               "| hostile kind | limit | opened | ended by the gateway | within limit + "
               f"{args.slack:g} s | end p50 / p99 / max (s) | answers | open at stop (past limit) |",
               "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: |"]
-    names = {"big": "big head (endless / 1 MiB)", "slow": "slow head (a line a second)", "idle": "idle (no byte)"}
+    names = {"big": "big head (endless / 1 MiB)", "slow": "slow head (a line a second)", "idle": "idle (no byte)",
+             "stalled": f"stalled ({STALL_STREAMS} streams, reads none)"}
     limit_text = {"big": f"431 past {limits.max_header_bytes} B", "slow": f"closed at {limits.header_timeout_s:g} s",
-                  "idle": f"closed at {limits.idle_timeout_s:g} s"}
-    for name in ("big", "slow", "idle"):
+                  "idle": f"closed at {limits.idle_timeout_s:g} s",
+                  "stalled": f"closed {limits.send_timeout_s:g} s after the writes pause"}
+    for name in ("big", "slow", "idle", "stalled"):
         per_round = [r["hostile"]["kinds"][name] for r in rounds]
         statuses: dict[str, int] = {}
         for g in per_round:
@@ -220,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--big", type=int, default=50)
     p.add_argument("--slow", type=int, default=1000)
     p.add_argument("--idle", type=int, default=5000)
+    p.add_argument("--stalled", type=int, default=50, help="connections that ask for streams and read none")
     p.add_argument("--ramp", type=float, default=2000.0, help="hostile connections opened a second at start")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--duration", type=float, default=15.0, help="measured seconds per traffic mode and phase")

@@ -13,7 +13,8 @@ limit_concurrency) is uvicorn's request cycle for the ASGI app, as before; both 
 follow each other, pipelined too, on one connection.
 
 On a connection with hooks (every one, unless uvicorn is told limit_concurrency, a root path
-or fresh contextvars; then uvicorn's callbacks and timer run as they are), one timer keeps
+or fresh contextvars; then uvicorn's callbacks and timer run as they are, but for the reads
+held while the writes are paused, below), one timer keeps
 every deadline of the connection (gateway/front/front_limits.py), armed once per idle spell, not
 once per request: when it fires it looks at what the connection is doing and closes it
 past that deadline or re-arms for what is left. Idle, `timeout_keep_alive` (the setting
@@ -32,10 +33,11 @@ than the answer comes) and `resume_writing` once it drains. A timer is armed on 
 and cancelled on the resume; one that fires (send_timeout_s with the writes paused
 throughout: a client that reads nothing, or too little to drain the buffer) closes the
 connection, which cancels a request still being answered as a hang-up does, so its engine
-lets go of the request. While the writes are paused the reads are paused too (issue 35): the
-connection's next request, pipelined or not, is not parsed, and one parsed already in the
-same read is not started, until they resume, so a client that pipelines requests and reads
-no answer makes the gateway hold one answer, not one per request. The connection's other
+lets go of the request. While the writes are paused the reads are paused too (issue 35), on
+every connection, with hooks or without: the connection's next request, pipelined or not, is
+not parsed, and one parsed already in the same read is not started, until they resume, so a
+client that pipelines requests and reads no answer makes the gateway hold one answer, not one
+per request. The connection's other
 deadlines do not count that time; the send limit does.
 
 For the ASGI requests, the transport writes a whole response's head and body in one syscall:
@@ -128,7 +130,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self._idle_since = 0.0
         self._counted = False  # in guard.open
         self._send_timer: asyncio.TimerHandle | None = None  # armed while the writes are paused
-        self._reads_held_at: float | None = None  # when the paused writes held the reads (with hooks)
+        self._reads_held_at: float | None = None  # when the paused writes held the reads
         self._next_held = False  # an answer completed while they were held: the next request waits
         # The request last taken up (`cycle` is the last one parsed: a pipelined one may wait).
         self.answering: Any = None
@@ -239,11 +241,15 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         hooks = self.hooks
-        if hooks is None:
+        if hooks is None and self._reads_held_at is None:
             super().on_response_complete()
             return
         self.server_state.total_requests += 1
         if self.transport.is_closing():
+            return
+        if hooks is None:  # uvicorn's callbacks, the reads held: as uvicorn's, but the next request waits
+            self._unset_keepalive_if_required()
+            self._next_held = True  # (resume_writing takes it up)
             return
         self._idle_since = now = self.loop.time()
         if self._reads_held_at is not None:  # the writes are paused: the next request waits for them
@@ -317,7 +323,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.guard.send_paused += 1
         if self._send_timer is None:
             self._send_timer = self.loop.call_later(self.guard.limits.send_timeout_s, self._send_timed_out)
-        if self.hooks is not None and self._reads_held_at is None:
+        if self._reads_held_at is None:
             # Read nothing more while the client reads nothing: a next request (pipelined or
             # not) is neither parsed nor started, so one connection holds one answer's bytes,
             # not one per request it sends (issue 35). A hang-up is still seen: its reset
@@ -329,26 +335,32 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         self.flow.resume_writing()
         self._stop_send_timer()
         held_at = self._reads_held_at
-        hooks = self.hooks
-        if held_at is None or hooks is None:
+        if held_at is None:
             return
         self._reads_held_at = None
         if self.transport.is_closing():
             return
+        hooks = self.hooks
         now = self.loop.time()
-        if hooks.in_head or hooks.in_body:  # its clock does not count the time the reads were held
+        if hooks is not None and (hooks.in_head or hooks.in_body):  # its clock does not count the held time
             hooks.head_started += now - held_at
         if self._next_held:  # what on_response_complete left for now
             self._next_held = False
             self._idle_since = now
             self.flow.resume_reading()
             if self.pipeline:
-                hooks.head_started = now
+                if hooks is not None:
+                    hooks.head_started = now
                 cycle, app = self.pipeline.pop()
                 self._start_asgi_task(cycle, app)
+            elif hooks is None and self.timeout_keep_alive_task is None:  # idle: uvicorn's keep-alive timer
+                self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                    self.timeout_keep_alive_handler)
         elif not self.pipeline:  # an answer under way, none queued behind it: read on, as before the pause
             self.flow.resume_reading()
-        if self.timeout_keep_alive_task is None:
+        # With hooks the timer looks at what the connection does when it fires; uvicorn's (hookless)
+        # closes it, so it is armed only on an idle connection, as uvicorn arms it.
+        if hooks is not None and self.timeout_keep_alive_task is None:
             self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
                                                                 self.timeout_keep_alive_handler)
 
