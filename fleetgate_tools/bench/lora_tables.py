@@ -15,7 +15,6 @@ its requests waiting (max) and running (mean). The "Done when" checks of the `fl
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetgate_tools.bench.lora import ENGINE_KEYS, engine_columns
-from fleetgate_tools.bench.tables import _f, _md, _ratio, done_when, load_runs, means
+from fleetgate_tools.bench.tables import _f, _md, _ratio, done_when, load_runs, means, write_results
 
 SUBJECT = "fleet"
 AFFINE = "adapter_affinity"
@@ -121,19 +120,14 @@ def markdown(runs: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 2:
-        print(__doc__, file=sys.stderr)
-        return 2
-    folder, out = Path(args[0]), Path(args[1])
+def results(folder: Path) -> tuple[str, dict[str, Any]]:
+    """The markdown and the JSON record of the LoRA runs in `folder`."""
     runs = lora_runs(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    text = markdown(runs)
-    (out / "results-lora.md").write_text(text)
-    (out / "results-lora.json").write_text(json.dumps({"runs": runs, "checks": checks(means(runs))}, indent=1))
-    print(text)
-    return 0
+    return markdown(runs), {"runs": runs, "checks": checks(means(runs))}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return write_results(argv, __doc__, "lora", results)
 
 
 if __name__ == "__main__":

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import json
 import re
-import statistics
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from fleetgate_tools.bench.report import ENGINE_HEADER, _fmt, _table, engine_cells
-from fleetgate_tools.bench.tables import _f, _md, _ratio
+from fleetgate_tools.bench.tables import _f, _md, _ratio, means, write_results
 
 PRECISE = "fleet+kv_events=true"
 PLACED = "fleet+kv_events=false"
@@ -101,20 +100,6 @@ def _rank(strategy: str) -> tuple[int, str]:
     return k, strategy
 
 
-def means(runs: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
-    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
-    for r in runs:
-        groups.setdefault((r["scenario"], r["strategy"]), []).append(r)
-    out = {}
-    for key, rs in groups.items():
-        row: dict[str, Any] = {"runs": len(rs)}
-        for k in MEAN_KEYS:
-            vals = [r[k] for r in rs if r.get(k) is not None]
-            row[k] = statistics.mean(vals) if vals else None
-        out[key] = row
-    return out
-
-
 def checks(m: Mapping[tuple[str, str], Mapping[str, Any]]) -> list[tuple[str, bool | None, str]]:
     """Issue 31's multi-turn "Done when" per scenario: (what, passed or None, figures)."""
     out: list[tuple[str, bool | None, str]] = []
@@ -170,7 +155,7 @@ def markdown(runs: Sequence[Mapping[str, Any]]) -> str:
                   "TTFT p99 s", "later TTFT p50 s", "later TTFT p99 s", "out tok/s", "hit rate", "preemptions",
                   "moved", "prompt tok (later)", "live context / KV", "KV events", "eng waiting max", "eng running mean / max", "eng KV mean",
                   "options ignored"], rows)  # fmt: skip
-    m = means(runs)
+    m = means(runs, MEAN_KEYS)
     lines += ["", "## Mean per scenario and strategy", ""]
     rows = []
     for (scenario, strategy), row in sorted(m.items(), key=lambda kv: (kv[0][0], _rank(kv[0][1]))):
@@ -190,19 +175,14 @@ def markdown(runs: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 2:
-        print(__doc__, file=sys.stderr)
-        return 2
-    folder, out = Path(args[0]), Path(args[1])
+def results(folder: Path) -> tuple[str, dict[str, Any]]:
+    """The markdown and the JSON record of the multi-turn runs in `folder`."""
     runs = load_runs(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    text = markdown(runs)
-    (out / "results-multiturn.md").write_text(text)
-    (out / "results-multiturn.json").write_text(json.dumps({"runs": runs, "checks": checks(means(runs))}, indent=1))
-    print(text)
-    return 0
+    return markdown(runs), {"runs": runs, "checks": checks(means(runs, MEAN_KEYS))}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return write_results(argv, __doc__, "multiturn", results)
 
 
 if __name__ == "__main__":

@@ -66,15 +66,15 @@ def _order(scenario: str, strategy: str) -> tuple[tuple[int, str], tuple[int, st
     return rank(SCENARIO_ORDER, scenario), rank(STRATEGY_ORDER, strategy)
 
 
-def means(runs: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
-    """(scenario, strategy) -> the mean of each figure over its runs, and the run count."""
+def means(runs: Sequence[Mapping[str, Any]], keys: Sequence[str] = MEAN_KEYS) -> dict[tuple[str, str], dict[str, Any]]:
+    """(scenario, strategy) -> the mean of each of `keys` over its runs, and the run count."""
     groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
     for r in runs:
         groups.setdefault((r["scenario"], r["strategy"]), []).append(r)
     out = {}
     for key, rs in groups.items():
         row: dict[str, Any] = {"runs": len(rs)}
-        for k in MEAN_KEYS:
+        for k in keys:
             vals = [r[k] for r in rs if r.get(k) is not None]
             row[k] = statistics.mean(vals) if vals else None
         out[key] = row
@@ -216,24 +216,36 @@ def markdown(runs: Sequence[Mapping[str, Any]], capacity: Mapping[str, Any] | No
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def write_results(argv: Sequence[str] | None, usage: str | None, name: str,
+                  results: Callable[[Path], tuple[str, Mapping[str, Any]]]) -> int:
+    """A tables module's command line, `RESULTS_DIR OUT_DIR`: `results(RESULTS_DIR)` gives the
+    markdown and the JSON record, written to OUT_DIR/results-<name>.md and .json; the markdown
+    is printed too."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 2:
-        print(__doc__, file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
-    folder, out = Path(args[0]), Path(args[1])
+    text, record = results(Path(args[0]))
+    out = Path(args[1])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"results-{name}.md").write_text(text)
+    (out / f"results-{name}.json").write_text(json.dumps(record, indent=1))
+    print(text)
+    return 0
+
+
+def results(folder: Path) -> tuple[str, dict[str, Any]]:
+    """The markdown and the JSON record of the runs in `folder` (and its capacity.json, if any)."""
     runs = load_runs(folder)
     cap_path = folder / "capacity.json"
     capacity = json.loads(cap_path.read_text()) if cap_path.exists() else None
     if capacity:
         capacity = {k: v for k, v in capacity.items() if k != "runs"}
-    out.mkdir(parents=True, exist_ok=True)
-    text = markdown(runs, capacity)
-    (out / "results-pressure.md").write_text(text)
-    (out / "results-pressure.json").write_text(json.dumps({"capacity": capacity, "runs": runs,
-                                                           "checks": checks(means(runs))}, indent=1))  # fmt: skip
-    print(text)
-    return 0
+    return markdown(runs, capacity), {"capacity": capacity, "runs": runs, "checks": checks(means(runs))}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return write_results(argv, __doc__, "pressure", results)
 
 
 if __name__ == "__main__":

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Self
+from collections.abc import Sequence
 
 from gateway.routing.base import Choice, Live, RequestFacts, best
 from gateway.routing.table import ModelRoutes, Slot
+from gateway.routing.untuned import Untuned
 
 
-class LeastOutstanding:
+class LeastOutstanding(Untuned):
     name = "least_outstanding"
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> Self:
-        """The `routing` knobs tune the fleet policy only; this one takes none."""
-        return cls()
 
     def rank(
         self, candidates: Sequence[Slot], facts: RequestFacts, live: Live, routes: ModelRoutes, limit: int,

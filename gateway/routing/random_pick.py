@@ -6,21 +6,16 @@ random state.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Self
+from collections.abc import Sequence
 
 from fleetgate.hashing import mix
 from gateway.routing.base import Choice, Live, RequestFacts, best
 from gateway.routing.table import ModelRoutes, Slot
+from gateway.routing.untuned import Untuned
 
 
-class RandomPick:
+class RandomPick(Untuned):
     name = "random"
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> Self:
-        """The `routing` knobs tune the fleet policy only; this one takes none."""
-        return cls()
 
     def rank(
         self, candidates: Sequence[Slot], facts: RequestFacts, live: Live, routes: ModelRoutes, limit: int,

@@ -209,6 +209,35 @@ def start_adapter_args(spec: EngineSpec) -> list[str]:
     return ["--adapters", *(f"{name}={path}" for name, path in spec.adapters.items())]
 
 
+class FixedAtStart:
+    """What LMDeploy and ms-swift answer alike, serving only what they were started with: their
+    adapters come as `--adapters name=path` (`start_adapter_args`) and all stay resident, with no
+    runtime API to load or unload one; they publish no KV cache events, nor their cache's size
+    (LMDeploy only its usage fraction). `label` names the engine in the refusals."""
+
+    runtime_lora: ClassVar[bool] = False
+    label: ClassVar[str]
+
+    def max_loras(self, spec: EngineSpec) -> int:
+        # Every start-time adapter stays resident; there are no other slots.
+        return len(spec.adapters)
+
+    def publishes_kv_events(self, spec: EngineSpec) -> bool:
+        return False
+
+    def parse_kv_cache(self, text: str) -> KvCache:
+        return KvCache()
+
+    async def load_adapter(self, client: httpx.AsyncClient, base_url: str, name: str, path: str) -> None:
+        raise AdapterError(f"cannot load {name!r}: {self.label}'s adapters are fixed at start", 501)
+
+    async def unload_adapter(self, client: httpx.AsyncClient, base_url: str, name: str) -> None:
+        raise AdapterError(f"cannot unload {name!r}: {self.label}'s adapters are fixed at start", 501)
+
+    async def runtime_lora_enabled(self, client: httpx.AsyncClient, base_url: str) -> bool:
+        return False
+
+
 def engine_python(spec: EngineSpec, env_var: str) -> str:
     """The interpreter that has the engine installed: option `python`, else `env_var`, else ours.
 

@@ -12,14 +12,11 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import httpx
-
 from fleetgate.schema import Load
 from workers.engines.base import (
-    AdapterError,
     EngineSpec,
     EngineWork,
-    KvCache,
+    FixedAtStart,
     engine_environment,
     engine_python,
     flag_args,
@@ -87,9 +84,9 @@ def backend(spec: EngineSpec) -> str:
     return "pytorch" if spec.adapters else "turbomind"
 
 
-class LmdeployEngine:
+class LmdeployEngine(FixedAtStart):
     name: ClassVar[str] = "lmdeploy"
-    runtime_lora: ClassVar[bool] = False
+    label: ClassVar[str] = "LMDeploy"
     # True, but the gauges are up to 10 s old (see the module docstring).
     reports_load: ClassVar[bool] = True
     health_path: ClassVar[str] = "/health"
@@ -109,7 +106,7 @@ class LmdeployEngine:
         options["max_batch_size"] = self.capacity(spec)
         if len(spec.gpu_ids) > 1:
             options.setdefault("tp", len(spec.gpu_ids))
-        argv = [
+        return [
             str(python), "-m", "lmdeploy", "serve", "api_server", spec.model,
             "--server-name", spec.host,
             "--server-port", str(spec.port),
@@ -117,10 +114,9 @@ class LmdeployEngine:
             "--backend", chosen,
             "--session-len", str(spec.max_model_len),
             *flag_args(options, _FLAGS),
+            *start_adapter_args(spec),
+            *spec.extra_args,
         ]  # fmt: skip
-        argv.extend(start_adapter_args(spec))
-        argv.extend(spec.extra_args)
-        return argv
 
     def environment(self, spec: EngineSpec) -> dict[str, str]:
         return engine_environment(spec)
@@ -128,34 +124,14 @@ class LmdeployEngine:
     def capacity(self, spec: EngineSpec) -> int:
         return int(spec.options.get("max_batch_size") or DEFAULT_MAX_BATCH_SIZE)
 
-    def max_loras(self, spec: EngineSpec) -> int:
-        # Every start-time adapter stays resident; there are no other slots.
-        return len(spec.adapters)
-
-    def publishes_kv_events(self, spec: EngineSpec) -> bool:
-        return False
-
     def continues_trailing_assistant(self, spec: EngineSpec) -> bool:
         return True  # its chat template leaves a trailing assistant message open
 
     def parse_metrics(self, text: str) -> Load:
         return parse_lmdeploy_metrics(text)
 
-    def parse_kv_cache(self, text: str) -> KvCache:
-        # LMDeploy publishes only the cache's usage fraction, not its size.
-        return KvCache()
-
     def parse_work(self, text: str) -> EngineWork:
         return parse_lmdeploy_work(text)
-
-    async def load_adapter(self, client: httpx.AsyncClient, base_url: str, name: str, path: str) -> None:
-        raise AdapterError(f"cannot load {name!r}: LMDeploy's adapters are fixed at start", 501)
-
-    async def unload_adapter(self, client: httpx.AsyncClient, base_url: str, name: str) -> None:
-        raise AdapterError(f"cannot unload {name!r}: LMDeploy's adapters are fixed at start", 501)
-
-    async def runtime_lora_enabled(self, client: httpx.AsyncClient, base_url: str) -> bool:
-        return False
 
 
 ENGINE = LmdeployEngine

@@ -18,14 +18,11 @@ import os
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import httpx
-
 from fleetgate.schema import Load
 from workers.engines.base import (
-    AdapterError,
     EngineSpec,
     EngineWork,
-    KvCache,
+    FixedAtStart,
     engine_environment,
     engine_python,
     start_adapter_args,
@@ -78,9 +75,9 @@ def swift_flags(options: Mapping[str, Any], known: tuple[str, ...]) -> list[str]
     return argv
 
 
-class SwiftEngine:
+class SwiftEngine(FixedAtStart):
     name: ClassVar[str] = "swift"
-    runtime_lora: ClassVar[bool] = False
+    label: ClassVar[str] = "swift"
     reports_load: ClassVar[bool] = False
     health_path: ClassVar[str] = "/health"
     metrics_path: ClassVar[str | None] = None
@@ -103,7 +100,7 @@ class SwiftEngine:
         elif backend == "lmdeploy":
             options.setdefault("lmdeploy_session_len", spec.max_model_len)
             options.setdefault("lmdeploy_tp", tp)
-        argv = [
+        return [
             str(python), "-c", LAUNCH,
             "--model", os.path.abspath(spec.model) if os.path.exists(spec.model) else spec.model,
             "--model_type", str(spec.options.get("model_type") or "qwen2"),
@@ -116,10 +113,9 @@ class SwiftEngine:
             # something else: a target length for RoPE scaling.)
             "--max_length", str(spec.max_model_len),
             *swift_flags(options, _FLAGS),
+            *start_adapter_args(spec),
+            *spec.extra_args,
         ]  # fmt: skip
-        argv.extend(start_adapter_args(spec))
-        argv.extend(spec.extra_args)
-        return argv
 
     def environment(self, spec: EngineSpec) -> dict[str, str]:
         # A local folder never reaches a hub; this keeps a mistyped one from trying.
@@ -129,12 +125,6 @@ class SwiftEngine:
         # Serial (one request at a time) unless max_batch_size says otherwise.
         return int(spec.options.get("max_batch_size") or 1)
 
-    def max_loras(self, spec: EngineSpec) -> int:
-        return len(spec.adapters)
-
-    def publishes_kv_events(self, spec: EngineSpec) -> bool:
-        return False
-
     def continues_trailing_assistant(self, spec: EngineSpec) -> bool:
         # Swift applies its own template whatever the backend, and continues the message.
         return True
@@ -143,21 +133,9 @@ class SwiftEngine:
         # No /metrics; the agent never calls this (metrics_path is None).
         return Load()
 
-    def parse_kv_cache(self, text: str) -> KvCache:
-        return KvCache()
-
     def parse_work(self, text: str) -> EngineWork:
         # Nothing to count from: the speed stays the start-up figure.
         return EngineWork()
-
-    async def load_adapter(self, client: httpx.AsyncClient, base_url: str, name: str, path: str) -> None:
-        raise AdapterError(f"cannot load {name!r}: swift's adapters are fixed at start", 501)
-
-    async def unload_adapter(self, client: httpx.AsyncClient, base_url: str, name: str) -> None:
-        raise AdapterError(f"cannot unload {name!r}: swift's adapters are fixed at start", 501)
-
-    async def runtime_lora_enabled(self, client: httpx.AsyncClient, base_url: str) -> bool:
-        return False
 
 
 ENGINE = SwiftEngine
