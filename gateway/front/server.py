@@ -12,33 +12,31 @@ proxied one with a query string, a %-escaped path, a root path, or under uvicorn
 limit_concurrency) is uvicorn's request cycle for the ASGI app, as before; both kinds may
 follow each other, pipelined too, on one connection.
 
-On a connection with hooks (every one, unless uvicorn is told limit_concurrency, a root path
-or fresh contextvars; then uvicorn's callbacks and timer run as they are, but for the reads
-held while the writes are paused, below), one timer keeps
-every deadline of the connection (gateway/front/front_limits.py), armed once per idle spell, not
-once per request: when it fires it looks at what the connection is doing and closes it
-past that deadline or re-arms for what is left. Idle, `timeout_keep_alive` (the setting
-idle_timeout_s) since it opened or since its last answer; a head arriving,
-header_timeout_s since its first byte; a body arriving, body_timeout_s since its request's
-first byte plus a second per body_min_rate bytes (then 408); a request being answered is
-looked at again after its answer. uvicorn arms one per answer and cancels it at the next
-request. The parser hooks refuse a head over its limits (414, 431); a connection past
-max_connections is answered 503 and closed as it opens.
+On a connection with hooks (every one, unless uvicorn is told limit_concurrency, a root path or
+fresh contextvars; then uvicorn's callbacks and timer run as they are, but for the reads held
+while the writes are paused, below), one timer keeps every deadline of the connection
+(gateway/front/front_limits.py), armed once per idle spell, not once per request: when it fires
+it looks at what the connection is doing and closes it past that deadline or re-arms for what
+is left. Idle, `timeout_keep_alive` (the setting idle_timeout_s) since it opened or since its
+last answer; a head arriving, header_timeout_s since its first byte; a body arriving,
+body_timeout_s since its request's first byte plus a second per body_min_rate bytes (then 408);
+a request being answered is looked at again after its answer. uvicorn arms one per answer and
+cancels it at the next request. The parser hooks refuse a head over its limits (414, 431); a
+connection past max_connections is answered 503 and closed as it opens.
 
 Every answer leaves through this connection's one transport, whichever writes it (the fast
-path's `ConnectionWriter`, uvicorn's request cycle for the ASGI app and Litestar, a refusal), so the
-send limit is kept here, on the transport's flow control, not per write: the transport
-calls `pause_writing` when its buffer passes its high-water mark (the client reads slower
-than the answer comes) and `resume_writing` once it drains. A timer is armed on the pause
-and cancelled on the resume; one that fires (send_timeout_s with the writes paused
-throughout: a client that reads nothing, or too little to drain the buffer) closes the
-connection, which cancels a request still being answered as a hang-up does, so its engine
-lets go of the request. While the writes are paused the reads are paused too (issue 35), on
-every connection, with hooks or without: the connection's next request, pipelined or not, is
-not parsed, and one parsed already in the same read is not started, until they resume, so a
-client that pipelines requests and reads no answer makes the gateway hold one answer, not one
-per request. The connection's other
-deadlines do not count that time; the send limit does.
+path's `ConnectionWriter`, uvicorn's request cycle for the ASGI app and Litestar, a refusal),
+so the send limit is kept here, on the transport's flow control, not per write: the transport
+calls `pause_writing` when its buffer passes its high-water mark (the client reads slower than
+the answer comes) and `resume_writing` once it drains. A timer is armed on the pause and
+cancelled on the resume; one that fires (send_timeout_s with the writes paused throughout: a
+client that reads nothing, or too little to drain the buffer) closes the connection, which
+cancels a request still being answered as a hang-up does, so its engine lets go of the request.
+While the writes are paused the reads are paused too (issue 35), on every connection, with
+hooks or without: the connection's next request, pipelined or not, is not parsed, and one
+parsed already in the same read is not started, until they resume, so a client that pipelines
+requests and reads no answer makes the gateway hold one answer, not one per request. The
+connection's other deadlines do not count that time; the send limit does.
 
 For the ASGI requests, the transport writes a whole response's head and body in one syscall:
 uvicorn writes the status line and headers when the app sends `http.response.start`, and
