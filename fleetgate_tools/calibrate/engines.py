@@ -34,6 +34,12 @@ class Engine:
                                      stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         self.tree: list[int] = [self.proc.pid]
 
+    def _answers(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -41,12 +47,9 @@ class Engine:
                 raise SystemExit(
                     f"{self.name} exited:\n{self.log.read_text(errors='replace')[-3000:]}"
                 )
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    self.tree = process_tree(self.proc.pid)
-                    return
-            except httpx.HTTPError:
-                pass
+            if self._answers():
+                self.tree = process_tree(self.proc.pid)  # once healthy: every child it starts is there
+                return
             time.sleep(0.5)
         self.stop()
         raise SystemExit(f"{self.name} not healthy after {timeout:.0f} s; log {self.log}")
