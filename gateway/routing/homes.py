@@ -15,7 +15,9 @@ a second home only while its home is saturated by the gateway's own account, and
 for `second_hold_s` after the last time that happened.
 
 Work is decayed with a half-life, so placement follows the traffic of the last minute or
-so. No I/O and no clock: callers pass `now`.
+so; a key's prefix counts in its home's cache while the key does a request's work, and
+fades with it after (`KeyHome.cached`). A unit of work holds KV in flight 1/speed as long on
+a slower card. No I/O and no clock: callers pass `now`.
 """
 
 from __future__ import annotations
@@ -40,9 +42,21 @@ class KeyHome:
     at: float = 0.0
     second: str | None = None
     second_until: float = 0.0
+    # The work of the key's first request: one request's worth.
+    unit: float = 0.0
 
     def live_second(self, now: float) -> str | None:
         return self.second if self.second is not None and now < self.second_until else None
+
+    def cached(self) -> float:
+        """Prefix tokens its home's cache is taken to hold for it: all of them while the key
+        has done at least one request's work lately, then less as that work decays (the engine
+        evicts a prefix nobody uses: a one-off key, a conversation's first message, must not
+        weigh on its home's cache for the many half-lives until the key is dropped)."""
+        unit = self.unit
+        if unit <= 0 or self.work >= unit:
+            return float(self.prefix_tokens)
+        return self.prefix_tokens * self.work / unit
 
 
 @dataclass(slots=True)
@@ -55,11 +69,15 @@ class Homes:
     keys: dict[int, KeyHome] = field(default_factory=dict)
     # Worker -> decayed work of the keys homed there (recomputed by `rebalance`, grown by `note`).
     placed: dict[str, float] = field(default_factory=dict)
-    # Worker -> prefix tokens of the keys homed there (what its cache must hold for them).
-    prefixes: dict[str, int] = field(default_factory=dict)
+    # Worker -> prefix tokens of the keys homed there (what its cache must hold for them; a
+    # key's share fades with its work below one request's, `KeyHome.cached`).
+    prefixes: dict[str, float] = field(default_factory=dict)
     # Worker -> KV tokens its requests in flight held, by the gateway's account, averaged
     # over the last few passes: what a worker's cache must really hold besides its prefixes.
     kv_avg: dict[str, float] = field(default_factory=dict)
+    # Worker -> its speed (reference-card sequences per sequence slot), as `rebalance` last
+    # saw it: a request lives 1/speed as long on it, so its work holds KV 1/speed as long.
+    speeds: dict[str, float] = field(default_factory=dict)
     moves: int = 0
 
     def get(self, key: int) -> KeyHome | None:
@@ -76,7 +94,7 @@ class Homes:
             self._evict_coldest(now)
         entry = KeyHome(worker, model, prefix_tokens, need, at=now)
         self.keys[key] = entry
-        self.prefixes[worker] = self.prefixes.get(worker, 0) + prefix_tokens
+        self.prefixes[worker] = self.prefixes.get(worker, 0.0) + prefix_tokens
         return entry
 
     def note(self, key: int, worker: str, work: float, need: int, now: float) -> None:
@@ -84,6 +102,8 @@ class Homes:
         entry = self.keys.get(key)
         if entry is None:
             return
+        if entry.unit <= 0:
+            entry.unit = work
         entry.work = self._decayed(entry, now) + work
         entry.at = now
         entry.need = max(entry.need, need)
@@ -106,13 +126,14 @@ class Homes:
         `pressures`) when theirs differ by more than `imbalance` (of the mean), if the move
         lowers the peak. `tokens`: the KV tokens in flight per worker now, by the account."""
         routable = {s.id for routes in by_model.values() for s in routes.routable}
+        self.speeds = {s.id: s.speed for routes in by_model.values() for s in routes.routable}
         for wid in routable:
             held = float((tokens or {}).get(wid, 0))
             self.kv_avg[wid] = 0.7 * self.kv_avg.get(wid, held) + 0.3 * held
         for wid in [w for w in self.kv_avg if w not in routable]:
             del self.kv_avg[wid]
         placed: dict[str, float] = {}
-        prefixes: dict[str, int] = {}
+        prefixes: dict[str, float] = {}
         for key, entry in list(self.keys.items()):
             work = self._decayed(entry, now)
             entry.work, entry.at = work, now
@@ -129,7 +150,7 @@ class Homes:
                 placed[entry.second] = placed.get(entry.second, 0.0) + work / 2
             else:
                 placed[entry.home] = placed.get(entry.home, 0.0) + work
-            prefixes[entry.home] = prefixes.get(entry.home, 0) + entry.prefix_tokens
+            prefixes[entry.home] = prefixes.get(entry.home, 0.0) + entry.cached()
         # In place: the gateway's `Live` view holds these very dicts.
         self.placed.clear()
         self.placed.update(placed)
@@ -146,8 +167,8 @@ class Homes:
             entry.home, entry.second = dst, None
             placed[src] -= entry.work
             placed[dst] = placed.get(dst, 0.0) + entry.work
-            prefixes[src] -= entry.prefix_tokens
-            prefixes[dst] = prefixes.get(dst, 0) + entry.prefix_tokens
+            prefixes[src] -= entry.cached()
+            prefixes[dst] = prefixes.get(dst, 0.0) + entry.cached()
             moved.append(move)
         self.moves += len(moved)
         return moved
@@ -155,14 +176,16 @@ class Homes:
     # -- the measure both placement and rebalancing balance ---------------------------------
 
     def rho(self) -> float:
-        """KV tokens in flight per unit of placed work, fleet-wide (what a key's work costs the
-        cache besides its prefix), from the account's recent average."""
-        work = sum(self.placed.values())
+        """KV tokens in flight per unit of placed work at reference speed, fleet-wide (what a
+        key's work costs the cache besides its prefix: on a worker of speed v, 1/v of that, as
+        its requests take 1/v as long), from the account's recent average."""
+        speeds = self.speeds
+        work = sum(w / speeds.get(wid, 1.0) for wid, w in self.placed.items())
         held = sum(self.kv_avg.values()) - sum(self.prefixes.values())
         return held / work if work > 0 and held > 0 else 0.0
 
     def pressures(
-        self, slots: Sequence[Slot], extra: tuple[str, float, int] | None = None, rho: float | None = None,
+        self, slots: Sequence[Slot], extra: tuple[str, float, float] | None = None, rho: float | None = None,
     ) -> dict[str, float]:
         """Each worker's bottleneck use, relative to the fleet's mean (1.0 = its fair share):
         the larger of its placed work per unit of capacity and, where every worker declared
@@ -179,7 +202,7 @@ class Homes:
         use = {s.id: (work[s.id] / s.weight) / (total_work / total_weight) if total_work > 0 else 0.0
                for s in slots}
         if all(s.kv_tokens for s in slots):
-            demand = {s.id: prefix[s.id] + rho * work[s.id] for s in slots}
+            demand = {s.id: prefix[s.id] + rho * work[s.id] / s.speed for s in slots}
             total_demand = sum(demand.values())
             total_kv = sum(s.kv_tokens for s in slots)
             if total_demand > 0:
@@ -195,14 +218,16 @@ class Homes:
         total_work = sum(placed.get(s.id, 0.0) for s in slots) + work
         total_weight = sum(s.weight for s in slots)
         kv_known = all(s.kv_tokens for s in slots)
-        total_demand = sum(prefixes.get(s.id, 0) + rho * placed.get(s.id, 0.0) for s in slots) + prefix + rho * work
+        base_demand = sum(prefixes.get(s.id, 0) + rho * placed.get(s.id, 0.0) / s.speed for s in slots)
         total_kv = sum(s.kv_tokens for s in slots)
         out: dict[str, float] = {}
         for s in slots:
             mine = placed.get(s.id, 0.0) + work
             cost = (mine / s.weight) / (total_work / total_weight) if total_work > 0 else 0.0
+            # The fleet's demand with the key here (its in-flight KV lasts 1/speed as long).
+            total_demand = base_demand + prefix + rho * work / s.speed
             if kv_known and total_demand > 0:
-                demand = prefixes.get(s.id, 0) + prefix + rho * mine
+                demand = prefixes.get(s.id, 0) + prefix + rho * mine / s.speed
                 cost = max(cost, (demand / s.kv_tokens) / (total_demand / total_kv))
             out[s.id] = cost
         return out
@@ -224,10 +249,10 @@ class Homes:
                 continue
             # The pair's pressures with the key moved (placed work and prefix follow it).
             self.placed[heavy.id] -= entry.work
-            self.prefixes[heavy.id] -= entry.prefix_tokens
-            after = self.pressures(slots, (light.id, entry.work, entry.prefix_tokens), rho)
+            self.prefixes[heavy.id] -= entry.cached()
+            after = self.pressures(slots, (light.id, entry.work, entry.cached()), rho)
             self.placed[heavy.id] += entry.work
-            self.prefixes[heavy.id] += entry.prefix_tokens
+            self.prefixes[heavy.id] += entry.cached()
             worst = max(after.values())
             # Only a move that lowers the peak (a hot key that would just swap sides stays).
             if worst < peak * (1 - 1e-9) and (best is None or worst < best[0]):
@@ -241,7 +266,7 @@ class Homes:
     def _evict_coldest(self, now: float) -> None:
         coldest = min(self.keys, key=lambda k: self._decayed(self.keys[k], now))
         entry = self.keys.pop(coldest)
-        self.prefixes[entry.home] = self.prefixes.get(entry.home, 0) - entry.prefix_tokens
+        self.prefixes[entry.home] = self.prefixes.get(entry.home, 0.0) - entry.cached()
 
 
 

@@ -518,3 +518,36 @@ def test_slot_reads_the_engines_reported_lora_slots() -> None:
     assert Slot(aw("a", max_loras=0, lora_slots=8)).max_loras == 8
     assert Slot(aw("a", max_loras=4)).max_loras == 4
     assert Slot(aw("a", max_loras=0)).max_loras == 0 and not Slot(aw("a", max_loras=0)).adapters_fit
+
+
+@pytest.mark.parametrize(("speed", "low", "high"), [(0.5, 0.30, 0.37), (1.0, 0.45, 0.55), (0.25, 0.16, 0.24)])
+def test_new_keys_split_by_speed_when_kv_weighs_in_too(speed: float, low: float, high: float) -> None:
+    """A stream of one-off keys (each request a first message of its own) over two workers of one
+    batch and KV cache, one at `speed`: each gets new keys in proportion to its speed (1/3 for
+    half speed). Two things pulled a slow worker's share toward half, through the cache term
+    of the placement (tests/e2e/test_speed_tracking.py read 0.37-0.425; this table 0.40 at half
+    speed, 0.28 at a quarter): the KV a unit of work holds in flight was counted alike on
+    both, though a slower card's requests hold it 1/speed as long; and each one-off key's
+    prefix counted whole in its home's cache until the key was dropped, many half-lives
+    after its one request, so the cache term counted keys, not work."""
+    fleet = (
+        WorkerView(info=WorkerInfo(id="steady", url="http://steady", engine="sim", model="base", capacity=100,
+                                   kv_tokens=50_000), state="ready", load=Load(), id_hash=stable_hash("steady")),
+        WorkerView(info=WorkerInfo(id="slowed", url="http://slowed", engine="sim", model="base", capacity=100,
+                                   kv_tokens=50_000, speed=speed), state="ready", load=Load(),
+                   id_hash=stable_hash("slowed")),
+    )
+    routes = Routes.build(fleet)
+    homes = Homes(half_life_s=5.0)
+    picked: list[str] = []
+    for i in range(3000):
+        now = i * 0.01  # 100 new keys a second
+        worker, reason = route(fleet, homes, stable_hash(f"ticket-{i}"), now=now, prefix=20, seq=i)
+        assert reason == "prefix-placed"
+        picked.append(worker)
+        if i % 100 == 99:  # the background pass, once a second: the KV each worker's requests hold
+            # now, 4 tokens a unit of work at reference speed, for 1/speed as long on a slower card
+            tokens = {s.id: int(4 * homes.placed.get(s.id, 0.0) / s.speed) for s in routes.by_model["base"].routable}
+            homes.rebalance(routes.by_model, now, tokens)
+    share = picked[1000:].count("slowed") / len(picked[1000:])
+    assert low <= share <= high, share
