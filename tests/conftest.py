@@ -152,6 +152,20 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in path.read_text().split()] if path.exists() else []
 
 
+def wait_healthy(proc: Proc, url: str, timeout: float = 30.0) -> None:
+    """Until the gateway process at `url` answers its /health with 200 (fails at once if it exits)."""
+
+    def up() -> bool:
+        if not proc.alive():
+            raise AssertionError(f"gateway exited:\n{proc.output()}")
+        try:
+            return httpx.get(url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(up, timeout=timeout)
+
+
 def wait_until(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.05) -> object:
     """Poll `predicate` until it returns something truthy; fail the test on timeout."""
     deadline = time.monotonic() + timeout
@@ -277,16 +291,7 @@ class Fleet:
             {"FLEETGATE_ADMIN_TOKEN": ADMIN_TOKEN, **(env or {})},
         )
         url = f"http://127.0.0.1:{port}"
-
-        def up() -> bool:
-            if not proc.alive():
-                raise AssertionError(f"gateway exited:\n{proc.output()}")
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(up, timeout=30)
+        wait_healthy(proc, url)
         return proc, url
 
     def worker(

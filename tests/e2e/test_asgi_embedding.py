@@ -11,7 +11,7 @@ import httpx
 import openai
 
 from fleetgate.net import free_port
-from tests.conftest import ADMIN_TOKEN, Fleet, wait_until
+from tests.conftest import ADMIN_TOKEN, Fleet, wait_healthy, wait_until
 
 MODEL = "demo-model"
 FAST = ("--model", MODEL, "--option", "time_scale=0.05")
@@ -39,15 +39,7 @@ def test_the_asgi_app_under_stock_uvicorn_proxies_whole_and_streamed_answers(
     url = f"http://127.0.0.1:{port}"
     proc = fleet._spawn("asgi-gateway", [sys.executable, "-c", SERVE, str(port), fleet.redis_url, fleet.prefix],
                         {"FLEETGATE_ADMIN_TOKEN": ADMIN_TOKEN})
-
-    def up() -> bool:
-        assert proc.alive(), proc.output()
-        try:
-            return httpx.get(url + "/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(up, timeout=30)
+    wait_healthy(proc, url)
     fleet.worker("w", *FAST)
     fleet.wait_ready(url, "w")
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)

@@ -22,11 +22,10 @@ import uuid
 from collections.abc import Callable
 from functools import partial
 
-import httpx
 import pytest
 
 from fleetgate.net import free_port
-from tests.conftest import ADMIN_TOKEN, Fleet, Proc, wait_until
+from tests.conftest import ADMIN_TOKEN, Fleet, Proc, wait_healthy, wait_until
 from tests.e2e.test_send_limit import EMBED, FAST, _answers, _engine, _paused, _post, _refused
 
 # The gateway's protocol inside an embedder's uvicorn (as gateway/__main__.py builds it, less its options).
@@ -66,15 +65,7 @@ def _embedded_gateway(fleet: Fleet, uvicorn_args: dict[str, object]) -> tuple[Pr
     url = f"http://127.0.0.1:{port}"
     proc = fleet._spawn(f"embedded-{port}", [sys.executable, "-c", EMBEDDED, str(port), fleet.redis_url, fleet.prefix,
                                              json.dumps(uvicorn_args)], {"FLEETGATE_ADMIN_TOKEN": ADMIN_TOKEN})
-
-    def up() -> bool:
-        assert proc.alive(), proc.output()
-        try:
-            return httpx.get(url + "/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(up, timeout=30)
+    wait_healthy(proc, url)
     return proc, url
 
 
