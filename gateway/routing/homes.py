@@ -180,8 +180,8 @@ class Homes:
         key's work costs the cache besides its prefix: on a worker of speed v, 1/v of that, as
         its requests take 1/v as long), from the account's recent average."""
         speeds = self.speeds
-        work = sum(w / speeds.get(wid, 1.0) for wid, w in self.placed.items())
-        held = sum(self.kv_avg.values()) - sum(self.prefixes.values())
+        work = sum((w / speeds.get(wid, 1.0) for wid, w in self.placed.items()), 0.0)
+        held = sum(self.kv_avg.values(), 0.0) - sum(self.prefixes.values(), 0.0)
         return held / work if work > 0 and held > 0 else 0.0
 
     def pressures(
@@ -193,7 +193,7 @@ class Homes:
         per cache token. `extra` = (worker, work, prefix tokens) adds a key there first."""
         rho = self.rho() if rho is None else rho
         work = {s.id: self.placed.get(s.id, 0.0) for s in slots}
-        prefix = {s.id: float(self.prefixes.get(s.id, 0)) for s in slots}
+        prefix = {s.id: self.prefixes.get(s.id, 0.0) for s in slots}
         if extra is not None:
             work[extra[0]] = work.get(extra[0], 0.0) + extra[1]
             prefix[extra[0]] = prefix.get(extra[0], 0.0) + extra[2]
@@ -218,7 +218,7 @@ class Homes:
         total_work = sum(placed.get(s.id, 0.0) for s in slots) + work
         total_weight = sum(s.weight for s in slots)
         kv_known = all(s.kv_tokens for s in slots)
-        base_demand = sum(prefixes.get(s.id, 0) + rho * placed.get(s.id, 0.0) / s.speed for s in slots)
+        base_demand = sum(prefixes.get(s.id, 0.0) + rho * placed.get(s.id, 0.0) / s.speed for s in slots)
         total_kv = sum(s.kv_tokens for s in slots)
         out: dict[str, float] = {}
         for s in slots:
@@ -227,7 +227,7 @@ class Homes:
             # The fleet's demand with the key here (its in-flight KV lasts 1/speed as long).
             total_demand = base_demand + prefix + rho * work / s.speed
             if kv_known and total_demand > 0:
-                demand = prefixes.get(s.id, 0) + prefix + rho * mine / s.speed
+                demand = prefixes.get(s.id, 0.0) + prefix + rho * mine / s.speed
                 cost = max(cost, (demand / s.kv_tokens) / (total_demand / total_kv))
             out[s.id] = cost
         return out

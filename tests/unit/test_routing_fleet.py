@@ -148,7 +148,7 @@ def test_a_new_key_goes_where_least_work_is_placed_and_its_prefix_fits() -> None
     cannot hold the prefix beside the keys already placed there."""
     fleet = (kvw("a", kv_tokens=10_000), kvw("b", kv_tokens=10_000), kvw("c", kv_tokens=10_000))
     f = RequestFacts("base", affinity_key=KEY, affinity_kind="prefix", prefix_tokens=2_000)
-    homes = Homes(placed={"a": 500.0, "b": 100.0, "c": 300.0}, prefixes={"b": 8_000})
+    homes = Homes(placed={"a": 500.0, "b": 100.0, "c": 300.0}, prefixes={"b": 8_000.0})
     live = Live({}, {}, homes)
     choice = decide(Routes.build(fleet), f, live, POLICY).choices[0]
     assert (choice.worker.id, choice.reason) == ("c", "prefix-placed")
