@@ -149,7 +149,12 @@ def test_streams_cut_on_one_engine_kind_resume_on_the_other(fleet_factory) -> No
     engines = {wid: Engine(fleet, wid, flavor) for wid, flavor in FLAVORS.items()}
     recorders = {wid: Recorder(e.url) for wid, e in engines.items()}
     for wid, flavor in FLAVORS.items():
-        fleet.worker(wid, "--url", recorders[wid].url, "--flavor", flavor, "--model", MODEL, engine="external")
+        # An external engine's agent counts it dead (and deregisters) after 5 heartbeats of
+        # failed probes: 2 s heartbeats give the killed engine 10 s to be back, where 1 s gave
+        # 5 s, less than a loaded machine took to start the simulator again (ci-local: the
+        # agent gave up at 17:15:01, 6 s after the kill, and the worker never came back).
+        fleet.worker(wid, "--url", recorders[wid].url, "--flavor", flavor, "--model", MODEL,
+                     "--heartbeat-interval", "2", "--heartbeat-ttl", "6", engine="external")
     fleet.wait_ready(url, *FLAVORS)
     killed_at: dict[str, int] = {}
 
