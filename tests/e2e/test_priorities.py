@@ -36,15 +36,11 @@ INTERACTIVE_TOKENS = 8
 # Interactive TTFT target with priorities on: generous for a loaded 2-core CI (it is about
 # 0.1 s on an idle machine; without priorities it is seconds, the batch backlog's wait).
 TARGET_P99_S = 2.5
-# batch: weight 1, at most 2 of each worker's 4 x (1 + shed_queue_ratio 1) = 8 requests
-# (share 0.25), 4 s in the queue at most; interactive: weight 8, the whole worker. Batch
-# leaves two of each engine's 4 sequences to interactive: with 3 (share 0.375) a second
-# interactive request on a worker, which a slow machine makes likely (each runs ~0.4 s,
-# one arrives every 0.4 s), queued in the engine behind a 2 s batch stream (p99 2.85 s in
-# one e2e run at a load of ~7 on 2 cores).
+# batch: weight 1, at most 3 of each worker's 4 x (1 + shed_queue_ratio 1) = 8 requests
+# (share 0.375), 4 s in the queue at most; interactive: weight 8, the whole worker.
 PRIORITIES = (
     "--set", "priority_classes={interactive: {weight: 8}, default: {weight: 4}, "
-             "batch: {weight: 1, share: 0.25, queue_timeout_s: 4}}",
+             "batch: {weight: 1, share: 0.375, queue_timeout_s: 4}}",
     "--set", "key_priority={'0001': batch, '0002': interactive}",
 )
 
