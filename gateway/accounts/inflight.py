@@ -38,6 +38,7 @@ log = structlog.get_logger("gateway.inflight")
 # Token counts travel in the same Redis hash as the request counts, under these prefixes.
 TOKENS_FIELD = "~t:"
 FRESH_FIELD = "~f:"
+PENDING_FIELD = "~p:"
 
 
 class _Summed(Mapping[str, int]):
@@ -83,6 +84,12 @@ class SharedInflight(_Summed):
         self.remote_fresh: dict[str, int] = {}
         self.total_fresh: dict[str, int] = {}
         self._report_ts: dict[str, float] = {}
+        # Prompt tokens still to prefill per worker: those its engine does not hold of the
+        # streamed requests in flight there whose first token has not come (this gateway's,
+        # the others', the sum routing reads). A first token ends a request's prefill.
+        self.local_pending: dict[str, int] = {}
+        self.remote_pending: dict[str, int] = {}
+        self.total_pending: dict[str, int] = {}
         # (worker, affinity key) -> requests in flight there that share that key's prefix.
         self._sharing: dict[tuple[str, int], int] = {}
         # Called after every completion (the admission queue re-checks for room).
@@ -148,6 +155,19 @@ class SharedInflight(_Summed):
         if self.on_done is not None:
             self.on_done()
 
+    def pend(self, worker_id: str, tokens: int) -> None:
+        """`tokens` more prompt tokens (negative: fewer) for `worker_id`'s engine to prefill."""
+        n = self.local_pending.get(worker_id, 0) + tokens
+        if n > 0:
+            self.local_pending[worker_id] = n
+        else:
+            self.local_pending.pop(worker_id, None)
+            n = 0
+        if t := n + self.remote_pending.get(worker_id, 0):
+            self.total_pending[worker_id] = t
+        else:
+            self.total_pending.pop(worker_id, None)
+
     def _fresh(self, worker_id: str, change: int) -> None:
         if n := self.local_fresh.get(worker_id, 0) + change:
             self.local_fresh[worker_id] = n
@@ -187,6 +207,7 @@ class SharedInflight(_Summed):
         counts: dict[str, int] = dict(self.local)
         counts.update({TOKENS_FIELD + w: t for w, t in self.local_tokens.items()})
         counts.update({FRESH_FIELD + w: t for w, t in self.local_fresh.items()})
+        counts.update({PENDING_FIELD + w: t for w, t in self.local_pending.items()})
         await self.registry.publish_inflight(self.gateway_id, counts, self.lease_s)
         remote = await self.registry.read_inflight(exclude_gateway=self.gateway_id)
         self._set_remote(remote)
@@ -198,16 +219,20 @@ class SharedInflight(_Summed):
         self.remote.clear()
         self.remote_tokens.clear()
         self.remote_fresh.clear()
+        self.remote_pending.clear()
         for field, value in remote.items():
             if field.startswith(TOKENS_FIELD):
                 self.remote_tokens[field[n:]] = value
             elif field.startswith(FRESH_FIELD):
                 self.remote_fresh[field[len(FRESH_FIELD):]] = value
+            elif field.startswith(PENDING_FIELD):
+                self.remote_pending[field[len(PENDING_FIELD):]] = value
             else:
                 self.remote[field] = value
         _sum_into(self.total, self.local, self.remote)
         _sum_into(self.total_tokens, self.local_tokens, self.remote_tokens)
         _sum_into(self.total_fresh, self.local_fresh, self.remote_fresh)
+        _sum_into(self.total_pending, self.local_pending, self.remote_pending)
 
     async def _loop(self) -> None:
         outage = Outage(log, "gateway.inflight_sync_failed", "gateway.inflight_sync_resumed")

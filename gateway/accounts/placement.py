@@ -36,7 +36,7 @@ class Placement:
 
     def live(self, requests: Live) -> Live:
         """The live account with this table's placed work (all views of live dicts)."""
-        return Live(requests.requests, requests.tokens, self.homes, requests.fresh)
+        return Live(requests.requests, requests.tokens, self.homes, requests.fresh, requests.pending)
 
     def lookup(self, key: int | None) -> tuple[str | None, str | None, bool]:
         """(home, second home, heavy) of an affinity key; (None, None, False) for a key not placed yet."""

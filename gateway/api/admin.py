@@ -37,7 +37,7 @@ def _kv_json(kv: WorkerKv | None) -> dict[str, object] | None:
             "version": f"{kv.gen}-{kv.version}"}
 
 
-def _worker_json(w: WorkerView, inflight: int, kv: WorkerKv | None = None) -> dict[str, object]:
+def _worker_json(w: WorkerView, inflight: int, kv: WorkerKv | None = None, pending: int = 0) -> dict[str, object]:
     info = w.info
     return {
         "id": info.id,
@@ -66,6 +66,9 @@ def _worker_json(w: WorkerView, inflight: int, kv: WorkerKv | None = None) -> di
             # The engine measured it (routing takes it as the truth), or reports none.
             "kv_measured": w.load.kv_measured,
             "inflight": inflight,
+            # Prompt tokens its engine has still to prefill for the streams sent to it (every
+            # gateway's) whose first token has not come: its prefill queue, which routing weighs.
+            "prefill_pending": pending,
         },
         # LoRA as the engine reports it: its slots (else as registered; 0: unknown), the slots in
         # its record, the adapters with requests in it, and the waiting requests it skipped
@@ -92,7 +95,9 @@ async def admin_workers(request: Request, state: State) -> Response:
     workers = await gw.registry.read_all()
     inflight = gw.proxy.inflight
     mirror = gw.kv_mirror
-    data = [_worker_json(w, inflight.get(w.id, 0), mirror.status(w.id) if mirror else None) for w in workers]
+    pending = inflight.total_pending
+    data = [_worker_json(w, inflight.get(w.id, 0), mirror.status(w.id) if mirror else None, pending.get(w.id, 0))
+            for w in workers]
     # Adapter requests this gateway sent where every LoRA slot was taken by others, by adapter.
     waits = dict(sorted(gw.proxy.placer.slot_waits.items()))
     return Response(content=msgspec.json.encode({"data": data, "adapter_slot_waits": waits}),

@@ -32,7 +32,6 @@ from gateway.errors import (
     ContextLengthExceeded,
     EngineUnreachable,
     GatewayError,
-    InvalidRequest,
     ModelNotFound,
     NoWorkerAvailable,
     Overloaded,
@@ -41,7 +40,7 @@ from gateway.errors import (
 )
 from gateway.observe.tracing import NO_TRACE, RequestTrace
 from gateway.request import retries
-from gateway.request.context import Refusal, refusal
+from gateway.request.context import Refusal, no_worker, refusal
 from gateway.request.dispatch import (
     FORWARD_HEADERS,
     Dispatch,
@@ -116,6 +115,10 @@ class Attempt:
         # The request has a fallback model (gateway/models/aliases.py): when this one is full or its
         # context too small, raise at once (no queueing, no engine 400) so the fallback gets it.
         self.falls_back = falls_back
+        # A stream's prefill, counted on its worker until its first token (`prefilled`): the
+        # worker, and the prompt tokens its engine did not hold when it was sent.
+        self.prefilling: str | None = None
+        self.unprefilled = 0
 
     def kv_tokens(self, slot: Slot) -> int:
         """The KV tokens this request counts for on `slot` when deciding whether it fits: until
@@ -123,11 +126,26 @@ class Attempt:
         return self.fresh if slot.measured else self.own_tokens
 
     def hold(self, worker_id: str) -> None:
-        self.dispatch.inflight.add(worker_id, self.own_tokens, self.share_key, self.prefix, self.fresh)
+        inflight = self.dispatch.inflight
+        inflight.add(worker_id, self.own_tokens, self.share_key, self.prefix, self.fresh)
+        if self.stream and (prompt := self.facts.prompt_tokens):
+            # Only a stream says when its prefill ended (its first event).
+            n = prompt - self.facts.cached.get(worker_id, 0)
+            self.unprefilled = n if n > 1 else 1
+            self.prefilling = worker_id
+            inflight.pend(worker_id, self.unprefilled)
         if self.facts.adapter:  # never evicted while in flight; a busy adapter gets a replica
             self.dispatch.placer.started(worker_id, self.facts.model)
 
+    def prefilled(self) -> None:
+        """The stream's first event came: its engine has prefilled its prompt."""
+        if self.prefilling is not None:
+            self.dispatch.inflight.pend(self.prefilling, -self.unprefilled)
+            self.prefilling = None
+
     def release(self, worker_id: str) -> None:
+        if self.prefilling == worker_id:
+            self.prefilled()
         self.dispatch.inflight.done(worker_id, self.own_tokens, self.share_key, self.prefix, self.fresh)
         if self.facts.adapter:
             self.dispatch.placer.finished(worker_id, self.facts.model)
@@ -342,22 +360,8 @@ class Attempt:
 
     def _refusal(self, decision: Decision) -> GatewayError:
         """Why no worker can take the request, for the client."""
-        model, asked = self.facts.model, self.floor + (self.facts.max_tokens or 0)
-        if decision.verdict == "unknown_model":
-            return ModelNotFound(f"The model `{model}` does not exist or no worker serves it.", param="model")
-        if decision.verdict == "wrong_task":
-            if self.facts.pooling:
-                return InvalidRequest(f"`{model}` generates text; it does not serve embeddings. "
-                                      "Name an embedding model.", param="model", code="model_not_supported")
-            return InvalidRequest(f"`{model}` is an embedding model: it serves /v1/embeddings, not "
-                                  f"{self.path}.", param="model", code="model_not_supported")
-        if decision.verdict == "context_length":
-            return ContextLengthExceeded(
-                f"This model's maximum context length is {decision.limit} tokens. However, you requested "
-                f"{asked} tokens or more ({self.floor} in the prompt, {self.facts.max_tokens or 0} for the "
-                "completion). Please reduce the length of the prompt or of max_tokens.", param="messages")
-        return self.final_error() or NoWorkerAvailable(
-            f"No worker can serve `{model}` right now (all draining or unhealthy); try again shortly.",
+        return no_worker(decision, self.facts, self.floor, self.path) or self.final_error() or NoWorkerAvailable(
+            f"No worker can serve `{self.facts.model}` right now (all draining or unhealthy); try again shortly.",
             retry_after=1)
 
     def final_error(self) -> GatewayError | None:

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import msgspec
 from msgspec.structs import replace
 
-from gateway.routing import RequestFacts, Routes
+from gateway.errors import ContextLengthExceeded, GatewayError, InvalidRequest, ModelNotFound
+from gateway.routing import Decision, RequestFacts, Routes
 
 # vLLM 0.32: "This model's maximum context length is 2048 tokens. However, your prompt
 # contains at least 2049 input tokens, ..." (it stops counting past the limit: a lower bound,
@@ -99,3 +100,24 @@ def refusal(status: int, data: bytes, facts: RequestFacts, routes: Routes, tried
 
 
 __all__ = ["Refusal", "error_message", "refit", "refusal", "refused_prompt_tokens"]
+
+
+def no_worker(decision: Decision, facts: RequestFacts, floor: int, path: str) -> GatewayError | None:
+    """Why no worker can take the request by the decision's verdict, for the client (None: the
+    attempts' own error, or a fleet with none to serve it now)."""
+    model = facts.model
+    if decision.verdict == "unknown_model":
+        return ModelNotFound(f"The model `{model}` does not exist or no worker serves it.", param="model")
+    if decision.verdict == "wrong_task":
+        if facts.pooling:
+            return InvalidRequest(f"`{model}` generates text; it does not serve embeddings. "
+                                  "Name an embedding model.", param="model", code="model_not_supported")
+        return InvalidRequest(f"`{model}` is an embedding model: it serves /v1/embeddings, not "
+                              f"{path}.", param="model", code="model_not_supported")
+    if decision.verdict == "context_length":
+        asked = floor + (facts.max_tokens or 0)
+        return ContextLengthExceeded(
+            f"This model's maximum context length is {decision.limit} tokens. However, you requested "
+            f"{asked} tokens or more ({floor} in the prompt, {facts.max_tokens or 0} for the "
+            "completion). Please reduce the length of the prompt or of max_tokens.", param="messages")
+    return None

@@ -116,7 +116,7 @@ class PrefixCache:
 
     def held(self, slots: Sequence[Slot], counter: TokenCounter, probe: Probe) -> tuple[int | None, dict[str, int]]:
         """(the prompt's exact token count, or None; worker -> prompt tokens its engine holds,
-        for the workers that hold some)."""
+        for every worker whose index is known, 0 for one that holds none of it)."""
         indexes: list[tuple[str, WorkerKv]] = []
         for s in slots:
             wkv = self.mirror.get(s.id)
@@ -131,13 +131,13 @@ class PrefixCache:
         keys_by_size: dict[int, list[int]] = {}
         for wid, wkv in indexes:
             if not wkv.keys:  # holds nothing: no keys to compute for it
+                held[wid] = 0
                 continue
             size = wkv.block_size
             keys = keys_by_size.get(size)
             if keys is None:
                 keys = keys_by_size[size] = chain_keys(ids, size)
-            if n := wkv.cached_blocks(keys):
-                held[wid] = n * size
+            held[wid] = wkv.cached_blocks(keys) * size
         return len(ids), held
 
     def _builder(self, counter: TokenCounter) -> PromptTokens:

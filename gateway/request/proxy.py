@@ -145,7 +145,7 @@ class Proxy:
             self.routes = _constant(static)
         self.waits = FirstByteWaits(self.watcher.current)
         self.live = self.placement.live(Live(self.inflight.total, self.inflight.total_tokens,
-                                            fresh=self.inflight.total_fresh))
+                                            fresh=self.inflight.total_fresh, pending=self.inflight.total_pending))
         self.watcher.on_refresh(self.inflight.reported)
         self.inflight.on_done = self.admission.wake
         self.dispatch = Dispatch(self.settings, self.watcher, self.upstream, self.policy, self.live, self.inflight,

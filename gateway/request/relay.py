@@ -97,6 +97,7 @@ async def relay(
                 # the engine has sent the client nothing yet; it may wait behind the engine's queue.
                 with waiting(books.worker.id):
                     data = await first_event(read, attempt, books.worker.id)
+                attempt.prefilled()
                 async with asyncio.timeout(None) as deadline:
                     watch = _StallWatch(deadline, stall_s)
                     try:

@@ -46,6 +46,10 @@ class Live:
     # (gateway/accounts/inflight.py). Added to the engine's measured KV use, it predicts between two
     # reports; each report replaces the prediction.
     fresh: Mapping[str, int] = field(default_factory=dict)
+    # Prompt tokens each worker's engine has still to prefill for the streamed requests sent
+    # to it whose first token has not come, less what it held of each when it was sent (its
+    # queue of prefill work, which its KV use does not show): gateway/accounts/inflight.py.
+    pending: Mapping[str, int] = field(default_factory=dict)
 
     @staticmethod
     def of(inflight: Mapping[str, int] | Live) -> Live:

@@ -38,7 +38,12 @@
    takes the request ("kv-hit"; "kv-placed" for a key not placed yet, which is placed
    there): the home evicted the prefix or restarted, the conversation's earlier turns went
    elsewhere, another client or gateway replica warmed it. Where the home holds as much,
-   or nothing is known, the placement decides as above.
+   or nothing is known, the placement decides as above. Then the queue: where another
+   worker's first token would come clearly sooner, by the prefill queued on each (the
+   streams sent whose first token has not come, what their engines did not hold of them)
+   plus what each would prefill of this prompt, it takes the request ("kv-sooner"): a turn
+   kept home waits behind that home's prefills while another engine computes its prompt
+   sooner (engines queue on prefill with their caches half empty).
 """
 
 from __future__ import annotations
@@ -112,12 +117,19 @@ class FleetPolicy:
         if facts.adapter:
             return self._rank_adapter(scored, facts, live, routes, limit)
         key = facts.affinity_key
-        if facts.cached and (held := self._holder(scored, facts, live, home, second)) is not None:
-            reason = "kv-placed" if key is not None and home is None else "kv-hit"
-            return _with_rest(held, reason, scored, limit)
-        if key is None or len(candidates) == 1:
+        cached = facts.cached
+        if len(candidates) == 1 or (key is None and not cached):
             return [Choice(x[2], "least-load") for x in best(scored, limit)]
-        pick, reason = self._by_home(key, facts.affinity_kind or "prefix", scored, facts, live, routes, home, second)
+        if cached and (held := self._holder(scored, facts, live, home, second)) is not None:
+            pick, reason = held, "kv-placed" if key is not None and home is None else "kv-hit"
+        elif key is None:
+            pick, reason = min(scored), "least-load"
+        else:
+            pick, reason = self._by_home(key, facts.affinity_kind or "prefix", scored, facts, live, routes, home,
+                                         second)
+        if cached and self.opts.prefill_margin and (sooner := self._sooner(pick, scored, facts, live)) is not None:
+            # A key not placed yet is placed where its first request goes.
+            pick, reason = sooner, reason if reason.endswith("-placed") else "kv-sooner"
         return _with_rest(pick, reason, scored, limit)
 
     def _by_home(
@@ -168,6 +180,30 @@ class FleetPolicy:
             return None
         most = max(held[x[1]] for x in holders)
         return min(x for x in holders if held[x[1]] >= most - margin)
+
+    def _sooner(
+        self, pick: tuple[float, str, Slot], scored: list[tuple[float, str, Slot]], facts: RequestFacts, live: Live,
+    ) -> tuple[float, str, Slot] | None:
+        """The worker, not saturated, where the request's first token comes clearly sooner than
+        on `pick` by the prefill ahead of it: the prompt tokens queued there (`Live.pending`)
+        plus those of this prompt its engine does not hold, per unit of speed; None: `pick`.
+        Clearly: by `prefill_margin` of the prompt. Only workers whose holdings are known."""
+        held = facts.cached
+        if pick[1] not in held:
+            return None
+        pending = live.pending.get
+        prompt = facts.prompt_tokens
+        s = pick[2]
+        found_at = (pending(pick[1], 0) + prompt - held[pick[1]] - self.opts.prefill_margin * prompt) / s.speed
+        found = None
+        for x in scored:
+            wid = x[1]
+            if wid == pick[1] or wid not in held:
+                continue
+            ahead = (pending(wid, 0) + prompt - held[wid]) / x[2].speed
+            if ahead < found_at and not self.saturated(x[2], live):
+                found, found_at = x, ahead
+        return found
 
     def _place(
         self, key: int, scored: list[tuple[float, str, Slot]], facts: RequestFacts, live: Live,

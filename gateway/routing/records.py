@@ -59,7 +59,8 @@ class RequestFacts(msgspec.Struct, frozen=True):
     # worker does not spread all of its tenants over the fleet (which thrashes every cache).
     heavy: bool = False
     # Prompt tokens each worker's engine holds in its prefix cache, by its KV cache events
-    # (gateway/request/prefix_cache.py); only workers that hold some. Empty: nothing known.
+    # (gateway/request/prefix_cache.py); only workers whose index is known (0: it holds none
+    # of the prompt). Empty: nothing known.
     cached: dict[str, int] = msgspec.field(default_factory=dict)
 
 
@@ -111,3 +112,9 @@ class FleetOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     # A worker whose engine holds more of the prompt than the key's home does takes the
     # request when it saves at least this share of what the home would compute again.
     kv_gain: float = 0.3
+    # Where the engines' holdings are known: a request goes to another worker when, by the
+    # prefill queued there (the streams sent whose first token has not come, `Live.pending`)
+    # plus what it would prefill of this prompt, its first token comes sooner by at least
+    # this share of the prompt's prefill (0: never). Caches that keep a conversation home
+    # do not help a turn that waits behind a queue of prefills.
+    prefill_margin: float = 0.25

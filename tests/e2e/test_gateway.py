@@ -395,6 +395,42 @@ def test_replicas_share_in_flight_counts_through_redis(fleet_factory: Callable[[
     wait_until(lambda: fleet.workers(url2)["w"]["load"]["inflight"] == 0, timeout=10)
 
 
+def test_a_streams_prefill_counts_on_every_replica_until_its_first_token(fleet_factory: Callable[[], Fleet]) -> None:
+    """`prefill_pending`: the prompt tokens a worker's engine has still to prefill for the streams
+    sent to it, on every replica; a stream's first event ends its share, its end the rest."""
+    fleet = fleet_factory()
+    _, url1 = fleet.gateway("--set", "first_byte_timeout_s=60")
+    _, url2 = fleet.gateway()
+    fleet.worker("w", "--model", MODEL)  # at the card's speed: 2,000 tokens take ~40 s
+    fleet.wait_ready(url1, "w")
+    engine = str(fleet.workers(url1)["w"]["url"])
+
+    def load(url: str) -> tuple[int, int]:
+        w = fleet.workers(url)["w"]["load"]
+        return int(w["prefill_pending"]), int(w["inflight"])
+
+    body = {"model": MODEL, "prompt": "tell me a long story " * 50, "max_tokens": 2000, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(base_url=url1, timeout=60) as client, contextlib.ExitStack() as streams:
+        # The engine sends a stream's headers, then nothing: its prefill never ends.
+        assert httpx.post(f"{engine}/sim/faults", json={"stall_after_chunks": 0}).status_code == 200
+        stalled = streams.enter_context(client.stream("POST", "/v1/completions", json=body))
+        assert stalled.status_code == 200
+        wait_until(lambda: load(url2)[0] > 0 and load(url2)[1] == 1, timeout=10)
+        queued = load(url2)[0]
+        assert load(url1) == (queued, 1)
+        assert queued >= 200  # the prompt's ~250 tokens (an estimate: no tokenizer here)
+        # A second stream, the fault cleared: its first event ends its prefill.
+        assert httpx.post(f"{engine}/sim/faults", json={"stall_after_chunks": None}).status_code == 200
+        served = streams.enter_context(client.stream("POST", "/v1/completions", json=body))
+        lines = served.iter_lines()  # kept: a dropped iterator would close its stream
+        assert next(line for line in lines if line.startswith("data: "))
+        wait_until(lambda: load(url2) == (queued, 2), timeout=10)
+        assert load(url1) == (queued, 2)
+    # Both closed by their client, the stalled one before its first event: nothing is left.
+    wait_until(lambda: load(url1) == (0, 0) and load(url2) == (0, 0), timeout=10)
+
+
 def test_keep_alive_connections_survive_many_concurrent_streams(shared_fleet: tuple[Fleet, str]) -> None:
     """Many streams over a small pool of keep-alive connections, then plain requests on the same
     connections: every request gets its answer (a finished stream must leave its connection usable)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from fleetgate.schema import Load, WorkerInfo, WorkerView
-from gateway.accounts.inflight import FRESH_FIELD, TOKENS_FIELD, SharedInflight
+from gateway.accounts.inflight import FRESH_FIELD, PENDING_FIELD, TOKENS_FIELD, SharedInflight
 
 
 def _expected(local: dict[str, int], remote: dict[str, int]) -> dict[str, int]:
@@ -68,3 +68,23 @@ def test_fresh_tokens_count_how_kv_changed_since_the_last_engine_report() -> Non
     assert inflight.total_fresh == {"w1": -1_590, "w2": 170}
     inflight.reported([_view("w1", 2.0), _view("w2", 3.0)])
     assert inflight.total_fresh == {"w1": -1_590, "w2": 50}  # the other replica resets its own
+
+
+def test_pending_prefill_counts_streams_until_their_first_token() -> None:
+    """`pending`: the prompt tokens each worker's engine has still to prefill (streams sent whose
+    first token has not come); the other replicas' counts add to it, and it never goes below
+    zero for a worker."""
+    inflight = SharedInflight(None, "g1")  # type: ignore[arg-type]  # no sync runs here: no Redis
+    inflight.pend("w1", 3_000)
+    inflight.pend("w1", 200)
+    inflight.pend("w2", 1_000)
+    assert inflight.total_pending == {"w1": 3_200, "w2": 1_000}
+    inflight._set_remote({PENDING_FIELD + "w2": 500, PENDING_FIELD + "w3": 40})
+    assert inflight.total_pending == {"w1": 3_200, "w2": 1_500, "w3": 40}
+    inflight.pend("w1", -3_000)  # its first token came
+    inflight.pend("w2", -1_000)
+    assert inflight.total_pending == {"w1": 200, "w2": 500, "w3": 40}
+    inflight.pend("w1", -500)  # more than it counts: floored at none
+    assert inflight.local_pending == {} and inflight.total_pending == {"w2": 500, "w3": 40}
+    inflight._set_remote({})
+    assert inflight.total_pending == {}

@@ -72,3 +72,44 @@ def test_the_fallback_choices_follow_the_holder() -> None:
     decision = decide(Routes.build(FLEET), f, Live({"c": 50}), POLICY, limit=3)
     assert [(c.worker.id, c.reason) for c in decision.choices] == [
         ("b", "kv-hit"), ("a", "least-load"), ("c", "least-load")]
+
+
+# The prefill queue (`Live.pending`): the prompt tokens each engine has still to prefill for the
+# streams sent whose first token has not come. Three engines hold the system prompt (1,000
+# tokens); the conversation (3,100 tokens) is cached on "a", its home.
+SOONER = [
+    # (what it shows, home, engines' cached prompt tokens, prefill queued, requests in flight, expected)
+    ("a turn whose home holds it but queues 6k tokens of prefill: an engine with a short queue computes it sooner",
+     "a", {"a": 3000, "b": 1000, "c": 1000}, {"a": 6000, "c": 500}, {}, ("b", "kv-sooner")),
+    ("a short queue at home is not worth prefilling the conversation again elsewhere",
+     "a", {"a": 3000, "b": 1000, "c": 1000}, {"a": 2000}, {}, ("a", "prefix-hit")),
+    ("sooner, but by less than a quarter of the prompt's prefill: home",
+     "a", {"a": 3000, "b": 1000, "c": 1000}, {"a": 2600, "b": 100, "c": 100}, {}, ("a", "prefix-hit")),
+    ("a new conversation (only its system prompt cached anywhere) is placed where the least prefill waits",
+     None, {"a": 1000, "b": 1000, "c": 1000}, {"a": 3000, "c": 3000}, {}, ("b", "kv-placed")),
+    ("a saturated engine never takes it, however short its queue",
+     "a", {"a": 3000, "b": 1000, "c": 1000}, {"a": 6000, "c": 5000}, {"b": 100}, ("a", "prefix-hit")),
+    ("an engine whose holdings are unknown (no events) is not weighed",
+     "a", {"a": 3000, "b": 1000}, {"a": 6000, "b": 5000}, {}, ("a", "prefix-hit")),
+    ("the holder the engines' events found, if its queue is long, gives way too",
+     "a", {"a": 1000, "b": 3000, "c": 1000}, {"b": 6000}, {}, ("a", "kv-sooner")),
+]
+
+
+@pytest.mark.parametrize(("why", "home", "cached", "pending", "account", "expected"), SOONER,
+                         ids=[c[0] for c in SOONER])
+def test_prefill_queue_table(why: str, home: str | None, cached: dict[str, int], pending: dict[str, int],
+                             account: dict[str, int], expected: tuple[str, str]) -> None:
+    f = RequestFacts("base", prompt_tokens=3100, affinity_key=KEY, affinity_kind="prefix", home=home,
+                     cached=cached)
+    choice = decide(Routes.build(FLEET), f, Live(account, pending=pending), POLICY).choices[0]
+    assert (choice.worker.id, choice.reason) == expected
+
+
+def test_prefill_margin_zero_keeps_the_cached_home() -> None:
+    f = RequestFacts("base", prompt_tokens=3100, affinity_key=KEY, affinity_kind="prefix", home="a",
+                     cached={"a": 3000, "b": 1000, "c": 1000})
+    live = Live({}, pending={"a": 6000, "c": 500})
+    off = make_policy("fleet", {"prefill_margin": 0})
+    assert (decide(Routes.build(FLEET), f, live, off).choices[0].worker.id) == "a"
+    assert (decide(Routes.build(FLEET), f, live, POLICY).choices[0].worker.id) == "b"
