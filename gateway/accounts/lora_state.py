@@ -194,7 +194,7 @@ def live_adapters(slot: Slot, sent: Iterable[str], last_used: Callable[[str, str
 
 def residency(
     slots: Iterable[Slot], model: str, state: LoraState, now: float, recent_s: float = 30.0,
-    hold_s: float = 10.0,
+    hold_s: float = 10.0, heavy_share: float = 0.3,
 ) -> tuple[frozenset[str], frozenset[str]]:
     """(warm, full) for a request for adapter `model` over the workers serving it.
 
@@ -219,6 +219,11 @@ def residency(
     they queue it anyway). An adapter live on several engines while the budget is short goes
     to one of them (`_primary`) unless that one is overloaded: the others' copies drain and
     give their slots back.
+    Only a heavy adapter (`heavy_share` of the requests in flight where it is live with room,
+    as FleetOptions.heavy_share for an affinity key) takes another engine: moving a light one's
+    few requests relieves its engine of little, and the copy costs a slot and the prefix cache
+    its system prompts take there (vLLM keys cached blocks by adapter), so every engine where it
+    is not live is full for it, unless its engines report themselves overloaded.
     A worker with unknown slots, or whose adapters all fit its slots, is never full.
     """
     slots = list(slots)
@@ -229,6 +234,7 @@ def residency(
     survey.warm_again_where_it_last_ran()
     survey.spread_over_the_roomiest()
     survey.keep_within_the_fleets_slots(slots, fleet_spare(slots, lives, state, now, recent_s), model, state)
+    survey.copy_only_the_heavy(slots, model, state, heavy_share)
     return frozenset(survey.warm), frozenset(survey.full)
 
 
@@ -317,6 +323,22 @@ class _Survey:
             if not _overloaded(by_id[keep]):
                 self.full.extend(w for w in self.warm if w != keep)
                 self.warm = [keep]
+
+
+    def copy_only_the_heavy(self, slots: Sequence[Slot], model: str, state: LoraState, heavy_share: float) -> None:
+        """Live with room and light there (under `heavy_share` of the requests in flight on its
+        engines): no other engine, unless they report themselves overloaded."""
+        by_id = {s.id: s for s in slots}
+        homes = [w for w in self.warm if w not in self.full]
+        if not homes or all(_overloaded(by_id[w]) for w in homes):
+            return
+        mine = sum(state.in_flight(w, model) for w in homes)
+        if not mine:  # warm only where it last ran: its first request back goes as before
+            return
+        there = set(homes)
+        total = sum(n for counts in (state.local, state.remote) for (w, _), n in counts.items() if w in there)
+        if mine < heavy_share * total:
+            self.full.extend(s.id for s in slots if s.id not in self.warm and s.id not in self.full)
 
 
 def fleet_spare(

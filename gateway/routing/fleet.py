@@ -24,6 +24,11 @@
    saturated), and only while the fleet's slots have one to spare beyond every adapter in
    demand (else a cold adapter would come back to no slot); an adapter live on several
    engines while the fleet is short of slots goes to one of them, so the other copies drain.
+   Live on several, its requests go to its primary (the first of them in its ring order), and
+   to the least loaded other copy only while the primary is half `lora_load_cost` busier (or
+   saturated): made at the whole cost, kept at half (hysteresis), a copy drains once the burst
+   that made it is over, giving back its slot and the prefix cache its system prompts took
+   (vLLM keys cached blocks by adapter).
    An adapter live nowhere goes back where it last ran while a slot is free there, else to an
    engine with a free slot; only when none has one, to an engine whose slots are all live
    with others (a slot wait, counted by the placer), the one with the fewest adapters in
@@ -258,13 +263,12 @@ class FleetPolicy:
         rank = _ring_rank(routes, facts.affinity_key)
         home = self._band_pick(groups[_LIVE], rank)
         spare = self._band_pick(groups[_FREE], rank)
-        if home is not None and spare is not None and (
-            spare[0] + self.opts.lora_load_cost < home[0]
-            or (self.saturated(home[2], live) and not self.saturated(spare[2], live))
-        ):
+        if home is not None and spare is not None and self._busier(home, spare, self.opts.lora_load_cost, live):
             pick, reason = spare, "adapter-spill"  # a hot adapter's home is overloaded: another engine
         elif home is not None:
-            pick, reason = home, "adapter-warm"
+            # Where its adapters all fit an engine's slots, it is "live" there unsent: load decides.
+            pick, reason = self._copy_pick(groups[_LIVE], rank, live) if all(
+                x[1] in warm for x in groups[_LIVE]) else (home, "adapter-warm")
         elif spare is not None:
             pick, reason = spare, "adapter-free"
         elif crowded := self._band_pick(groups[_CROWDED], rank):
@@ -275,6 +279,30 @@ class FleetPolicy:
             return [Choice(pick[2], reason)]
         rest = [(g, x[0], x[1], x[2]) for g, group in enumerate(groups) for x in group if x[1] != pick[1]]
         return [Choice(pick[2], reason), *(Choice(x[3], _REASONS[x[0]]) for x in best(rest, limit - 1))]
+
+    def _copy_pick(
+        self, group: list[tuple[float, str, Slot]], rank: Mapping[str, int], live: Live,
+    ) -> tuple[tuple[float, str, Slot], str]:
+        """Of the engines where the adapter is live, the one its requests go to, and why: its
+        primary (the first of them in the adapter's ring order) unless that is busier than the
+        least loaded other copy by half `lora_load_cost` (or saturated, the copy not), which then
+        shares the load ("adapter-share"). A copy is made only at the whole cost (the spill) and
+        kept only while the primary stays busier by half of it (hysteresis); below that every
+        request goes to the primary, so the copies drain and give back their slots and the
+        prefix cache their adapter's system prompts took there."""
+        primary = min(group, key=lambda x: (rank.get(x[1], len(rank)), x[1]))
+        if len(group) > 1:
+            copy = self._band_pick([x for x in group if x is not primary], rank)
+            if copy is not None and self._busier(primary, copy, self.opts.lora_load_cost * _KEEP, live):
+                return copy, "adapter-share"
+        return primary, "adapter-warm"
+
+    def _busier(
+        self, there: tuple[float, str, Slot], other: tuple[float, str, Slot], margin: float, live: Live,
+    ) -> bool:
+        """`there` is busier than `other` by `margin` (seats per unit of capacity), or saturated
+        where `other` is not: an adapter's requests are worth taking elsewhere."""
+        return other[0] + margin < there[0] or (self.saturated(there[2], live) and not self.saturated(other[2], live))
 
     def _wait_pick(
         self, group: list[tuple[float, str, Slot]], rank: Mapping[str, int],
@@ -313,6 +341,9 @@ def _with_rest(
 # An adapter request's worker groups, in the order they are tried.
 _LIVE, _FREE, _CROWDED, _SLOT_WAIT = 0, 1, 2, 3
 _REASONS = ("adapter-warm", "adapter-free", "adapter-crowded", "adapter-slot-wait")
+# An adapter's extra copy keeps sharing its load only while its primary is busier by this share
+# of `lora_load_cost` (what it took to make the copy); below, the copy drains.
+_KEEP = 0.5
 # Loads this close (2%, and 0.02 seats per unit of capacity) count as equal for an adapter's
 # placement.
 _BAND = 0.02

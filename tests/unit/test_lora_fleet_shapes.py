@@ -114,6 +114,16 @@ def test_a_hot_adapter_is_replicated_only_into_spare_slots(engines: int, replica
     assert all(len(ws) == 1 for a, ws in r.spread.items() if a != "a0") or replicated, r.spread
 
 
+def test_3x8_copies_only_of_the_hot_adapters() -> None:
+    """At 3 x 8 with engines of 128 sequences, only the hot adapters (heavy_share of the
+    requests where they are live) get a second engine, and no engine has more than 6 adapters
+    live at once (the adapter-affine client's 6 / 5 / 5): every copy costs a slot and a prefix
+    cache of its system prompts (issue 36: the H100's 8 / 8 / 8)."""
+    r = run(3, 8, capacity=128)
+    assert {a for a, ws in r.spread.items() if len(ws) > 1} <= {"a0", "a1", "a2"}, r.spread
+    assert max(r.peak.values()) <= 6, r.peak
+
+
 @pytest.mark.parametrize("bump", [3, 10])
 def test_2x8_placement_is_stable_under_small_load_changes(bump: int) -> None:
     """The engines' own reports moving by a few requests move no adapter: each goes where it is live."""

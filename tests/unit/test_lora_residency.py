@@ -169,3 +169,25 @@ def test_a_hot_adapter_never_takes_a_held_slot_for_an_extra_engine() -> None:
     it (a spill there would leave that adapter waiting when it comes back)."""
     st = state({("a", "fin"): 5, ("b", "law"): 1}, used={("b", "med"): NOW - 3})
     assert residency([slot("a"), slot("b")], "fin", st, NOW) == (frozenset({"a"}), frozenset({"b"}))
+
+
+HEAVY_CASES = [
+    # (what it shows, workers (8 slots: the fleet has slots to spare), state, warm, full)
+    ("a light adapter live with room takes no other engine (a copy would cost a slot and a prefix cache)",
+     [slot("a", slots=8), slot("b", slots=8)], state({("a", "fin"): 2, ("a", "law"): 9}), {"a"}, {"b"}),
+    ("a heavy one (heavy_share, 0.3, of the requests in flight where it is live) may",
+     [slot("a", slots=8), slot("b", slots=8)], state({("a", "fin"): 4, ("a", "law"): 6}), {"a"}, set()),
+    ("a light one may while its engine reports itself overloaded (it queues there anyway)",
+     [slot("a", slots=8, kv=0.95), slot("b", slots=8)], state({("a", "fin"): 2, ("a", "law"): 9}), {"a"}, set()),
+    ("the other replicas' requests count too",
+     [slot("a", slots=8), slot("b", slots=8)], state({("a", "fin"): 2}, remote={("a", "law"): 9}), {"a"}, {"b"}),
+    ("warm only where it last ran (nothing in flight): its first request back goes as before",
+     [slot("a", slots=8), slot("b", slots=8)], state({("a", "law"): 9}, used={("a", "fin"): NOW - 5}), {"a"},
+     set()),
+]
+
+
+@pytest.mark.parametrize(("why", "slots", "st", "warm", "full"), HEAVY_CASES, ids=[c[0] for c in HEAVY_CASES])
+def test_only_a_heavy_adapter_takes_another_engine(why: str, slots: list[Slot], st: LoraState, warm: set[str],
+                                                   full: set[str]) -> None:
+    assert residency(slots, "fin", st, NOW) == (frozenset(warm), frozenset(full))
