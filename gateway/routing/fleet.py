@@ -48,7 +48,8 @@
    streams sent whose first token has not come, what their engines did not hold of them)
    plus what each would prefill of this prompt, it takes the request ("kv-sooner"): a turn
    kept home waits behind that home's prefills while another engine computes its prompt
-   sooner (engines queue on prefill with their caches half empty).
+   sooner (engines queue on prefill with their caches half empty), while that worker's cache
+   has room for what it would add (a copy on a full cache evicts others' prefixes).
 """
 
 from __future__ import annotations
@@ -192,7 +193,8 @@ class FleetPolicy:
         """The worker, not saturated, where the request's first token comes clearly sooner than
         on `pick` by the prefill ahead of it: the prompt tokens queued there (`Live.pending`)
         plus those of this prompt its engine does not hold, per unit of speed; None: `pick`.
-        Clearly: by `prefill_margin` of the prompt. Only workers whose holdings are known."""
+        Clearly: by `prefill_margin` of the prompt. Only workers whose holdings are known, and
+        whose KV cache keeps room (`sooner_kv_max`) for what they would add of it."""
         held = facts.cached
         if pick[1] not in held:
             return None
@@ -201,12 +203,16 @@ class FleetPolicy:
         s = pick[2]
         found_at = (pending(pick[1], 0) + prompt - held[pick[1]] - self.opts.prefill_margin * prompt) / s.speed
         found = None
+        room = self.opts.sooner_kv_max
         for x in scored:
             wid = x[1]
             if wid == pick[1] or wid not in held:
                 continue
-            ahead = (pending(wid, 0) + prompt - held[wid]) / x[2].speed
-            if ahead < found_at and not self.saturated(x[2], live):
+            own = prompt - held[wid]
+            ahead = (pending(wid, 0) + own) / x[2].speed
+            if ahead < found_at and not self.saturated(x[2], live) and (
+                not x[2].kv_tokens or kv_in_use(x[2], live) + own <= room * x[2].kv_tokens
+            ):
                 found, found_at = x, ahead
         return found
 

@@ -118,3 +118,8 @@ class FleetOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     # this share of the prompt's prefill (0: never). Caches that keep a conversation home
     # do not help a turn that waits behind a queue of prefills.
     prefill_margin: float = 0.25
+    # ...and only to a worker whose KV cache, with this request's uncached tokens, stays below
+    # this share of its size: a copy of a prefix on a fuller cache evicts others' prefixes and
+    # tips it into preemption (where tenants' prefixes fill the caches, the queue is not
+    # worth it).
+    sooner_kv_max: float = 0.75

@@ -113,3 +113,18 @@ def test_prefill_margin_zero_keeps_the_cached_home() -> None:
     off = make_policy("fleet", {"prefill_margin": 0})
     assert (decide(Routes.build(FLEET), f, live, off).choices[0].worker.id) == "a"
     assert (decide(Routes.build(FLEET), f, live, POLICY).choices[0].worker.id) == "b"
+
+
+def test_a_worker_whose_cache_would_fill_does_not_take_it() -> None:
+    """A copy of the conversation on a cache already near full would evict others' prefixes (and
+    tip the engine into preemption): the queue rule takes only a worker with room for it."""
+    f = RequestFacts("base", prompt_tokens=3100, affinity_key=KEY, affinity_kind="prefix", home="a",
+                     cached={"a": 3000, "b": 1000, "c": 1000})
+    pending = {"a": 6000, "c": 500}
+    # b's cache (50,000 tokens) holds 36,000 by the account: with this prompt's 2,100 it passes 75%.
+    tight = Live({}, tokens={"b": 36_000}, pending=pending)
+    assert (decide(Routes.build(FLEET), f, tight, POLICY).choices[0].worker.id) == "c"
+    tight = Live({}, tokens={"b": 36_000, "c": 36_000}, pending=pending)
+    assert (decide(Routes.build(FLEET), f, tight, POLICY).choices[0].reason) == "prefix-hit"
+    roomy = Live({}, tokens={"b": 34_000}, pending=pending)
+    assert (decide(Routes.build(FLEET), f, roomy, POLICY).choices[0].worker.id) == "b"
