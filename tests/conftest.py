@@ -23,6 +23,7 @@ import asyncio
 import functools
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -34,6 +35,7 @@ from typing import Any
 import httpx
 import pytest
 import structlog
+from httpx._transports import default as _httpx_transports
 
 from fleetgate.net import PORT_RANGE_ENV
 from fleetgate_tools.redis_server import EmbeddedRedis, free_port, ping
@@ -50,6 +52,31 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # the CLI it runs in process, as it does in a plain run.
     for name in ("COLUMNS", "LINES"):
         os.environ.pop(name, None)
+
+
+# Every `httpx.Client()` and `httpx.get()` builds a TLS context and loads a CA bundle into it
+# (certifi's, or SSL_CERT_FILE's): 35-60 ms of CPU, for connections that are all plain HTTP on
+# loopback. The tests poll with them (`wait_until(lambda: httpx.get(...))` every 50 ms,
+# `Fleet.workers` every 200 ms), so a waiting test burnt a third of a core or more on CA
+# bundles, taken from the processes it waits on (issue 32). In the tests' own processes the
+# default context (for the SSL_CERT_* variables as they are) is built once and shared: an
+# SSLContext may serve any number of connections. Any other `verify` or `cert` builds its own,
+# as before; product processes are untouched.
+_new_tls_context = _httpx_transports.create_ssl_context
+
+
+@functools.cache
+def _default_tls_context(cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
+    return _new_tls_context()  # httpx reads the same variables, which are the cache's key
+
+
+def _tls_context(verify: Any = True, cert: Any = None, trust_env: bool = True) -> ssl.SSLContext:
+    if verify is True and cert is None and trust_env:
+        return _default_tls_context(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+    return _new_tls_context(verify=verify, cert=cert, trust_env=trust_env)
+
+
+_httpx_transports.create_ssl_context = _tls_context
 
 
 @pytest.fixture(autouse=True)
