@@ -23,8 +23,10 @@ import asyncio
 import functools
 import os
 import signal
+import ssl
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -34,6 +36,7 @@ from typing import Any
 import httpx
 import pytest
 import structlog
+from httpx._transports import default as _httpx_transports
 
 from fleetgate.net import PORT_RANGE_ENV
 from fleetgate_tools.redis_server import EmbeddedRedis, free_port, ping
@@ -50,6 +53,31 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # the CLI it runs in process, as it does in a plain run.
     for name in ("COLUMNS", "LINES"):
         os.environ.pop(name, None)
+
+
+# Every `httpx.Client()` and `httpx.get()` builds a TLS context and loads a CA bundle into it
+# (certifi's, or SSL_CERT_FILE's): 35-60 ms of CPU, for connections that are all plain HTTP on
+# loopback. The tests poll with them (`wait_until(lambda: httpx.get(...))` every 50 ms,
+# `Fleet.workers` every 200 ms), so a waiting test burnt a third of a core or more on CA
+# bundles, taken from the processes it waits on (issue 32). In the tests' own processes the
+# default context (for the SSL_CERT_* variables as they are) is built once and shared: an
+# SSLContext may serve any number of connections. Any other `verify` or `cert` builds its own,
+# as before; product processes are untouched.
+_new_tls_context = _httpx_transports.create_ssl_context
+
+
+@functools.cache
+def _default_tls_context(cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
+    return _new_tls_context()  # httpx reads the same variables, which are the cache's key
+
+
+def _tls_context(verify: Any = True, cert: Any = None, trust_env: bool = True) -> ssl.SSLContext:
+    if verify is True and cert is None and trust_env:
+        return _default_tls_context(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+    return _new_tls_context(verify=verify, cert=cert, trust_env=trust_env)
+
+
+_httpx_transports.create_ssl_context = _tls_context
 
 
 @pytest.fixture(autouse=True)
@@ -212,6 +240,28 @@ def fork_server() -> ForkServer | None:
         return None
     server = ForkServer(ROOT)
     return server if server.ready else None
+
+
+def run_module(module: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """`python -m module args` run to its end, as `subprocess.run(..., capture_output=True,
+    text=True)` would; from the fork server when it can (a CLI that refuses its arguments is
+    over in milliseconds, its interpreter's start-up and imports took a second of CPU)."""
+    argv = [sys.executable, "-m", module, *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    server = fork_server()
+    if server is None or not server.can_start(argv, env):
+        return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    with tempfile.TemporaryDirectory(prefix="run-module-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        out.touch()
+        err.touch()
+        proc = server.start(argv, env, ROOT, out, err)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+        return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
 
 
 class Proc:

@@ -93,10 +93,13 @@ def _child(request: Mapping[str, Any], channel: socket.socket, wake: tuple[int, 
         signal.signal(sig, signal.SIG_DFL)
     os.setsid()
     log = os.open(request["log"], os.O_WRONLY | os.O_APPEND)
+    err = os.open(request["err"], os.O_WRONLY | os.O_APPEND) if request.get("err") else log
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(log, 1)
-    os.dup2(log, 2)
+    os.dup2(err, 2)
+    if err != log:
+        os.close(err)
     os.close(log)
     os.close(null)
     os.close(settled)  # the server may now say the process started
@@ -222,8 +225,10 @@ class ForkServer:
         differs.discard("PYTHONUNBUFFERED")  # what it asks for, the child does (`_child`)
         return not any(k in self._env_read or k.startswith("PYTHON") for k in differs)
 
-    def start(self, argv: list[str], env: Mapping[str, str], cwd: Path, log: Path) -> ForkedPopen:
-        request = {"module": argv[2], "args": argv[3:], "env": dict(env), "cwd": str(cwd), "log": str(log)}
+    def start(self, argv: list[str], env: Mapping[str, str], cwd: Path, log: Path, err: Path | None = None) -> ForkedPopen:
+        """Start `argv` with its output in `log` (its standard error in `err`, when given)."""
+        request = {"module": argv[2], "args": argv[3:], "env": dict(env), "cwd": str(cwd), "log": str(log),
+                   "err": str(err) if err else None}
         with self._lock, self._changed:
             self._channel.sendall(json.dumps(request).encode() + b"\n")
             if not self._changed.wait_for(lambda: self._started, timeout=30):

@@ -19,6 +19,8 @@ import jsonschema
 import pytest
 import yaml
 
+from tests.conftest import run_module
+
 ROOT = Path(__file__).resolve().parents[2]
 SMI_H100 = ROOT / "tests" / "data" / "nvidia-smi" / "h100-80gb-hbm3.txt"
 # spawn_worker.sh's own flags; it passes every other one to `python -m workers`.
@@ -37,10 +39,9 @@ def interpolate(arg: str) -> str:
 
 @cache
 def help_flags(module: str) -> frozenset[str]:
-    out = subprocess.run(
-        [sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60,
-        check=True,
-    ).stdout
+    proc = run_module(module, "--help")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
     return frozenset(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", out))
 
 

@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ import yaml
 
 from gateway.__main__ import DEFAULT_CONFIG
 from gateway.settings import load_settings
+from tests.conftest import run_module
 from workers.__main__ import build_parser as workers_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -317,10 +317,7 @@ def test_worker_args_parse_and_dry_run_on_their_cards(helm: str) -> None:
         args = expand(c["args"], env)
         workers_parser().parse_args(args)  # SystemExit on a flag it does not know
         pool = sts["metadata"]["labels"]["fleetgate.io/pool"]
-        proc = subprocess.run(
-            [sys.executable, "-m", "workers", *args, "--dry-run", "--nvidia-smi-output", str(SMI / cards.get(pool, "h100-80gb-hbm3.txt"))],
-            capture_output=True, text=True, cwd=ROOT, timeout=60,
-        )
+        proc = run_module("workers", *args, "--dry-run", "--nvidia-smi-output", str(SMI / cards.get(pool, "h100-80gb-hbm3.txt")))
         assert proc.returncode == 0, (pool, proc.stderr)
         assert "# worker id: t-fleetgate-workers-x-0" in proc.stdout
         planned[pool] = proc.stdout
@@ -331,8 +328,9 @@ def test_worker_args_parse_and_dry_run_on_their_cards(helm: str) -> None:
 def test_gateway_args_are_real_flags_and_settings(helm: str) -> None:
     """The gateway's args are flags of `python -m gateway`, and its --set pairs (with its env: the
     tracing endpoint of the full values) load as real settings."""
-    out = subprocess.run([sys.executable, "-m", "gateway", "--help"], capture_output=True, text=True, cwd=ROOT,
-                         timeout=60, check=True).stdout
+    proc = run_module("gateway", "--help")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
     known = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", out))
     for name, docs in all_sets(helm).items():
         for gw in of_kind(docs, "Deployment"):

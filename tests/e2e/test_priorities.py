@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from tests.conftest import Fleet
+from tests.conftest import Fleet, wait_until
 
 MODEL = "prio-model"
 BATCH_KEY = "sk-batch-flood-0001"
@@ -33,6 +33,9 @@ BATCH_TOKENS = 60
 INTERACTIVE_REQUESTS = 20
 INTERACTIVE_EVERY_S = 0.4
 INTERACTIVE_TOKENS = 8
+# Batch may hold 3 of each engine's 4 sequences with priorities (PRIORITIES), all 4 without:
+# the fleet counts as saturated when every engine runs at least this many.
+BATCH_PER_ENGINE = 3
 # Interactive TTFT target with priorities on: generous for a loaded 2-core CI (it is about
 # 0.1 s on an idle machine; without priorities it is seconds, the batch backlog's wait).
 TARGET_P99_S = 2.5
@@ -49,6 +52,9 @@ PRIORITIES = (
 class Tally:
     ttft: list[float] = field(default_factory=list)
     status: dict[int, int] = field(default_factory=dict)
+    # (seconds from the flood's start to sending, TTFT, the worker that answered) of each answer
+    answers: list[tuple[float, float, str]] = field(default_factory=list)
+    in_flight: int = 0
 
     def count(self, status: int) -> None:
         self.status[status] = self.status.get(status, 0) + 1
@@ -63,44 +69,72 @@ class Tally:
         return (f"{name}: n={len(self.ttft)} TTFT p50={statistics.median(self.ttft) if self.ttft else float('nan'):.3f}s "
                 f"p99={self.pct(0.99):.3f}s statuses={dict(sorted(self.status.items()))}")
 
+    def slowest(self, n: int = 3) -> str:
+        return ", ".join(f"sent at {at:.2f}s TTFT {ttft:.3f}s on {worker}"
+                         for at, ttft, worker in sorted(self.answers, key=lambda a: -a[1])[:n])
 
-async def one_stream(client: httpx.AsyncClient, key: str, tokens: int, tally: Tally) -> None:
+
+async def one_stream(client: httpx.AsyncClient, key: str, tokens: int, tally: Tally, since: float) -> None:
     """One streamed completion; its TTFT is the time to its first event."""
     body = {"model": MODEL, "prompt": "hello " * 20, "max_tokens": tokens, "ignore_eos": True, "stream": True}
     started = time.perf_counter()
-    async with client.stream("POST", "/v1/completions", json=body,
-                             headers={"authorization": f"Bearer {key}"}) as resp:
-        tally.count(resp.status_code)
-        if resp.status_code != 200:
-            await resp.aread()
-            return
-        first = True
-        async for line in resp.aiter_lines():
-            if first and line.startswith("data: "):
-                tally.ttft.append(time.perf_counter() - started)
-                first = False
+    tally.in_flight += 1
+    try:
+        async with client.stream("POST", "/v1/completions", json=body,
+                                 headers={"authorization": f"Bearer {key}"}) as resp:
+            tally.count(resp.status_code)
+            if resp.status_code != 200:
+                await resp.aread()
+                return
+            first = True
+            async for line in resp.aiter_lines():
+                if first and line.startswith("data: "):
+                    ttft = time.perf_counter() - started
+                    tally.ttft.append(ttft)
+                    tally.answers.append((started - since, ttft, resp.headers.get("x-fleetgate-worker", "?")))
+                    first = False
+    finally:
+        tally.in_flight -= 1
 
 
-async def overload(url: str, seconds: float = 9.0) -> tuple[Tally, Tally]:
+def engine_states(engines: list[str]) -> list[dict[str, int]]:
+    return [httpx.get(f"{e}/sim/state", timeout=5).json() for e in engines]
+
+
+async def overload(url: str, engines: list[str], seconds: float = 9.0) -> tuple[Tally, Tally]:
     """Batch streams flood for `seconds` (each client sends again as soon as it is answered;
-    after a 429, 0.2 s later) while the interactive key sends one request every 0.4 s."""
+    after a 429, 0.2 s later) while the interactive key sends one request every 0.4 s, from
+    the moment the fleet is saturated: every engine runs at least BATCH_PER_ENGINE streams and
+    more batch requests are out than the engines hold, so the gateway has a backlog."""
     batch, interactive = Tally(), Tally()
     limits = httpx.Limits(max_connections=BATCH_STREAMS + 16, max_keepalive_connections=BATCH_STREAMS + 16)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+        since = time.perf_counter()
         stop = time.monotonic() + seconds
 
         async def flood() -> None:
             while time.monotonic() < stop:
                 before = batch.status.get(429, 0)
-                await one_stream(client, BATCH_KEY, BATCH_TOKENS, batch)
+                await one_stream(client, BATCH_KEY, BATCH_TOKENS, batch, since)
                 if batch.status.get(429, 0) > before:
                     await asyncio.sleep(0.2)
 
         floods = [asyncio.create_task(flood()) for _ in range(BATCH_STREAMS)]
-        await asyncio.sleep(2.0)  # the fleet is saturated and the queue has a batch backlog
+        seen: list[list[dict[str, int]]] = []
+
+        async def saturated_now() -> bool:  # read in a thread: the floods go on meanwhile
+            states = await asyncio.to_thread(engine_states, engines)
+            seen.append(states)
+            held = sum(s["running"] + s["waiting"] for s in states)
+            return all(s["running"] >= BATCH_PER_ENGINE for s in states) and batch.in_flight > held
+
+        while not await saturated_now():
+            assert time.perf_counter() - since < 30, f"the flood never saturated the fleet: {seen[-3:]}"
+            await asyncio.sleep(0.05)
         trickle = []
         for _ in range(INTERACTIVE_REQUESTS):
-            trickle.append(asyncio.create_task(one_stream(client, INTERACTIVE_KEY, INTERACTIVE_TOKENS, interactive)))
+            trickle.append(asyncio.create_task(
+                one_stream(client, INTERACTIVE_KEY, INTERACTIVE_TOKENS, interactive, since)))
             await asyncio.sleep(INTERACTIVE_EVERY_S)
         await asyncio.gather(*trickle)
         await asyncio.gather(*floods)
@@ -113,7 +147,7 @@ def test_interactive_ttft_stays_within_target_while_a_batch_key_floods(fleet_fac
     priorities are printed beside them."""
     fleet = fleet_factory()
     _, plain = fleet.gateway(env=KEYS_ENV)
-    _, prio = fleet.gateway(*PRIORITIES, env=KEYS_ENV)
+    prio_proc, prio = fleet.gateway(*PRIORITIES, env=KEYS_ENV)
     for wid in WORKERS:
         fleet.worker(wid, "--model", MODEL, *SIM)
     fleet.wait_ready(prio, *WORKERS)
@@ -131,15 +165,20 @@ def test_interactive_ttft_stays_within_target_while_a_batch_key_floods(fleet_fac
         error = refused.json()["error"]
         assert error["type"] == "invalid_request_error" and "batch" in error["message"]
 
-    plain_batch, plain_interactive = asyncio.run(overload(plain))
-    time.sleep(3.0)  # the first flood's streams have ended on the engines
-    batch, interactive = asyncio.run(overload(prio))
+    engines = [str(fleet.workers(prio)[w]["url"]) for w in WORKERS]
+    plain_batch, plain_interactive = asyncio.run(overload(plain, engines))
+    # Every client got its whole answer; the second flood starts on idle engines.
+    wait_until(lambda: all(s["running"] == s["waiting"] == 0 for s in engine_states(engines)), timeout=30)
+    batch, interactive = asyncio.run(overload(prio, engines))
+    retries = [line for line in prio_proc.output().splitlines() if "gateway.retry" in line or "attempt_failed" in line]
     figures = "\n".join((
         "overload: 2 sim workers x 4 seqs, 32 batch streams of 60 tokens, interactive 8 tokens every 0.4 s",
         plain_interactive.line("without priorities, interactive"),
         plain_batch.line("without priorities, batch      "),
         interactive.line("with priorities,    interactive"),
         batch.line("with priorities,    batch      "),
+        f"with priorities, slowest interactive: {interactive.slowest()}",
+        f"with priorities, gateway retries: {len(retries)} {retries[:3]}",
     ))
     print("\n" + figures)
 

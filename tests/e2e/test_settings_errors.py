@@ -1,21 +1,23 @@
 """Mistyped settings fail loudly: `python -m gateway` and `python -m workers` run as real
 processes, and each mistake ends them at once with exit status 2 and one line that names
-the bad key or value and what is allowed, never a traceback."""
+the bad key or value and what is allowed, never a traceback. (They are started from the
+tests' fork server, tests/forkserver.py: the interpreter's start-up is shared, the run is not.)"""
 
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import ROOT
+from tests.conftest import run_module
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    """`python -m ...` as a real process (from the tests' fork server: tests/conftest.py)."""
+    assert argv[0] == "-m"
+    return run_module(*argv[1:])
 
 
 def _config(tmp_path: Path, gateway: dict[str, object]) -> str:
