@@ -121,16 +121,7 @@ class SharedInflight(_Summed):
              fresh: int = 0) -> None:
         """The request `add` counted (same arguments) has finished: its engine frees at least
         its `fresh` tokens (and the prefix, were it the last to share it there)."""
-        left = self.local.get(worker_id, 1) - 1
-        if left > 0:
-            self.local[worker_id] = left
-        else:
-            self.local.pop(worker_id, None)
-            left = 0
-        if n := left + self.remote.get(worker_id, 0):
-            self.total[worker_id] = n
-        else:
-            self.total.pop(worker_id, None)
+        _store(self.local, self.remote, self.total, worker_id, self.local.get(worker_id, 1) - 1)
         if key is not None and prefix:
             sharing = self._sharing.get((worker_id, key), 1) - 1
             if sharing > 0:
@@ -141,32 +132,16 @@ class SharedInflight(_Summed):
                 fresh += prefix if fresh else 0
         if fresh:
             self._fresh(worker_id, -fresh)
-        if tokens:
-            held = self.local_tokens.get(worker_id, 0) - tokens
-            if held > 0 and worker_id in self.local:
-                self.local_tokens[worker_id] = held
-            else:
-                self.local_tokens.pop(worker_id, None)
-                held = 0
-            if t := held + self.remote_tokens.get(worker_id, 0):
-                self.total_tokens[worker_id] = t
-            else:
-                self.total_tokens.pop(worker_id, None)
+        if tokens:  # none left where no request is
+            held = self.local_tokens.get(worker_id, 0) - tokens if worker_id in self.local else 0
+            _store(self.local_tokens, self.remote_tokens, self.total_tokens, worker_id, held)
         if self.on_done is not None:
             self.on_done()
 
     def pend(self, worker_id: str, tokens: int) -> None:
         """`tokens` more prompt tokens (negative: fewer) for `worker_id`'s engine to prefill."""
-        n = self.local_pending.get(worker_id, 0) + tokens
-        if n > 0:
-            self.local_pending[worker_id] = n
-        else:
-            self.local_pending.pop(worker_id, None)
-            n = 0
-        if t := n + self.remote_pending.get(worker_id, 0):
-            self.total_pending[worker_id] = t
-        else:
-            self.total_pending.pop(worker_id, None)
+        _store(self.local_pending, self.remote_pending, self.total_pending, worker_id,
+               self.local_pending.get(worker_id, 0) + tokens)
 
     def _fresh(self, worker_id: str, change: int) -> None:
         if n := self.local_fresh.get(worker_id, 0) + change:
@@ -242,6 +217,19 @@ class SharedInflight(_Summed):
         """Other replicas' counts expire with their lease; so do our copies of them."""
         if time.monotonic() - self._remote_at > self.lease_s:
             self._set_remote({})
+
+
+def _store(local: dict[str, int], remote: dict[str, int], total: dict[str, int], worker_id: str, n: int) -> None:
+    """This gateway's count for a worker is now `n` (none below zero): its entry and the sum's."""
+    if n > 0:
+        local[worker_id] = n
+    else:
+        local.pop(worker_id, None)
+        n = 0
+    if t := n + remote.get(worker_id, 0):
+        total[worker_id] = t
+    else:
+        total.pop(worker_id, None)
 
 
 def _sum_into(total: dict[str, int], local: dict[str, int], remote: dict[str, int]) -> None:

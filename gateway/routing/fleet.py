@@ -48,8 +48,10 @@
    streams sent whose first token has not come, what their engines did not hold of them)
    plus what each would prefill of this prompt, it takes the request ("kv-sooner"): a turn
    kept home waits behind that home's prefills while another engine computes its prompt
-   sooner (engines queue on prefill with their caches half empty), while that worker's cache
-   has room for what it would add (a copy on a full cache evicts others' prefixes).
+   sooner (engines queue on prefill with their caches half empty), where its cache has room
+   for what it would add, and, for a request that is mostly its key's shared prefix (a
+   tenant's system prompt and a question), where that prefix is held already: the rule
+   moves conversations, it never copies a tenant's system prompt (that spreads the tenant).
 """
 
 from __future__ import annotations
@@ -193,8 +195,9 @@ class FleetPolicy:
         """The worker, not saturated, where the request's first token comes clearly sooner than
         on `pick` by the prefill ahead of it: the prompt tokens queued there (`Live.pending`)
         plus those of this prompt its engine does not hold, per unit of speed; None: `pick`.
-        Clearly: by `prefill_margin` of the prompt. Only workers whose holdings are known, and
-        whose KV cache keeps room (`sooner_kv_max`) for what they would add of it."""
+        Clearly: by `prefill_margin` of the prompt. Only workers whose holdings are known, that
+        hold the prefix the key shares already where that is most of the prompt, and whose KV
+        cache keeps room (`sooner_kv_max`) for what they would add of the prompt."""
         held = facts.cached
         if pick[1] not in held:
             return None
@@ -204,9 +207,15 @@ class FleetPolicy:
         found_at = (pending(pick[1], 0) + prompt - held[pick[1]] - self.opts.prefill_margin * prompt) / s.speed
         found = None
         room = self.opts.sooner_kv_max
+        # A request that is mostly the prefix its key's requests share (a tenant's system prompt
+        # and a question) goes only where that prefix is held already: a copy would spread the
+        # tenant over the fleet's caches, the placement's call (it doubles what the key holds).
+        # One that is mostly its own (a conversation's turns) may take the prefix along.
+        # 0.8: the slack of an estimated prefix.
+        shared = 0.8 * facts.prefix_tokens if 2 * facts.prefix_tokens > prompt else 0.0
         for x in scored:
             wid = x[1]
-            if wid == pick[1] or wid not in held:
+            if wid == pick[1] or wid not in held or held[wid] < shared:
                 continue
             own = prompt - held[wid]
             ahead = (pending(wid, 0) + own) / x[2].speed

@@ -128,3 +128,23 @@ def test_a_worker_whose_cache_would_fill_does_not_take_it() -> None:
     assert (decide(Routes.build(FLEET), f, tight, POLICY).choices[0].reason) == "prefix-hit"
     roomy = Live({}, tokens={"b": 34_000}, pending=pending)
     assert (decide(Routes.build(FLEET), f, roomy, POLICY).choices[0].worker.id) == "b"
+
+
+def test_the_queue_rule_never_copies_a_shared_prefix() -> None:
+    """A tenant's requests share its system prompt (the key's prefix): a worker that does not hold
+    it would take a copy, and the tenant would spread over the fleet's caches (the placement's
+    call). A worker that holds it may take a request's own part, a conversation's turns."""
+    pending = {"a": 6000}
+    tenant = RequestFacts("base", prompt_tokens=1565, affinity_key=KEY, affinity_kind="prefix", home="a",
+                          prefix_tokens=1500, cached={"a": 1552, "b": 0, "c": 16})
+    choice = decide(Routes.build(FLEET), tenant, Live({}, pending=pending), POLICY).choices[0]
+    assert (choice.worker.id, choice.reason) == ("a", "prefix-hit")
+    holder = RequestFacts("base", prompt_tokens=1565, affinity_key=KEY, affinity_kind="prefix", home="a",
+                          prefix_tokens=1500, cached={"a": 1552, "b": 0, "c": 1504})
+    choice = decide(Routes.build(FLEET), holder, Live({}, pending=pending), POLICY).choices[0]
+    assert (choice.worker.id, choice.reason) == ("c", "kv-sooner")
+    # A conversation's turn is mostly its own: it may take its system prompt along.
+    turn = RequestFacts("base", prompt_tokens=3100, affinity_key=KEY, affinity_kind="prefix", home="a",
+                        prefix_tokens=1000, cached={"a": 3000, "b": 0, "c": 0})
+    choice = decide(Routes.build(FLEET), turn, Live({}, pending={"a": 6000, "c": 500}), POLICY).choices[0]
+    assert (choice.worker.id, choice.reason) == ("b", "kv-sooner")
