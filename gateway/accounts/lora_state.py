@@ -324,7 +324,6 @@ class _Survey:
                 self.full.extend(w for w in self.warm if w != keep)
                 self.warm = [keep]
 
-
     def copy_only_the_heavy(self, slots: Sequence[Slot], model: str, state: LoraState, heavy_share: float) -> None:
         """Live with room and light there (under `heavy_share` of the requests in flight on its
         engines): no other engine, unless they report themselves overloaded."""
