@@ -84,16 +84,20 @@ def settled_after(fleet: Fleet, url: str, wid: str, before: str, quiet_s: float 
     return version
 
 
-def warm(fleet: Fleet, url: str, engine: str, wid: str, body: dict[str, object], path: str) -> None:
+def warm(fleet: Fleet, url: str, engine: str, wid: str, body: dict[str, object], path: str,
+         *replicas: str) -> None:
     """Send `body` straight to worker `wid`'s engine (another client), and wait until the
-    gateway's mirror holds its blocks (counted from a settled start, so that the blocks of a
-    request served just before are not taken for these)."""
-    before = settled_blocks(fleet, url, wid)
+    mirror of the gateway at `url` (and of every replica named after `path`) holds its blocks,
+    counted from a settled start, so that the blocks of a request served just before are not
+    taken for these. Each replica mirrors the events on its own and may lag the others."""
+    gateways = (url, *replicas)
+    before = {g: settled_blocks(fleet, g, wid) for g in gateways}
     assert httpx.post(f"{engine}{path}", json=body, timeout=30).status_code == 200
     deadline = time.monotonic() + 10
-    while blocks(fleet, url, wid) < before + 16:
-        assert time.monotonic() < deadline, f"{wid}'s index did not grow"
-        time.sleep(0.05)
+    for g in gateways:
+        while blocks(fleet, g, wid) < before[g] + 16:
+            assert time.monotonic() < deadline, f"{wid}'s index did not grow at {g}"
+            time.sleep(0.05)
 
 
 def routed(url: str, body: dict[str, object], path: str = "/v1/chat/completions") -> tuple[str, str]:
@@ -118,7 +122,8 @@ def test_prompts_another_client_warmed_are_routed_where_the_engine_holds_them(
     got, want = [], []
     for i in range(6):
         target = "ab"[i % 2]
-        warm(fleet, url, engines[target], target, chat(system_prompt(i), "first question"), "/v1/chat/completions")
+        warm(fleet, url, engines[target], target, chat(system_prompt(i), "first question"), "/v1/chat/completions",
+             other)
         first = routed(url, chat(system_prompt(i), f"second question {i}"))
         replica = routed(other, chat(system_prompt(i), f"third question {i}"))
         again = routed(url, chat(system_prompt(i), f"fourth question {i}"))
