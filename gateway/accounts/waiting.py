@@ -53,13 +53,16 @@ def engine_queued(view: WorkerView | None) -> bool:
     return (load.waiting > 0 or load.deferred > 0) and time.time() - load.ts <= report_fresh_s(view)
 
 
-async def within(wait: Awaitable[T], limit: float, most: float, queued: Callable[[], bool]) -> T:
+async def within(wait: Awaitable[T], limit: float, most: float, queued: Callable[[], bool],
+                 task: asyncio.Task[Any] | None = None) -> T:
     """`wait` (a whole answer's head, sent with a limit of `most`), cut at `limit` seconds unless
     `queued()` then says its engine holds requests waiting: then `limit` more, and so on, up to
-    `most` in all (the allowance a stream's first event has: gateway/request/relay.py `first_event`).
+    `most` in all (the allowance a stream's first event has: gateway/request/relay.py `_FirstEvent`).
     One timer handle, and the task cancelled (and uncancelled) when it runs out, as `_Waiting`
-    does: no timeout context on every whole answer's path."""
-    task = asyncio.current_task()
+    does: no timeout context on every whole answer's path. `task`: the current task, where the
+    caller has it (`FirstByteWaits.waiting`'s context gives it)."""
+    if task is None:
+        task = asyncio.current_task()
     if most <= limit or task is None:
         return await wait
     loop = asyncio.get_running_loop()
@@ -155,14 +158,16 @@ class _Waiting:
         self._task: asyncio.Task[object] | None = None
         self._tasks: set[asyncio.Task[object]] | None = None
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> asyncio.Task[object] | None:
+        """The current task (it is looked up here anyway)."""
         task = self._task = asyncio.current_task()
         if task is None:  # pragma: no cover - always inside a task in the gateway
-            return
+            return None
         tasks = self._tasks = self._waits._waiting.get(self._worker_id)
         if tasks is None:
             tasks = self._tasks = self._waits._waiting[self._worker_id] = set()
         tasks.add(task)
+        return task
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         task, tasks = self._task, self._tasks

@@ -68,6 +68,9 @@ class Writer(Protocol):
     def stalled(self) -> bool:
         """The connection was closed because its client stopped reading (send_timeout_s)."""
 
+    def serving(self) -> asyncio.Task[Any] | None:
+        """The task serving the request, where the writer knows it (None: the current task)."""
+
 
 INTERNAL = "Internal error in the gateway."
 
@@ -78,7 +81,8 @@ async def answer(gw: Any, writer: Writer, header: Callable[[str], str | None], c
     """Answer one proxied request of `kind` through `writer` (see the module's docstring).
     `receive`, `watched` and `task` as for `_serve`."""
     try:
-        reply, hangup, limits = await _serve(gw, header, client_host, read_body, receive, path, kind, watched, task)
+        reply, hangup, limits = await _serve(gw, header, client_host, read_body, receive, path, kind, watched,
+                                             task if task is not None else writer.serving())
     except front.ClientGone:
         return  # nobody to answer; the engine's request was closed
     except GatewayError as exc:

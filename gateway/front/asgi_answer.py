@@ -10,6 +10,7 @@ Not on the measured request path, so not compiled (scripts/compile.py).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -100,6 +101,9 @@ class AsgiWriter:
     @property
     def stalled(self) -> bool:
         return front.STALLED in self.scope
+
+    def serving(self) -> asyncio.Task[Any] | None:
+        return None
 
 
 __all__ = ["AsgiWriter", "answer"]

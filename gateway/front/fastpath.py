@@ -152,6 +152,9 @@ class ConnectionWriter:
     def stalled(self) -> bool:
         return self.cycle.stalled
 
+    def serving(self) -> asyncio.Task[Any] | None:
+        return self.cycle.task  # (asyncio.current_task() is interpreted Python before 3.12)
+
     async def whole(self, status: int, headers: Collection[tuple[str, str]], body: bytes) -> None:
         if self.cycle.disconnected:
             return

@@ -27,6 +27,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
+from gateway.engines.upstream import json_object
 from gateway.fleet import FleetWatcher
 from gateway.observe.cells import CounterFamily as Counter
 from gateway.observe.cells import HistogramFamily as Histogram
@@ -60,6 +61,23 @@ def usage_of(payload: bytes) -> tuple[int, int]:
         decoded = _usage_decoder.decode(payload)
     except msgspec.DecodeError:
         return 0, 0
+    return _tokens(decoded)
+
+
+def answer_usage(body: bytes, valid: Callable[[bytes], bool] = json_object) -> tuple[int, int] | None:
+    """The tokens of a whole answer (or a stream's usage event) as `usage_of` reads them, in the
+    same pass that checks the body is what `valid` accepts (a 200 must be one JSON object:
+    gateway/request/attempts.py); None: it is not. One decode instead of two (issue 33)."""
+    try:
+        decoded = _usage_decoder.decode(body)
+    except msgspec.ValidationError:  # valid JSON of another shape: no usage, if `valid` takes it
+        return (0, 0) if valid(body) else None
+    except msgspec.DecodeError:
+        return None
+    return _tokens(decoded)
+
+
+def _tokens(decoded: WithUsage) -> tuple[int, int]:
     usage = decoded.usage or (decoded.response.usage if decoded.response is not None else None)
     if usage is None:
         return 0, 0

@@ -25,7 +25,6 @@ from gateway.accounts.waiting import engine_queued, within
 from gateway.engines.upstream import (
     RETRYABLE_STATUS,
     Response,
-    json_object,
     openai_error_body,
 )
 from gateway.errors import (
@@ -38,6 +37,7 @@ from gateway.errors import (
     UpstreamError,
     detail,
 )
+from gateway.observe.metrics import answer_usage
 from gateway.observe.tracing import NO_TRACE, RequestTrace
 from gateway.request import retries
 from gateway.request.context import Refusal, no_worker, refusal
@@ -87,7 +87,7 @@ class Attempt:
         self.replaced = False
         # Adapter requests: when it arrived (its slot wait is bounded from then: gateway/request/retries.py),
         # and whether it waited for a LoRA slot ("slot-held", "slot-timeout": its route says so).
-        self.arrived = time.monotonic()
+        self.arrived = time.monotonic() if facts.adapter else 0.0
         self.slot_held = ""
         self.slot_for = ""  # the worker whose slot its hold got
         # The KV tokens this request holds on its worker by the gateway's account: its own
@@ -119,6 +119,8 @@ class Attempt:
         # worker, and the prompt tokens its engine did not hold when it was sent.
         self.prefilling: str | None = None
         self.unprefilled = 0
+        # The last whole 200 answer's (prompt, completion) tokens (`_sent`); None: none read.
+        self.usage: tuple[int, int] | None = None
 
     def kv_tokens(self, slot: Slot) -> int:
         """The KV tokens this request counts for on `slot` when deciding whether it fits: until
@@ -255,7 +257,7 @@ class Attempt:
         limit = first if self.stream else self.answer_timeout(worker)
         headers = self.trace.attempt(self.headers, choice, url, dispatch.policy.name, self.candidates)
         # One wait for the first byte: a stream's head, or a whole answer's head and body.
-        with dispatch.waits.waiting(worker.id):
+        with dispatch.waits.waiting(worker.id) as task:
             # Queued in its engine, a whole answer may wait as long as a stream's first event.
             most = first if self.stream else limit + max(0.0, dispatch.settings.first_byte_queued_timeout_s - first)
             sent = dispatch.upstream.post(url, body, headers, self.stream, most)
@@ -263,14 +265,16 @@ class Attempt:
                 resp = await sent
             else:
                 resp = await within(sent, limit, most,
-                                    lambda: engine_queued(dispatch.watcher.snapshot.by_id.get(worker.id)))
+                                    lambda: engine_queued(dispatch.watcher.snapshot.by_id.get(worker.id)), task)
                 resp.timeout = limit  # the body, once the answer came, reads as before
             self.trace.attempt_status(resp.status)
             if self.stream and resp.status == 200:
                 return resp, b"", None
             data = await dispatch.upstream.body_of(resp)
         status = resp.status
-        if status == 200 and not json_object(data):  # never relayed: it may name the engine
+        # A 200's usage is read in the pass that checks it is JSON (`usage`: None until then).
+        self.usage = answer_usage(data) if status == 200 else None
+        if status == 200 and self.usage is None:  # never relayed: it may name the engine
             raise UpstreamError("The engine's answer was not valid JSON.", detail=(
                 f"engine at {url} answered 200 with {resp.content_type or 'no content type'} that is not "
                 f"a JSON object: {data[:120]!r}"))

@@ -239,7 +239,7 @@ class Proxy:
         if stores and status == 200 and (response_id := response_id_of(payload)):
             await remember(self.watcher, response_id, worker.id, self.settings.responses_ttl_s)
         done = Answered(self.metrics, ticket, probe.model, worker.id, status, time.perf_counter() - started,
-                         payload, fields, trace)
+                         payload, fields, trace, attempt.usage if status == 200 else None)
         if ticket is not None and not ticket.settles_at_once:  # the key's token counts (Redis): before the answer
             await ticket.settle(*done.usage(), status)
         return Reply(status, headers, body=payload, after=done.run)

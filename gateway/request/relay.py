@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import structlog
 
@@ -58,23 +58,43 @@ def queued_in_engine(attempt: Attempt, worker_id: str) -> bool:
     return engine_queued(attempt.dispatch.watcher.snapshot.by_id.get(worker_id))
 
 
-async def first_event(read: Callable[[], Awaitable[bytes]], attempt: Attempt, worker_id: str) -> bytes:
-    """The stream's first bytes, within the attempt's first-byte limit; each time that runs
-    out while the engine reports requests waiting, another such limit, up to
-    `first_byte_queued_timeout_s` in all (a request queued in the engine keeps its place
-    rather than being sent again elsewhere; a hung engine's reports go stale or unhealthy)."""
-    limit = attempt.first_byte_timeout()
-    most = max(limit, attempt.dispatch.settings.first_byte_queued_timeout_s)
-    waited = 0.0
-    while True:
-        try:
-            async with asyncio.timeout(min(limit, most - waited)):
-                return await read()
-        except TimeoutError:
-            waited += min(limit, most - waited)
-            if waited >= most or not queued_in_engine(attempt, worker_id):
-                raise
-            log.info("gateway.first_event_queued", worker=worker_id, waited_s=round(waited, 1))
+class _FirstEvent:
+    """The wait for a stream's first event, within the attempt's first-byte limit; each time that
+    runs out while the engine reports requests waiting, another such limit, up to
+    `first_byte_queued_timeout_s` in all (a request queued in the engine keeps its place rather
+    than being sent again elsewhere; a hung engine's reports go stale or unhealthy). A timer on
+    the segment's `asyncio.timeout`, as `_StallWatch` is, not a timeout context of its own: when
+    the wait runs out, the deadline expires at once and the read raises TimeoutError."""
+
+    __slots__ = ("attempt", "deadline", "fired", "handle", "limit", "loop", "most", "waited", "worker_id")
+
+    def __init__(self, deadline: asyncio.Timeout, attempt: Attempt, worker_id: str) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.deadline, self.attempt, self.worker_id = deadline, attempt, worker_id
+        self.limit = attempt.first_byte_timeout()
+        self.most = max(self.limit, attempt.dispatch.settings.first_byte_queued_timeout_s)
+        self.waited = 0.0
+        self.fired = False
+        self.handle: asyncio.TimerHandle | None = self.loop.call_later(self.limit, self._due)
+
+    def _due(self) -> None:
+        self.waited += min(self.limit, self.most - self.waited)
+        if self.waited >= self.most or not queued_in_engine(self.attempt, self.worker_id):
+            self.handle = None
+            self.fired = True
+            self.deadline.reschedule(self.loop.time())  # expires at once: the read raises TimeoutError
+            return
+        log.info("gateway.first_event_queued", worker=self.worker_id, waited_s=round(self.waited, 1))
+        self.handle = self.loop.call_later(min(self.limit, self.most - self.waited), self._due)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+        elif self.fired and not self.deadline.expired():
+            # The event came as the wait ran out, before the deadline's expiry ran: it stands.
+            self.fired = False
+            self.deadline.reschedule(None)
 
 
 async def relay(
@@ -93,14 +113,16 @@ async def relay(
             try:
                 feed = SSEFrames().feed
                 read = books.resp.readany  # b"" at the end
-                # Waiting for the first event counts as waiting for a first byte (gateway/accounts/waiting.py):
-                # the engine has sent the client nothing yet; it may wait behind the engine's queue.
-                with waiting(books.worker.id):
-                    data = await first_event(read, attempt, books.worker.id)
-                attempt.prefilled()
                 async with asyncio.timeout(None) as deadline:
                     watch = _StallWatch(deadline, stall_s)
+                    first = _FirstEvent(deadline, attempt, books.worker.id)
                     try:
+                        # Waiting for the first event counts as waiting for a first byte (gateway/accounts/waiting.py):
+                        # the engine has sent the client nothing yet; it may wait behind the engine's queue.
+                        with waiting(books.worker.id):
+                            data = await read()
+                        first.close()
+                        attempt.prefilled()
                         while data:
                             piece, rest = on_block(feed(data))  # (b"", b"") until an event is whole
                             if rest:
@@ -124,6 +146,7 @@ async def relay(
                             data = await read()
                             watch.reading = False
                     finally:
+                        first.close()
                         watch.close()
                 last = books.ending()
             except BROKEN as exc:

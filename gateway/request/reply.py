@@ -50,7 +50,8 @@ class Answered:
     """What is left to do for a whole answer once it is written (`Reply.after`)."""
 
     def __init__(self, metrics: GatewayMetrics, ticket: Ticket | None, model: str, worker_id: str, status: int,
-                 elapsed: float, payload: bytes, fields: dict[str, object], trace: RequestTrace) -> None:
+                 elapsed: float, payload: bytes, fields: dict[str, object], trace: RequestTrace,
+                 usage: tuple[int, int] | None = None) -> None:
         self.metrics = metrics
         self.ticket = ticket
         self.model = model
@@ -60,7 +61,7 @@ class Answered:
         self.payload = payload
         self.fields = fields
         self.trace = trace
-        self._usage: tuple[int, int] | None = None
+        self._usage = usage  # (prompt, completion) tokens; None: read from the payload when asked
 
     def usage(self) -> tuple[int, int]:
         if self._usage is None:

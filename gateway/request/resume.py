@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from gateway.engines.upstream import is_json, sse_error
-from gateway.observe.metrics import usage_of
+from gateway.observe.metrics import answer_usage
 from gateway.wire import StreamChunk
 
 DONE = b"data: [DONE]\n\n"
@@ -211,13 +211,16 @@ class StreamTracker:
         if payload.startswith(b'{"error"') or payload.find(b'"object":"error"') >= 0 \
                 or payload.find(b'"object": "error"') >= 0:
             raise EngineStreamError("the engine sent an error event")
-        if not is_json(payload):
-            raise EngineStreamError("the engine sent an event that is not JSON")
         if self.hide_usage and _usage_only(payload):
-            prompt, completion = usage_of(payload)
+            usage = answer_usage(payload, is_json)  # checked and read in one decode
+            if usage is None:
+                raise EngineStreamError("the engine sent an event that is not JSON")
+            prompt, completion = usage
             before = self._usage_before  # summed over segments as _merge_usage does
             self.hidden_usage = (max(0, prompt - before), completion + before)
             return None
+        if not is_json(payload):
+            raise EngineStreamError("the engine sent an event that is not JSON")
         if self.segment == 0:
             self.sent.append(event)
             if payload.find(b'"finish_reason":"') >= 0 or payload.find(b'"finish_reason": "') >= 0:
