@@ -38,7 +38,7 @@ from redis.exceptions import RedisError
 from fleetgate.registry import Registry
 from fleetgate.schema import WorkerView
 from gateway.accounts.inflight import SharedInflight
-from gateway.accounts.lora_state import LoraState, residency, slot_wait
+from gateway.accounts.lora_state import LoraState, residency, slot_wait, still_reported
 from gateway.engines.upstream import Upstream
 from gateway.errors import InvalidRequest, NoWorkerAvailable, UpstreamError
 from gateway.fleet import FleetWatcher
@@ -262,9 +262,11 @@ class AdapterPlacer:
     def _coldest(self, worker: WorkerView, skip: Sequence[str] = ()) -> str:
         """The least recently used adapter on the worker that no gateway has a request in
         flight for and its engine is not running ("" when there is none); one the worker
-        was started with only when no adapter the gateway placed qualifies."""
+        was started with only when no adapter the gateway placed qualifies. Not running: by
+        the engine's last report as routing reads it (`still_reported`: an adapter a gateway
+        finished with there after the report is not running, whatever the report says)."""
         state = self.state
-        busy = set(worker.load.lora_active)
+        busy = still_reported(worker.id, worker.load.lora_active, worker.load.ts, state.last_used)
         idle = [a for a in worker.info.adapters
                 if a not in busy and a not in skip and not state.in_flight(worker.id, a)]
         candidates = [a for a in idle if a in self.specs] or idle

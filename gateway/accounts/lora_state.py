@@ -180,16 +180,18 @@ class LoraState:
             self.remote.clear()  # the other replicas' counts expire with their lease
 
 
+def still_reported(worker_id: str, active: Iterable[str], reported: float,
+                   last_used: Callable[[str, str], float]) -> set[str]:
+    """Of the adapters an engine's report (at `reported`, Unix time) names as running, those no
+    gateway sent or finished there since the report (another client's, or still the truth); an
+    adapter a gateway finished with after the report is gone, whatever the report says."""
+    return {a for a in active if last_used(worker_id, a) < reported}
+
+
 def live_adapters(slot: Slot, sent: Iterable[str], last_used: Callable[[str, str], float]) -> set[str]:
     """The adapters with requests on `slot`'s engine now: those the gateways have in flight
-    there (`sent`), and those its last report names that no gateway sent or finished there
-    since the report (another client's, or still the truth); an adapter a gateway finished
-    with after the report is gone, whatever the report says."""
-    live = set(sent)
-    for adapter in slot.lora_active:
-        if adapter not in live and last_used(slot.id, adapter) < slot.lora_ts:
-            live.add(adapter)
-    return live
+    there (`sent`), and those its last report still names (`still_reported`)."""
+    return set(sent) | still_reported(slot.id, slot.lora_active, slot.lora_ts, last_used)
 
 
 def residency(
@@ -392,4 +394,4 @@ def slot_wait(slot: Slot, model: str, state: LoraState) -> int:
     return len(live) if model not in live and len(live) >= limit else 0
 
 
-__all__ = ["LoraState", "fleet_spare", "live_adapters", "residency", "slot_wait"]
+__all__ = ["LoraState", "fleet_spare", "live_adapters", "residency", "slot_wait", "still_reported"]

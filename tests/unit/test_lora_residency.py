@@ -11,7 +11,14 @@ import pytest
 
 from fleetgate.hashing import stable_hash
 from fleetgate.schema import Load, WorkerInfo, WorkerView
-from gateway.accounts.lora_state import LoraState, fleet_spare, live_adapters, residency, slot_wait
+from gateway.accounts.lora_state import (
+    LoraState,
+    fleet_spare,
+    live_adapters,
+    residency,
+    slot_wait,
+    still_reported,
+)
 from gateway.routing.table import Slot
 
 NOW = time.time()
@@ -191,3 +198,18 @@ HEAVY_CASES = [
 def test_only_a_heavy_adapter_takes_another_engine(why: str, slots: list[Slot], st: LoraState, warm: set[str],
                                                    full: set[str]) -> None:
     assert residency(slots, "fin", st, NOW) == (frozenset(warm), frozenset(full))
+
+
+@pytest.mark.parametrize(("last_used", "want"), [
+    ({}, {"fin", "law"}),  # no gateway used them since: the report stands
+    ({"law": NOW - 2.0}, {"fin", "law"}),  # used before the report: it saw that request run
+    ({"law": NOW}, {"fin"}),  # sent or finished after the report: it ended (or is counted in flight)
+    ({"fin": NOW, "law": NOW}, set()),
+])
+def test_a_report_names_an_adapter_running_until_a_gateway_used_it_since(
+    last_used: dict[str, float], want: set[str],
+) -> None:
+    """The engine's report (1 s old) names fin and law running; what an eviction and routing take
+    as running there (the gateways' in-flight counts cover what they sent since)."""
+    got = still_reported("a", ("fin", "law"), NOW - 1.0, lambda w, a: last_used.get(a, 0.0))
+    assert got == want
