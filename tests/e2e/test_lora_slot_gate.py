@@ -64,7 +64,14 @@ def test_a_rare_adapter_gets_a_slot_while_hot_ones_keep_the_engine_busy(
     threads = [threading.Thread(target=hot_client, args=(a,)) for a in hot for _ in range(HOT_CLIENTS)]
     for t in threads:
         t.start()
-    time.sleep(1.0)  # both slots live with the hot adapters
+    # The precondition: both slots live with the hot adapters (their clients' first requests in
+    # the engine, ten samples in a row), before the rare one comes. A fixed pause once let it
+    # in on a slow machine before the second hot adapter's clients had started: it took the free
+    # slot, no turn had to end, and the hot one was held instead.
+    deadline = time.monotonic() + 20
+    while len(watch.samples) < 10 or any(set(s["a"]) != set(hot) for s in watch.samples[-10:]):
+        assert time.monotonic() < deadline and not errors, (watch.samples[-10:], errors)
+        time.sleep(0.02)
     started = time.monotonic()
     with httpx.Client(timeout=60) as http:
         status, route = ask(http, rare)
