@@ -262,12 +262,21 @@ def test_drain_under_load_sends_nothing_new_and_finishes_in_flight(
         resp = httpx.post(f"{url}/v1/chat/completions", json=long_body, timeout=60)
         return resp.status_code, resp.headers.get("x-fleetgate-worker", "")
 
+    engines = {wid: str(w["url"]) for wid, w in fleet.workers(url).items()}
+
+    def in_engines() -> dict[str, int]:
+        return {wid: sum(int(httpx.get(f"{u}/sim/state", timeout=5).json()[k]) for k in ("running", "waiting"))
+                for wid, u in engines.items()}
+
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         before = [pool.submit(call) for _ in range(8)]
-        time.sleep(0.3)  # they are in flight on both workers now
+        # The precondition: all eight in the engines, on both (each 60 tokens at this time scale:
+        # seconds), before the drain.
+        wait_until(lambda: sum(in_engines().values()) == 8, timeout=10)
+        assert all(n > 0 for n in in_engines().values())
         with fleet.admin(url) as admin:
             assert admin.post("/admin/workers/a/drain").status_code == 200
-        time.sleep(0.2)
+        wait_until(lambda: fleet.workers(url)["a"]["state"] == "draining", timeout=5)
         after = [pool.submit(call) for _ in range(8)]
         results_before = [f.result() for f in before]
         results_after = [f.result() for f in after]
