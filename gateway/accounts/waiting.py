@@ -17,20 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from types import TracebackType
-from typing import Any, TypeVar
 
 import structlog
 
 from fleetgate.background import stop_tasks
 from fleetgate.schema import WorkerView
-from gateway.errors import UpstreamError, UpstreamTimeout
+from gateway.errors import UpstreamError
 from gateway.fleet import FleetSnapshot
 
 log = structlog.get_logger("gateway.waiting")
-
-T = TypeVar("T")
 
 # An engine report at most this many of its agent's heartbeat intervals old says the engine is
 # alive now (WorkerInfo.heartbeat_s; an agent that does not say heartbeats every second).
@@ -51,52 +48,6 @@ def engine_queued(view: WorkerView | None) -> bool:
         return False
     load = view.load
     return (load.waiting > 0 or load.deferred > 0) and time.time() - load.ts <= report_fresh_s(view)
-
-
-async def within(wait: Awaitable[T], limit: float, most: float, queued: Callable[[], bool],
-                 task: asyncio.Task[Any] | None = None) -> T:
-    """`wait` (a whole answer's head, sent with a limit of `most`), cut at `limit` seconds unless
-    `queued()` then says its engine holds requests waiting: then `limit` more, and so on, up to
-    `most` in all (the allowance a stream's first event has: gateway/request/relay.py `_FirstEvent`).
-    One timer handle, and the task cancelled (and uncancelled) when it runs out, as `_Waiting`
-    does: no timeout context on every whole answer's path. `task`: the current task, where the
-    caller has it (`FirstByteWaits.waiting`'s context gives it)."""
-    if task is None:
-        task = asyncio.current_task()
-    if most <= limit or task is None:
-        return await wait
-    loop = asyncio.get_running_loop()
-    watch = _Watch(loop, task, limit, loop.time() + most, queued)
-    try:
-        return await wait
-    except asyncio.CancelledError:
-        if not watch.fired:
-            raise  # the client hung up
-        task.uncancel()
-        raise UpstreamTimeout("The engine did not answer in time.",
-                              detail="no whole answer in time, and its engine reports no queue") from None
-    finally:
-        watch.handle.cancel()
-
-
-class _Watch:
-    """`within`'s timer: at each `limit`, the engine's queue decides whether the wait goes on."""
-
-    __slots__ = ("end", "fired", "handle", "limit", "loop", "queued", "task")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], limit: float, end: float,
-                 queued: Callable[[], bool]) -> None:
-        self.loop, self.task, self.limit, self.end, self.queued = loop, task, limit, end, queued
-        self.fired = False
-        self.handle = loop.call_later(limit, self.check)
-
-    def check(self) -> None:
-        left = self.end - self.loop.time()
-        if left > 0 and self.queued():
-            self.handle = self.loop.call_later(min(self.limit, left), self.check)
-        else:
-            self.fired = True
-            self.task.cancel()
 
 
 class WorkerWentAway(UpstreamError):
@@ -185,4 +136,4 @@ class _Waiting:
                                  "waited for its first byte") from None
 
 
-__all__ = ["FirstByteWaits", "WorkerWentAway", "engine_queued", "report_fresh_s", "within"]
+__all__ = ["FirstByteWaits", "WorkerWentAway", "engine_queued", "report_fresh_s"]

@@ -16,6 +16,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -112,8 +113,9 @@ class Response:
             if timer is not None:
                 timer.cancel()
 
-    async def head(self, limit_s: float) -> None:
-        """Wait for the status and headers, at most `limit_s` seconds."""
+    async def head(self, limit_s: float, patience: Patience | None = None) -> None:
+        """Wait for the status and headers, at most `limit_s` seconds; with `patience`, cut
+        sooner (TimeoutError, `patience.cut` set) unless it says, when asked, that the wait goes on."""
         if self.status:
             return
         loop = self._conn.loop
@@ -121,10 +123,20 @@ class Response:
         while not self.status:
             if self._error is not None:
                 raise self._error
-            remaining = deadline - loop.time()
+            now = loop.time()
+            remaining = deadline - now
             if remaining <= 0:
                 raise TimeoutError
-            await self._wait(remaining)
+            if patience is None or patience.at >= deadline:
+                await self._wait(remaining)
+            elif patience.at > now:
+                # The same one timer per wait: the check's time, then (next turn) the check.
+                try:
+                    await self._wait(patience.at - now)
+                except TimeoutError:
+                    pass
+            elif not patience.goes_on(now):
+                raise TimeoutError
 
     async def readany(self) -> bytes:
         """What has arrived (waiting for something if nothing has); b"" once the body is over.
@@ -167,6 +179,33 @@ class Response:
         if conn.response is self:
             conn.response = None
         conn.abort()
+
+
+class Patience:
+    """A head wait cut before its limit unless its engine is busy: at `cut_s` from `start` (the
+    loop's time), and at each `cut_s` after while `queued()` says the engine holds requests
+    waiting, up to `most_s` from `start` in all. (A whole answer queued in its engine may wait as
+    long as a stream's first event: gateway/request/attempts.py.) No timer or task of its own:
+    `Response.head`'s one timer per wait asks it when a check is due, and raises TimeoutError
+    with `cut` set when it says no."""
+
+    __slots__ = ("at", "cut", "cut_s", "end", "queued")
+
+    def __init__(self, start: float, cut_s: float, most_s: float, queued: Callable[[], bool]) -> None:
+        self.cut_s = cut_s
+        self.queued = queued
+        self.at = start + cut_s  # the next check
+        self.end = start + most_s
+        self.cut = False  # the wait was cut at a check: no answer in time, and no queue reported
+
+    def goes_on(self, now: float) -> bool:
+        """At a check: whether the wait goes on (then `at` is the next check)."""
+        left = self.end - now
+        if left > 0 and self.queued():
+            self.at = now + min(self.cut_s, left)
+            return True
+        self.cut = True
+        return False
 
 
 def _expire(waiter: asyncio.Future[None]) -> None:
