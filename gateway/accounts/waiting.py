@@ -19,6 +19,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 import structlog
 
@@ -63,12 +64,13 @@ class FirstByteWaits:
         self._interrupted: set[asyncio.Task[object]] = set()
         self._task: asyncio.Task[None] | None = None
 
-    def waiting(self, worker_id: str) -> _Waiting:
+    def waiting(self, worker_id: str, task: asyncio.Task[Any] | None = None) -> _Waiting:
         """Around an await for `worker_id`'s first byte: raises WorkerWentAway when the worker
-        turns unhealthy or leaves meanwhile."""
+        turns unhealthy or leaves meanwhile. `task`: the current task, where the caller has it
+        (asyncio.current_task() is interpreted Python before 3.12)."""
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="first-byte-waits")
-        return _Waiting(self, worker_id)
+        return _Waiting(self, worker_id, task)
 
     def check(self, snapshot: FleetSnapshot) -> None:
         for worker_id, tasks in list(self._waiting.items()):
@@ -103,15 +105,17 @@ class _Waiting:
 
     __slots__ = ("_task", "_tasks", "_waits", "_worker_id")
 
-    def __init__(self, waits: FirstByteWaits, worker_id: str) -> None:
+    def __init__(self, waits: FirstByteWaits, worker_id: str, task: asyncio.Task[Any] | None) -> None:
         self._waits = waits
         self._worker_id = worker_id
-        self._task: asyncio.Task[object] | None = None
+        self._task: asyncio.Task[object] | None = task
         self._tasks: set[asyncio.Task[object]] | None = None
 
     def __enter__(self) -> asyncio.Task[object] | None:
-        """The current task (it is looked up here anyway)."""
-        task = self._task = asyncio.current_task()
+        """The current task."""
+        task = self._task
+        if task is None:
+            task = self._task = asyncio.current_task()
         if task is None:  # pragma: no cover - always inside a task in the gateway
             return None
         tasks = self._tasks = self._waits._waiting.get(self._worker_id)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import structlog
 from msgspec.structs import replace
@@ -68,7 +68,7 @@ class Attempt:
     def __init__(
         self, dispatch: Dispatch, path: str, kind: str, body: bytes, stream: bool, facts: RequestFacts, floor: int,
         request_id: str, trace: RequestTrace = NO_TRACE, priority: Priority = _DEFAULT_PRIORITY, tenant: str = "",
-        falls_back: bool = False,
+        falls_back: bool = False, task: asyncio.Task[Any] | None = None,
     ) -> None:
         self.dispatch = dispatch
         self.path = path
@@ -123,6 +123,7 @@ class Attempt:
         self.unprefilled = 0
         # The last whole 200 answer's (prompt, completion) tokens (`_sent`); None: none read.
         self.usage: tuple[int, int] | None = None
+        self.task = task  # serving the request, where known (its first-byte waits name it); None: looked up
 
     def kv_tokens(self, slot: Slot) -> int:
         """The KV tokens this request counts for on `slot` when deciding whether it fits: until
@@ -259,7 +260,7 @@ class Attempt:
         limit = first if self.stream else self.answer_timeout(worker)
         headers = self.trace.attempt(self.headers, choice, url, dispatch.policy.name, self.candidates)
         # One wait for the first byte: a stream's head, or a whole answer's head and body.
-        with dispatch.waits.waiting(worker.id):
+        with dispatch.waits.waiting(worker.id, self.task):
             if self.stream:
                 resp = await dispatch.upstream.post(url, body, headers, True, first)
             else:

@@ -119,7 +119,7 @@ async def relay(
                     try:
                         # Waiting for the first event counts as waiting for a first byte (gateway/accounts/waiting.py):
                         # the engine has sent the client nothing yet; it may wait behind the engine's queue.
-                        with waiting(books.worker.id):
+                        with waiting(books.worker.id, attempt.task):
                             data = await read()
                         first.close()
                         attempt.prefilled()
