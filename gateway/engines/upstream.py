@@ -10,7 +10,8 @@ and the only place their connection errors and timeouts become the gateway's err
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Coroutine, Mapping
+from typing import Any
 
 import msgspec
 
@@ -80,19 +81,20 @@ class Upstream:
         return b"".join((method, target.prefix, lines.encode("latin-1"), b"content-length: ",
                          str(length).encode(), b"\r\n\r\n"))
 
-    async def post(
+    def post(
         self, url: str, body: bytes, headers: Mapping[str, str], stream: bool, first_byte_s: float,
         patience: Patience | None = None,
-    ) -> Response:
+    ) -> Coroutine[Any, Any, Response]:
         """Send a request and return once the engine's response status and headers arrived:
         a stream within `first_byte_s` of sending (an engine hung before answering holds no
         byte of the client's, so the request can go elsewhere); a whole answer may take
         `first_byte_s` (at least 1 s) for its head and for each wait for more of its body.
-        `patience`: the head's wait is cut sooner unless it says the engine is busy."""
+        `patience`: the head's wait is cut sooner unless it says the engine is busy.
+        The sending coroutine itself, with none around it (one coroutine less on every request)."""
         target = self._target(url)
         head = self._head(b"POST", target, headers, len(body))
         limit = first_byte_s if stream else max(float(round(first_byte_s)), 1.0)
-        return await self._send(url, target, head, body, limit, None if stream else limit, patience)
+        return self._send(url, target, head, body, limit, None if stream else limit, patience)
 
     async def _send(self, url: str, target: Target, head: bytes, body: bytes, limit: float,
                     read_timeout: float | None, patience: Patience | None = None) -> Response:
