@@ -48,6 +48,7 @@ MODULES = (
     "gateway/request/dispatch.py",
     "gateway/request/retries.py",
     "gateway/engines/engine_conn.py",
+    "gateway/engines/patience.py",
     "gateway/engines/upstream.py",
     "gateway/request/requests.py",
     "gateway/accounts/inflight.py",

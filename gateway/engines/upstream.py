@@ -15,7 +15,8 @@ from typing import Any
 
 import msgspec
 
-from gateway.engines.engine_conn import Patience, Pool, Response, Target
+from gateway.engines.engine_conn import Pool, Response, Target
+from gateway.engines.patience import Patience
 from gateway.errors import EngineUnreachable, UpstreamError, UpstreamTimeout
 from gateway.wire import EngineError, NestedError
 

@@ -1,4 +1,4 @@
-"""A whole answer's wait (gateway/engines/engine_conn.py `Patience`, as gateway/request/attempts.py
+"""A whole answer's wait (gateway/engines/patience.py `Patience`, as gateway/request/attempts.py
 gives it to the head's wait): cut at its limit unless its engine reports requests waiting, then
 extended up to the queued allowance, as a stream's first event is; and how old an engine's report
 may be to count (`engine_queued`, by the agent's heartbeat interval)."""
