@@ -33,9 +33,10 @@ MANIFEST = ROOT / "gateway" / "_accel.json"
 # The request path. Left out: modules that define msgspec Structs (mypyc keeps only plain
 # types of a class's annotations, `list` for `list[Message]`, so msgspec would decode less:
 # gateway/wire.py and gateway/routing/records.py hold those shapes), Litestar handlers,
-# relay.py (mypyc has no async generators), tracing.py (its tests hand it stand-ins) and
-# server.py (its protocol subclasses uvicorn's; compiled, a closed connection's protocol
-# crashed the cycle collector in tests/e2e/test_connection_garbage.py).
+# relay.py (mypyc has no async generators; the stream's books and timers are in
+# relay_books.py, compiled), tracing.py (its tests hand it stand-ins) and server.py (its
+# protocol subclasses uvicorn's; compiled, a closed connection's protocol crashed the cycle
+# collector in tests/e2e/test_connection_garbage.py).
 MODULES = (
     "gateway/front/fastpath.py",
     "gateway/front/answer.py",
@@ -47,6 +48,7 @@ MODULES = (
     "gateway/request/dispatch.py",
     "gateway/request/retries.py",
     "gateway/engines/engine_conn.py",
+    "gateway/engines/patience.py",
     "gateway/engines/upstream.py",
     "gateway/request/requests.py",
     "gateway/accounts/inflight.py",
@@ -65,6 +67,7 @@ MODULES = (
     "gateway/routing/homes.py",
     "gateway/request/resume.py",
     "gateway/request/sse.py",
+    "gateway/request/relay_books.py",
 )
 
 

@@ -17,20 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import structlog
 
 from fleetgate.background import stop_tasks
 from fleetgate.schema import WorkerView
-from gateway.errors import UpstreamError, UpstreamTimeout
+from gateway.errors import UpstreamError
 from gateway.fleet import FleetSnapshot
 
 log = structlog.get_logger("gateway.waiting")
-
-T = TypeVar("T")
 
 # An engine report at most this many of its agent's heartbeat intervals old says the engine is
 # alive now (WorkerInfo.heartbeat_s; an agent that does not say heartbeats every second).
@@ -53,52 +51,6 @@ def engine_queued(view: WorkerView | None) -> bool:
     return (load.waiting > 0 or load.deferred > 0) and time.time() - load.ts <= report_fresh_s(view)
 
 
-async def within(wait: Awaitable[T], limit: float, most: float, queued: Callable[[], bool],
-                 task: asyncio.Task[Any] | None = None) -> T:
-    """`wait` (a whole answer's head, sent with a limit of `most`), cut at `limit` seconds unless
-    `queued()` then says its engine holds requests waiting: then `limit` more, and so on, up to
-    `most` in all (the allowance a stream's first event has: gateway/request/relay.py `_FirstEvent`).
-    One timer handle, and the task cancelled (and uncancelled) when it runs out, as `_Waiting`
-    does: no timeout context on every whole answer's path. `task`: the current task, where the
-    caller has it (`FirstByteWaits.waiting`'s context gives it)."""
-    if task is None:
-        task = asyncio.current_task()
-    if most <= limit or task is None:
-        return await wait
-    loop = asyncio.get_running_loop()
-    watch = _Watch(loop, task, limit, loop.time() + most, queued)
-    try:
-        return await wait
-    except asyncio.CancelledError:
-        if not watch.fired:
-            raise  # the client hung up
-        task.uncancel()
-        raise UpstreamTimeout("The engine did not answer in time.",
-                              detail="no whole answer in time, and its engine reports no queue") from None
-    finally:
-        watch.handle.cancel()
-
-
-class _Watch:
-    """`within`'s timer: at each `limit`, the engine's queue decides whether the wait goes on."""
-
-    __slots__ = ("end", "fired", "handle", "limit", "loop", "queued", "task")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], limit: float, end: float,
-                 queued: Callable[[], bool]) -> None:
-        self.loop, self.task, self.limit, self.end, self.queued = loop, task, limit, end, queued
-        self.fired = False
-        self.handle = loop.call_later(limit, self.check)
-
-    def check(self) -> None:
-        left = self.end - self.loop.time()
-        if left > 0 and self.queued():
-            self.handle = self.loop.call_later(min(self.limit, left), self.check)
-        else:
-            self.fired = True
-            self.task.cancel()
-
-
 class WorkerWentAway(UpstreamError):
     """The worker turned unhealthy or left while the request waited for its first byte."""
 
@@ -112,12 +64,13 @@ class FirstByteWaits:
         self._interrupted: set[asyncio.Task[object]] = set()
         self._task: asyncio.Task[None] | None = None
 
-    def waiting(self, worker_id: str) -> _Waiting:
+    def waiting(self, worker_id: str, task: asyncio.Task[Any] | None = None) -> _Waiting:
         """Around an await for `worker_id`'s first byte: raises WorkerWentAway when the worker
-        turns unhealthy or leaves meanwhile."""
+        turns unhealthy or leaves meanwhile. `task`: the current task, where the caller has it
+        (asyncio.current_task() is interpreted Python before 3.12)."""
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="first-byte-waits")
-        return _Waiting(self, worker_id)
+        return _Waiting(self, worker_id, task)
 
     def check(self, snapshot: FleetSnapshot) -> None:
         for worker_id, tasks in list(self._waiting.items()):
@@ -152,15 +105,17 @@ class _Waiting:
 
     __slots__ = ("_task", "_tasks", "_waits", "_worker_id")
 
-    def __init__(self, waits: FirstByteWaits, worker_id: str) -> None:
+    def __init__(self, waits: FirstByteWaits, worker_id: str, task: asyncio.Task[Any] | None) -> None:
         self._waits = waits
         self._worker_id = worker_id
-        self._task: asyncio.Task[object] | None = None
+        self._task: asyncio.Task[object] | None = task
         self._tasks: set[asyncio.Task[object]] | None = None
 
     def __enter__(self) -> asyncio.Task[object] | None:
-        """The current task (it is looked up here anyway)."""
-        task = self._task = asyncio.current_task()
+        """The current task."""
+        task = self._task
+        if task is None:
+            task = self._task = asyncio.current_task()
         if task is None:  # pragma: no cover - always inside a task in the gateway
             return None
         tasks = self._tasks = self._waits._waiting.get(self._worker_id)
@@ -185,4 +140,4 @@ class _Waiting:
                                  "waited for its first byte") from None
 
 
-__all__ = ["FirstByteWaits", "WorkerWentAway", "engine_queued", "report_fresh_s", "within"]
+__all__ = ["FirstByteWaits", "WorkerWentAway", "engine_queued", "report_fresh_s"]

@@ -20,6 +20,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from gateway.engines.patience import Patience
+
 # A stream whose client reads slower than the engine writes: stop reading the engine at
 # this many buffered bytes (the engine's own send buffer then pushes back on it).
 _HIGH_WATER = 1 << 20
@@ -112,8 +114,9 @@ class Response:
             if timer is not None:
                 timer.cancel()
 
-    async def head(self, limit_s: float) -> None:
-        """Wait for the status and headers, at most `limit_s` seconds."""
+    async def head(self, limit_s: float, patience: Patience | None = None) -> None:
+        """Wait for the status and headers, at most `limit_s` seconds; with `patience`, cut
+        sooner (TimeoutError, `patience.cut` set) unless it says, when asked, that the wait goes on."""
         if self.status:
             return
         loop = self._conn.loop
@@ -121,10 +124,20 @@ class Response:
         while not self.status:
             if self._error is not None:
                 raise self._error
-            remaining = deadline - loop.time()
+            now = loop.time()
+            remaining = deadline - now
             if remaining <= 0:
                 raise TimeoutError
-            await self._wait(remaining)
+            if patience is None or patience.at >= deadline:
+                await self._wait(remaining)
+            elif patience.at > now:
+                # The same one timer per wait: the check's time, then (next turn) the check.
+                try:
+                    await self._wait(patience.at - now)
+                except TimeoutError:
+                    pass
+            elif not patience.goes_on(now):
+                raise TimeoutError
 
     async def readany(self) -> bytes:
         """What has arrived (waiting for something if nothing has); b"" once the body is over.

@@ -10,17 +10,19 @@ and the only place their connection errors and timeouts become the gateway's err
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Coroutine, Mapping
+from typing import Any
 
 import msgspec
 
 from gateway.engines.engine_conn import Pool, Response, Target
+from gateway.engines.patience import Patience
 from gateway.errors import EngineUnreachable, UpstreamError, UpstreamTimeout
 from gateway.wire import EngineError, NestedError
 
 RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 
-__all__ = ["RETRYABLE_STATUS", "Response", "Upstream", "is_json", "json_object", "openai_error_body", "sse_error"]
+__all__ = ["RETRYABLE_STATUS", "Patience", "Response", "Upstream", "is_json", "json_object", "openai_error_body", "sse_error"]
 
 _JSON = {"content-type": "application/json"}
 # Validates JSON without building it (msgspec skips a Raw value's contents, checking them).
@@ -80,20 +82,23 @@ class Upstream:
         return b"".join((method, target.prefix, lines.encode("latin-1"), b"content-length: ",
                          str(length).encode(), b"\r\n\r\n"))
 
-    async def post(
+    def post(
         self, url: str, body: bytes, headers: Mapping[str, str], stream: bool, first_byte_s: float,
-    ) -> Response:
+        patience: Patience | None = None,
+    ) -> Coroutine[Any, Any, Response]:
         """Send a request and return once the engine's response status and headers arrived:
         a stream within `first_byte_s` of sending (an engine hung before answering holds no
         byte of the client's, so the request can go elsewhere); a whole answer may take
-        `first_byte_s` (at least 1 s) for its head and for each wait for more of its body."""
+        `first_byte_s` (at least 1 s) for its head and for each wait for more of its body.
+        `patience`: the head's wait is cut sooner unless it says the engine is busy.
+        The sending coroutine itself, with none around it (one coroutine less on every request)."""
         target = self._target(url)
         head = self._head(b"POST", target, headers, len(body))
         limit = first_byte_s if stream else max(float(round(first_byte_s)), 1.0)
-        return await self._send(url, target, head, body, limit, None if stream else limit)
+        return self._send(url, target, head, body, limit, None if stream else limit, patience)
 
     async def _send(self, url: str, target: Target, head: bytes, body: bytes, limit: float,
-                    read_timeout: float | None) -> Response:
+                    read_timeout: float | None, patience: Patience | None = None) -> Response:
         assert self._pool is not None
         pool = self._pool
         fresh = False
@@ -105,11 +110,14 @@ class Upstream:
                     conn = await pool.connect(target)
                 resp = conn.write_request(head, body)
                 resp.timeout = read_timeout
-                await resp.head(limit)
+                await resp.head(limit, patience)
                 return resp
             except TimeoutError as exc:  # before OSError, its base class: a timeout is never sent again
                 if conn is not None:
                     conn.abort()
+                if patience is not None and patience.cut:
+                    raise UpstreamTimeout("The engine did not answer in time.",
+                                          detail="no whole answer in time, and its engine reports no queue") from exc
                 raise _unreachable(url, exc) from exc
             except (ConnectionError, OSError) as exc:
                 if conn is not None:

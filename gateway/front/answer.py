@@ -132,7 +132,7 @@ async def _serve(
     if watched is not None:
         watched.append(hangup)
     try:
-        reply: Reply = await gw.proxy.serve(body, header, path, kind, key_id, tenant)
+        reply: Reply = await gw.proxy.serve(body, header, path, kind, key_id, tenant, hangup.task)
     except asyncio.CancelledError:
         hangup.finish()
         front.unwatch(watched, hangup)

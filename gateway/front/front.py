@@ -51,6 +51,11 @@ class Hangup:
         self._timer: asyncio.TimerHandle | None = (
             asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start) if watch else None)
 
+    @property
+    def task(self) -> asyncio.Task[Any]:
+        """The task serving the request (the one a hang-up cancels)."""
+        return self._task
+
     def client_gone(self) -> None:
         """The connection closed (gateway/front/server.py saw it): a hang-up unless the answer is going out."""
         if not self.finishing and not self.gone:

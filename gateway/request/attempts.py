@@ -11,9 +11,10 @@ An attempt sees only `Dispatch`, the few collaborators a send needs, never the w
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import structlog
 from msgspec.structs import replace
@@ -21,9 +22,10 @@ from tenacity import RetryCallState
 
 from fleetgate.schema import WorkerView
 from gateway.accounts.priorities import Priority
-from gateway.accounts.waiting import engine_queued, within
+from gateway.accounts.waiting import engine_queued
 from gateway.engines.upstream import (
     RETRYABLE_STATUS,
+    Patience,
     Response,
     openai_error_body,
 )
@@ -66,7 +68,7 @@ class Attempt:
     def __init__(
         self, dispatch: Dispatch, path: str, kind: str, body: bytes, stream: bool, facts: RequestFacts, floor: int,
         request_id: str, trace: RequestTrace = NO_TRACE, priority: Priority = _DEFAULT_PRIORITY, tenant: str = "",
-        falls_back: bool = False,
+        falls_back: bool = False, task: asyncio.Task[Any] | None = None,
     ) -> None:
         self.dispatch = dispatch
         self.path = path
@@ -121,6 +123,7 @@ class Attempt:
         self.unprefilled = 0
         # The last whole 200 answer's (prompt, completion) tokens (`_sent`); None: none read.
         self.usage: tuple[int, int] | None = None
+        self.task = task  # serving the request, where known (its first-byte waits name it); None: looked up
 
     def kv_tokens(self, slot: Slot) -> int:
         """The KV tokens this request counts for on `slot` when deciding whether it fits: until
@@ -257,15 +260,17 @@ class Attempt:
         limit = first if self.stream else self.answer_timeout(worker)
         headers = self.trace.attempt(self.headers, choice, url, dispatch.policy.name, self.candidates)
         # One wait for the first byte: a stream's head, or a whole answer's head and body.
-        with dispatch.waits.waiting(worker.id) as task:
-            # Queued in its engine, a whole answer may wait as long as a stream's first event.
-            most = first if self.stream else limit + max(0.0, dispatch.settings.first_byte_queued_timeout_s - first)
-            sent = dispatch.upstream.post(url, body, headers, self.stream, most)
+        with dispatch.waits.waiting(worker.id, self.task):
             if self.stream:
-                resp = await sent
+                resp = await dispatch.upstream.post(url, body, headers, True, first)
             else:
-                resp = await within(sent, limit, most,
-                                    lambda: engine_queued(dispatch.watcher.snapshot.by_id.get(worker.id)), task)
+                # Queued in its engine, a whole answer may wait as long as a stream's first event:
+                # its head's wait is cut at `limit` unless its engine then reports requests
+                # waiting, and so on up to `most`.
+                most = limit + max(0.0, dispatch.settings.first_byte_queued_timeout_s - first)
+                patience = Patience(asyncio.get_running_loop().time(), limit, most, lambda: engine_queued(
+                    dispatch.watcher.snapshot.by_id.get(worker.id))) if most > limit else None
+                resp = await dispatch.upstream.post(url, body, headers, False, most, patience)
                 resp.timeout = limit  # the body, once the answer came, reads as before
             self.trace.attempt_status(resp.status)
             if self.stream and resp.status == 200:

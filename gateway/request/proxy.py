@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import structlog
@@ -78,14 +79,15 @@ log = structlog.get_logger("gateway.proxy")
 # Plain classes, not dataclasses: compiled, a dataclass's generated __init__ runs as Python.
 class _Request:
     """One request as `Proxy._serve` took it in, what each model of its plan is sent with.
-    `named`: the model its body names; `owner`: the worker storing the response it continues."""
+    `named`: the model its body names; `owner`: the worker storing the response it continues;
+    `task`: the task serving it, where known."""
 
     def __init__(self, named: str, path: str, kind: str, session: str | None, key_id: str, request_id: str,
                  started: float, trace: RequestTrace, priority: Priority, tenant: Tenant | None,
-                 owner: WorkerView | None) -> None:
+                 owner: WorkerView | None, task: asyncio.Task[Any] | None = None) -> None:
         self.named, self.path, self.kind, self.session = named, path, kind, session
         self.key_id, self.request_id, self.started, self.trace = key_id, request_id, started, trace
-        self.priority, self.tenant, self.owner = priority, tenant, owner
+        self.priority, self.tenant, self.owner, self.task = priority, tenant, owner, task
 
 
 # What answered: the model's request, its attempts (their body as sent) and their result, the
@@ -159,9 +161,10 @@ class Proxy:
 
     async def serve(
         self, body: bytes, header: Callable[[str], str | None], path: str, kind: str, key_id: str = "",
-        tenant: Tenant | None = None,
+        tenant: Tenant | None = None, task: asyncio.Task[Any] | None = None,
     ) -> Reply:
-        """Route and forward one OpenAI request. `header(name)` reads a request header.
+        """Route and forward one OpenAI request. `header(name)` reads a request header; `task`:
+        the task serving it, where the caller knows it (else looked up where needed).
 
         Raises GatewayError (with its `request_id` set) for every answer the gateway
         gives itself; engine answers, errors included, come back as a Reply.
@@ -171,7 +174,7 @@ class Proxy:
         request_id = header("x-request-id") or self._next_id()
         trace = self.tracing.start(header, path, request_id)
         try:
-            reply = await self._serve(body, header, path, kind, key_id, request_id, started, trace, tenant)
+            reply = await self._serve(body, header, path, kind, key_id, request_id, started, trace, tenant, task)
         except GatewayError as exc:
             trace.end(exc.status, error=exc.code)
             if exc.request_id is None:  # refused before routing (a bad body): not logged yet
@@ -191,6 +194,7 @@ class Proxy:
     async def _serve(
         self, body: bytes, header: Callable[[str], str | None], path: str, kind: str, key_id: str,
         request_id: str, started: float, trace: RequestTrace, tenant: Tenant | None = None,
+        task: asyncio.Task[Any] | None = None,
     ) -> Reply:
         probe = parse_request(body, kind)
         trace.described(probe.model, probe.stream)
@@ -202,7 +206,8 @@ class Proxy:
         # A follow-up's stored response pins its worker; looked up only then (Redis).
         owner = None if probe.previous_response_id is None else await owner_of(
             self.watcher, probe.previous_response_id, "previous_response_id")
-        req = _Request(probe.model, path, kind, session, key_id, request_id, started, trace, priority, tenant, owner)
+        req = _Request(probe.model, path, kind, session, key_id, request_id, started, trace, priority, tenant, owner,
+                       task)
         probe, attempt, (choice, resp, data), ticket, fell_back = await self._send(probe, body, req, plan)
         worker = choice.worker
         route = f"{self.policy.name}:{choice.reason}"
@@ -319,7 +324,7 @@ class Proxy:
         if _hides_usage(probe, kind):  # count every stream's tokens: ask the engine for usage anyway
             body = with_usage(body)
         return Attempt(self.dispatch, req.path, kind, body, probe.stream, facts, floor, req.request_id, req.trace,
-                       req.priority, req.key_id if self.classes.enabled else "", falls_back)
+                       req.priority, req.key_id if self.classes.enabled else "", falls_back, req.task)
 
     def refused(self, exc: GatewayError, header: Callable[[str], str | None], key_id: str, started: float) -> None:
         """Log and count a request refused before `serve` (its key, rate limit or body)."""

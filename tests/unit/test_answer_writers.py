@@ -75,7 +75,7 @@ class _Gateway:
         return self.limits
 
     async def _serve(self, body: bytes, header: Callable[[str], str | None], path: str, kind: str,
-                     key_id: str = "", tenant: Any = None) -> Reply:
+                     key_id: str = "", tenant: Any = None, task: Any = None) -> Reply:
         self.bodies.append(body)
         return await self.answer()
 

@@ -1,22 +1,46 @@
-"""A whole answer's wait (gateway/accounts/waiting.py `within`): cut at its limit unless its engine reports
-requests waiting, then extended up to the queued allowance, as a stream's first event is; and
-how old an engine's report may be to count (`engine_queued`, by the agent's heartbeat interval)."""
+"""A whole answer's wait (gateway/engines/patience.py `Patience`, as gateway/request/attempts.py
+gives it to the head's wait): cut at its limit unless its engine reports requests waiting, then
+extended up to the queued allowance, as a stream's first event is; and how old an engine's report
+may be to count (`engine_queued`, by the agent's heartbeat interval)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 
 from fleetgate.schema import Load, WorkerInfo, WorkerView
-from gateway.accounts.waiting import engine_queued, within
+from gateway.accounts.waiting import engine_queued
+from gateway.engines.upstream import Patience, Upstream
 from gateway.errors import UpstreamTimeout
 
 
-async def answer_after(seconds: float) -> str:
-    await asyncio.sleep(seconds)
-    return "answer"  # stands in for the engine's response
+def answer_after(seconds: float) -> float:
+    return seconds  # how long the stand-in engine takes to answer
+
+
+async def within(delay: float, limit: float, most: float, queued: Callable[[], bool]) -> str:
+    """A whole answer from an engine that answers after `delay`, its head's wait given `limit`
+    and `most` as an attempt gives them (the upstream's own limit: `most`)."""
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await asyncio.sleep(delay)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 6\r\n\r\nanswer")
+        writer.close()
+
+    server = await asyncio.start_server(engine, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    upstream = Upstream(2.0)
+    await upstream.start()
+    try:
+        patience = Patience(asyncio.get_running_loop().time(), limit, most, queued) if most > limit else None
+        resp = await upstream.post(f"http://127.0.0.1:{port}/v1/chat/completions", b"{}", {}, False, most, patience)
+        return (await upstream.body_of(resp)).decode()
+    finally:
+        await upstream.close()
+        server.close()
 
 
 def test_an_answer_within_its_limit_is_returned() -> None:
@@ -24,7 +48,7 @@ def test_an_answer_within_its_limit_is_returned() -> None:
 
 
 def test_a_wait_past_its_limit_with_no_queue_in_the_engine_is_cut() -> None:
-    """The task is cancelled at the limit and uncancelled: the caller sees an engine timeout."""
+    """The wait is cut at the limit: the caller sees an engine timeout."""
     async def main() -> float:
         started = time.monotonic()
         with pytest.raises(UpstreamTimeout):
