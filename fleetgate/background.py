@@ -78,16 +78,21 @@ async def repeat(
             wake.clear()
 
 
-async def stop_tasks(*tasks: asyncio.Task[Any] | None) -> None:
+async def stop_tasks(*tasks: asyncio.Task[Any] | None, again_after_s: float | None = None) -> None:
     """Cancel the tasks (None: none started), then wait for each to end. What a task raised on
-    its way out is its own loop's to log: stopping goes on."""
+    its way out is its own loop's to log: stopping goes on. `again_after_s`: cancel a task again
+    each time it has not ended that long after the last cancel, for tasks that await a library
+    known to lose a cancel (pyzmq's asyncio poll: workers/kv_events.py)."""
     live = [task for task in tasks if task is not None]
     for task in live:
         task.cancel()
     for task in live:
         # Not `await task`: a cancel of the caller (a timeout on its close, say) would be passed
         # on to the task and, once it ended, taken for the task's own and swallowed.
-        await asyncio.wait({task})
+        await asyncio.wait({task}, timeout=again_after_s)
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=again_after_s)
         if not task.cancelled():
             task.exception()  # retrieved: asyncio would log it as never retrieved
 

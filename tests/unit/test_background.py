@@ -88,6 +88,28 @@ async def test_a_caller_cancelled_while_it_stops_tasks_is_cancelled_itself() -> 
     await asyncio.wait({task})
 
 
+async def test_stop_tasks_cancels_again_a_task_that_lost_its_cancel() -> None:
+    """A task that misses its first two cancels (as one awaiting pyzmq's poll can) is cancelled
+    again every `again_after_s` until it ends; without it the stop would wait for ever."""
+    missed: list[int] = []
+
+    async def misses_two() -> None:
+        while True:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                if len(missed) == 2:
+                    raise
+                missed.append(1)
+
+    task = asyncio.create_task(misses_two())
+    await asyncio.sleep(0)
+    with pytest.raises(TimeoutError):  # the precondition: one cancel does not end it
+        await asyncio.wait_for(asyncio.shield(stop_tasks(task)), 0.1)
+    await asyncio.wait_for(stop_tasks(task, again_after_s=0.05), 2.0)
+    assert task.cancelled() and len(missed) == 2
+
+
 async def test_repeat_runs_the_step_says_each_outage_once_and_calls_on_error_per_failure() -> None:
     """Steps fail, fail, work, fail, then the loop is cancelled: one warning per run of failures,
     one recovery line, `on_error` after each failure, and the cancel ends the loop."""
